@@ -1,0 +1,1609 @@
+//! The budget engine: admit, complete, extend, slices and maintenance.
+//!
+//! Sans-IO: every operation takes `now` (nanoseconds of a monotonic clock the caller
+//! owns) and nothing here reads a clock, spawns a task or touches a socket.
+//!
+//! # Concurrency
+//!
+//! Limit keys live in a copy-on-write table (`arc-swap`) mapping a seeded 64-bit key id
+//! to an `Arc<Slot>`. The decision path for a known key reads the table, hashes the
+//! descriptor values and CASes the slot's atomic: no lock, no allocation. A key that is
+//! not in the table, or whose slot has been sealed (replaced by a slice update, or
+//! evicted), takes the slow path: a mutex around the pending slots, which are folded
+//! into a new table in batches (at most every `64 + n/16` new keys, and on every
+//! [`Engine::maintain`] and [`Engine::apply_slices`]), so that a fan-out of new keys
+//! costs amortised O(1) per key rather than a table copy each.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use arc_swap::{ArcSwap, Cache};
+
+use crate::bucket::{self, Params, RateLimit, SEALED, Slot, Take};
+use crate::config::{
+    Config, Dimension, MAX_COST, MAX_DESCRIPTOR_BYTES, MAX_DESCRIPTORS, MAX_LIMITS_PER_REQUEST,
+    MAX_REQUEST_ID_BYTES, Mode, Pattern, Posture, Rule, RuleLimit, RuleSet, SliceSource, Unmatched,
+};
+use crate::error::{AdmitError, CompleteError, ExtendError, SliceError};
+use crate::key::{KeyHashing, LimitKey, PassThroughState};
+use crate::lease::{InlineId, InsertError, Lease, LeaseLimit, LeaseTable, Removed};
+use crate::usage::{CompletionStatus, Outcome, Usage, UsageRecord, UsageSink};
+
+/// How many consecutive ids a colliding key may probe. 64-bit seeded ids collide with
+/// probability ~n^2/2^65 (3e-8 at a million keys); this is insurance, not a hot path.
+const MAX_PROBE: u64 = 4;
+
+/// Nanoseconds per millisecond.
+const MS: u64 = 1_000_000;
+
+/// What a request costs, before each rule picks its dimension.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Cost {
+    /// Requests (usually 1; 0 with zero tokens makes the admit a pure check).
+    pub requests: u64,
+    /// Prompt tokens.
+    pub input_tokens: u64,
+    /// `max_tokens` as the request names it; `None` lets each rule reserve its
+    /// `max_output_tokens_default`. Each rule reserves `min(this, its cap)`.
+    pub max_output_tokens: Option<u64>,
+}
+
+impl Cost {
+    /// One request with no tokens.
+    pub const ONE_REQUEST: Cost = Cost {
+        requests: 1,
+        input_tokens: 0,
+        max_output_tokens: Some(0),
+    };
+
+    /// A pure check: costs nothing, admitted while every matching bucket has budget left.
+    pub const CHECK: Cost = Cost {
+        requests: 0,
+        input_tokens: 0,
+        max_output_tokens: Some(0),
+    };
+}
+
+/// One admission request. Borrowed: building it allocates nothing.
+#[derive(Clone, Copy, Debug)]
+pub struct AdmitRequest<'a> {
+    /// Caller's id for the request: 1 to [`MAX_REQUEST_ID_BYTES`] bytes. A retry with
+    /// the same id while its lease is live gets the same lease, never a second charge.
+    pub request_id: &'a str,
+    /// Envoy RLS domain; `None` for the HTTP API and the library.
+    pub domain: Option<&'a str>,
+    /// Descriptor entries (key, value): 1 to [`MAX_DESCRIPTORS`], keys unique.
+    pub descriptors: &'a [(&'a str, &'a str)],
+    /// The cost.
+    pub cost: Cost,
+    /// Lease TTL; `None` for the engine's `lease_ttl_ms`.
+    pub ttl_ms: Option<u64>,
+}
+
+/// State of one limit at decision time. Plain data; the accessors do the arithmetic
+/// (off the decision path).
+#[derive(Clone, Copy, Debug)]
+pub struct LimitStatus {
+    rule: u32,
+    /// The rule's dimension.
+    pub dimension: Dimension,
+    /// Enforce or shadow.
+    pub mode: Mode,
+    /// Units this request costs on this limit.
+    pub cost: u64,
+    /// True when this limit (a shadow rule) would have rejected.
+    pub shadow_rejected: bool,
+    params: Params,
+    state: u64,
+    now: u64,
+}
+
+impl LimitStatus {
+    /// Index of the rule.
+    pub fn rule_index(&self) -> usize {
+        self.rule as usize
+    }
+
+    /// Capacity of the slice in force: burst, or slots.
+    pub fn limit(&self) -> u64 {
+        self.params.capacity()
+    }
+
+    /// Whole units left after this decision.
+    pub fn remaining(&self) -> u64 {
+        match &self.params {
+            Params::Rate(p) => {
+                let deficit = self.state.saturating_sub(self.now);
+                if deficit >= p.tau_ns {
+                    0
+                } else {
+                    p.tokens_in(p.tau_ns - deficit).min(p.limit.burst)
+                }
+            }
+            Params::Closed(_) => 0,
+            Params::Slots(max) => max.saturating_sub(self.state),
+        }
+    }
+
+    /// Nanoseconds until the limit is whole again (rate buckets: full; slots: unknown,
+    /// reported as 0).
+    pub fn reset_after_ns(&self) -> u64 {
+        match &self.params {
+            Params::Rate(_) => self.state.saturating_sub(self.now),
+            Params::Closed(_) | Params::Slots(_) => 0,
+        }
+    }
+
+    /// The rate in force, for rate buckets: (rate, period in ns).
+    pub fn rate(&self) -> Option<(u64, u64)> {
+        match &self.params {
+            Params::Rate(p) => Some((p.limit.rate, p.limit.period_ns)),
+            Params::Closed(l) => Some((0, l.period_ns)),
+            Params::Slots(_) => None,
+        }
+    }
+}
+
+/// Statuses of every limit a request matched, in rule order. Fixed capacity.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    items: [Option<LimitStatus>; MAX_LIMITS_PER_REQUEST],
+    len: usize,
+}
+
+impl Limits {
+    const EMPTY: Limits = Limits {
+        items: [None; MAX_LIMITS_PER_REQUEST],
+        len: 0,
+    };
+
+    fn push(&mut self, s: LimitStatus) {
+        self.items[self.len] = Some(s);
+        self.len += 1;
+    }
+
+    /// The statuses.
+    pub fn iter(&self) -> impl Iterator<Item = &LimitStatus> {
+        self.items[..self.len].iter().flatten()
+    }
+
+    /// Number of limits.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when the request matched no rule.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// Why a request was rejected.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RejectReason {
+    /// Not now. `retry_after_ns` is when the tripped bucket would fit this cost, if the
+    /// slice stays as it is; `None` when that cannot be known (concurrency slots, or a
+    /// key with no budget granted yet).
+    RetryLater {
+        /// Nanoseconds to wait.
+        retry_after_ns: Option<u64>,
+    },
+    /// The cost is above the rule's whole burst: it will never fit, whatever the wait.
+    NeverFits {
+        /// The cost asked.
+        cost: u64,
+        /// The rule's burst.
+        burst: u64,
+    },
+}
+
+/// An admitted request.
+#[derive(Clone, Copy, Debug)]
+pub struct Admitted {
+    /// When the lease expires (engine ns); `None` for a pure check, which holds nothing.
+    pub lease_expires_at_ns: Option<u64>,
+    /// True when this was a retry of a request id with a live lease: nothing was charged.
+    pub replayed: bool,
+    /// Every matched limit.
+    pub limits: Limits,
+}
+
+/// A rejected request. Nothing was debited.
+#[derive(Clone, Copy, Debug)]
+pub struct Rejected {
+    /// Index of the rule that tripped.
+    pub rule: usize,
+    /// Why.
+    pub reason: RejectReason,
+    /// The limits evaluated up to and including the one that tripped.
+    pub limits: Limits,
+}
+
+/// The answer to an admit.
+#[derive(Clone, Copy, Debug)]
+pub enum Decision {
+    /// Admitted; a lease holds the reservation until completion or expiry.
+    Admitted(Admitted),
+    /// Rejected.
+    Rejected(Rejected),
+}
+
+impl Decision {
+    /// True when admitted.
+    pub fn is_admitted(&self) -> bool {
+        matches!(self, Decision::Admitted(_))
+    }
+
+    /// The limit statuses.
+    pub fn limits(&self) -> &Limits {
+        match self {
+            Decision::Admitted(a) => &a.limits,
+            Decision::Rejected(r) => &r.limits,
+        }
+    }
+}
+
+/// What a completion did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Completion {
+    /// Settled a live lease: refunded the unused reservation, released slots, recorded.
+    Settled,
+    /// The lease had expired: recorded for billing, nothing refunded.
+    Late,
+    /// Already completed: nothing done.
+    Duplicate,
+}
+
+/// A resolved limit key, for callers that check one key repeatedly
+/// ([`Worker::try_acquire`]) without matching descriptors each time.
+#[derive(Clone, Debug)]
+pub struct KeyHandle {
+    rule: u32,
+    id: u64,
+    values: Box<[Box<str>]>,
+}
+
+/// A slice update for one limit key, from the allocator.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SliceUpdate {
+    /// The rule's name.
+    pub rule: String,
+    /// Values of the rule's `*` entries, in match-key order.
+    pub values: Vec<String>,
+    /// Rate per the rule's period (for concurrency rules: unused, 0).
+    pub rate: u64,
+    /// Burst (for concurrency rules: slots).
+    pub burst: u64,
+    /// The allocator's term. Lower terms are ignored (invariant 4).
+    pub epoch: u64,
+    /// Sequence within the term. Not above the last applied: ignored.
+    pub seq: u64,
+    /// When the lease ends, in engine ns (already the agent's report timestamp plus
+    /// `lease_ms` minus the drift margin: invariant 3).
+    pub lease_expires_at_ns: u64,
+    /// Agents holding this key, for the `conservative` posture's `limit / N`.
+    pub fleet_size: u32,
+    /// Tokens handed over from another agent's shrink, added to the level up to the new
+    /// capacity.
+    pub transfer_tokens: u64,
+}
+
+/// What applying one slice did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SliceApplied {
+    /// Whole units the shrink's clamp gave up (to report for transfer).
+    pub released_tokens: u64,
+    /// Slots in flight on the key (a concurrency shrink may be acknowledged only once
+    /// this is at or below the new slot count).
+    pub in_flight: u64,
+}
+
+/// What one [`Engine::maintain`] pass did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MaintainReport {
+    /// Leases expired (slots released, no refund).
+    pub leases_expired: usize,
+    /// Idle keys evicted.
+    pub keys_evicted: usize,
+    /// Slices whose lease ended and whose posture was applied.
+    pub slices_expired: usize,
+}
+
+/// Per-rule totals, for summaries and metrics. Approximate under concurrent slice
+/// changes (a count landing on a slot being retired can be missed); never used for
+/// billing.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RuleStats {
+    /// Rule name.
+    pub rule: String,
+    /// Enforce or shadow.
+    pub shadow: bool,
+    /// Units admitted (tokens, requests or slots).
+    pub admitted: u64,
+    /// Units rejected (for a shadow rule: would have been rejected).
+    pub rejected: u64,
+    /// Keys currently held.
+    pub keys: usize,
+}
+
+struct CompiledRule {
+    index: u32,
+    /// Descriptor key and `Some(exact)` or `None` for `*`, sorted by key.
+    matches: Box<[(Box<str>, Option<Box<str>>)]>,
+    dimension: Dimension,
+    enforce: bool,
+    /// The whole limit (standalone slice).
+    whole: Params,
+    /// Burst (or slots) of the whole limit: above it a cost never fits.
+    whole_capacity: u64,
+    rule: Rule,
+}
+
+impl CompiledRule {
+    /// If the rule matches, writes the `*` values into `out` and returns how many.
+    #[inline]
+    fn matches<'a>(
+        &self,
+        descriptors: &[(&'a str, &'a str)],
+        out: &mut [&'a str],
+    ) -> Option<usize> {
+        let mut n = 0;
+        for (key, exact) in self.matches.iter() {
+            let value = descriptors.iter().find(|(k, _)| *k == &**key)?.1;
+            match exact {
+                Some(e) if **e != *value => return None,
+                Some(_) => {}
+                None => {
+                    out[n] = value;
+                    n += 1;
+                }
+            }
+        }
+        Some(n)
+    }
+
+    #[inline]
+    fn cost(&self, c: &Cost) -> u64 {
+        match self.dimension {
+            Dimension::Requests => c.requests,
+            Dimension::InputTokens => c.input_tokens,
+            Dimension::OutputTokens => self.rule.reserved_output(c.max_output_tokens),
+            Dimension::TotalTokens => c
+                .input_tokens
+                .saturating_add(self.rule.reserved_output(c.max_output_tokens)),
+            Dimension::Concurrency => c.requests.min(1),
+        }
+    }
+
+    fn actual(&self, reserved: u64, u: &Usage) -> u64 {
+        match self.dimension {
+            Dimension::Requests | Dimension::Concurrency => reserved,
+            Dimension::InputTokens => u.input_tokens,
+            Dimension::OutputTokens => u.output_tokens,
+            Dimension::TotalTokens => u.input_tokens.saturating_add(u.output_tokens),
+        }
+    }
+}
+
+fn whole_params(rule: &Rule) -> Params {
+    match rule.limit {
+        RuleLimit::Rate { rate, per, burst } => Params::rate(RateLimit {
+            rate,
+            burst,
+            period_ns: per.as_ns(),
+        }),
+        RuleLimit::Concurrency { max_in_flight } => Params::Slots(max_in_flight),
+    }
+}
+
+struct KeyTable {
+    map: HashMap<u64, Arc<Slot>, PassThroughState>,
+}
+
+impl KeyTable {
+    #[inline]
+    fn lookup(&self, id: u64, rule: u32, values: &[&str]) -> Option<&Arc<Slot>> {
+        for p in 0..MAX_PROBE {
+            match self.map.get(&id.wrapping_add(p)) {
+                Some(s) if key_is(&s.key, rule, values) => return Some(s),
+                Some(_) => continue,
+                None => return None,
+            }
+        }
+        None
+    }
+}
+
+#[inline]
+fn key_is(key: &LimitKey, rule: u32, values: &[&str]) -> bool {
+    key.rule == rule
+        && key.values.len() == values.len()
+        && key.values.iter().zip(values).all(|(a, b)| **a == **b)
+}
+
+#[derive(Clone, Copy, Debug)]
+struct SliceState {
+    epoch: u64,
+    seq: u64,
+    grant: Params,
+    lease_expires_at_ns: u64,
+    fleet_size: u32,
+    expired: bool,
+}
+
+struct Slow {
+    /// Slots newer than the published table (new keys and replacements).
+    pending: HashMap<u64, Arc<Slot>, PassThroughState>,
+    /// Allocator grants by key (rule, values).
+    slices: HashMap<(u32, Box<[Box<str>]>), SliceState>,
+    /// Live keys (table + pending, not counting sealed slots).
+    keys: usize,
+    /// Admitted/rejected of retired slots, per rule.
+    retired: Vec<(u64, u64)>,
+}
+
+/// The budget engine. Share it (`Arc<Engine>`) across threads; give each thread a
+/// [`Worker`] for the cheapest reads.
+pub struct Engine {
+    rules: RuleSet,
+    compiled: Box<[CompiledRule]>,
+    by_domain: HashMap<Box<str>, Box<[u32]>>,
+    domainless: Box<[u32]>,
+    cfg: crate::config::EngineConfig,
+    hashing: KeyHashing,
+    table: Arc<ArcSwap<KeyTable>>,
+    slow: Mutex<Slow>,
+    leases: LeaseTable,
+    sink: Arc<dyn UsageSink>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("rules", &self.rules.len())
+            .field("config", &self.cfg)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Engine {
+    /// An engine for a validated config, handing usage records to `sink`.
+    pub fn new(config: Config, sink: Arc<dyn UsageSink>) -> Engine {
+        let Config { engine: cfg, rules } = config;
+        let compiled: Box<[CompiledRule]> = rules
+            .rules()
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let whole = whole_params(r);
+                CompiledRule {
+                    index: i as u32,
+                    matches: r
+                        .matches
+                        .iter()
+                        .map(|(k, p)| {
+                            let exact = match p {
+                                Pattern::Each => None,
+                                Pattern::Exact(v) => Some(v.clone()),
+                            };
+                            (k.as_str().into(), exact)
+                        })
+                        .collect(),
+                    dimension: r.dimension,
+                    enforce: r.mode == Mode::Enforce,
+                    whole_capacity: whole.capacity(),
+                    whole,
+                    rule: r.clone(),
+                }
+            })
+            .collect();
+        let domainless: Box<[u32]> = compiled
+            .iter()
+            .filter(|c| c.rule.domain.is_none())
+            .map(|c| c.index)
+            .collect();
+        let mut by_domain: HashMap<Box<str>, Vec<u32>> = HashMap::new();
+        for c in compiled.iter() {
+            if let Some(d) = &c.rule.domain {
+                by_domain.entry(d.as_str().into()).or_default();
+            }
+        }
+        for (d, list) in by_domain.iter_mut() {
+            // Rules of the domain and domainless rules, in file order.
+            list.extend(
+                compiled
+                    .iter()
+                    .filter(|c| c.rule.domain.as_deref().is_none_or(|x| x == &**d))
+                    .map(|c| c.index),
+            );
+        }
+        let retired = vec![(0, 0); compiled.len()];
+        Engine {
+            by_domain: by_domain
+                .into_iter()
+                .map(|(k, v)| (k, v.into_boxed_slice()))
+                .collect(),
+            domainless,
+            compiled,
+            rules,
+            leases: LeaseTable::new(cfg.max_leases, cfg.max_tombstones),
+            cfg,
+            hashing: KeyHashing::new(),
+            table: Arc::new(ArcSwap::from_pointee(KeyTable {
+                map: HashMap::default(),
+            })),
+            slow: Mutex::new(Slow {
+                pending: HashMap::default(),
+                slices: HashMap::new(),
+                keys: 0,
+                retired,
+            }),
+            sink,
+        }
+    }
+
+    /// The rules in force.
+    pub fn rules(&self) -> &RuleSet {
+        &self.rules
+    }
+
+    /// The engine settings in force.
+    pub fn config(&self) -> &crate::config::EngineConfig {
+        &self.cfg
+    }
+
+    /// A per-thread handle with a cached table snapshot (the cheapest decision path).
+    pub fn worker(self: &Arc<Self>) -> Worker {
+        Worker {
+            cache: Cache::new(Arc::clone(&self.table)),
+            engine: Arc::clone(self),
+        }
+    }
+
+    fn slow(&self) -> MutexGuard<'_, Slow> {
+        self.slow.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn candidates(&self, domain: Option<&str>) -> &[u32] {
+        match domain {
+            None => &self.domainless,
+            Some(d) => self
+                .by_domain
+                .get(d)
+                .map(|v| &**v)
+                .unwrap_or(&self.domainless),
+        }
+    }
+
+    /// Admits or rejects one request, all-or-nothing over every matching rule.
+    pub fn admit(&self, now: u64, req: &AdmitRequest<'_>) -> Result<Decision, AdmitError> {
+        let table = self.table.load();
+        self.admit_in(&table, now, req)
+    }
+
+    fn admit_in(
+        &self,
+        table: &KeyTable,
+        now: u64,
+        req: &AdmitRequest<'_>,
+    ) -> Result<Decision, AdmitError> {
+        validate_request(req)?;
+        let ttl_ms = req.ttl_ms.unwrap_or(self.cfg.lease_ttl_ms);
+        if ttl_ms == 0 || ttl_ms > self.cfg.max_lease_ttl_ms {
+            return Err(AdmitError::InvalidTtl {
+                ttl_ms,
+                max_ms: self.cfg.max_lease_ttl_ms,
+            });
+        }
+        let hash = self.hashing.request_hash(req.request_id);
+        if let Some(d) = self
+            .leases
+            .with_live(hash, req.request_id, |l| replay(l, now))
+        {
+            return Ok(d);
+        }
+
+        let mut limits = Limits::EMPTY;
+        let mut held: [Option<LeaseLimit>; MAX_LIMITS_PER_REQUEST] =
+            [const { None }; MAX_LIMITS_PER_REQUEST];
+        let mut n_held = 0usize;
+        let mut matched = false;
+        let mut any_cost = false;
+        let mut values: [&str; MAX_DESCRIPTORS] = [""; MAX_DESCRIPTORS];
+
+        for &ri in self.candidates(req.domain) {
+            let rule = &self.compiled[ri as usize];
+            let Some(nv) = rule.matches(req.descriptors, &mut values) else {
+                continue;
+            };
+            let values = &values[..nv];
+            matched = true;
+            if limits.len == MAX_LIMITS_PER_REQUEST {
+                self.rollback(now, &held);
+                return Err(AdmitError::TooManyLimits {
+                    max: MAX_LIMITS_PER_REQUEST,
+                });
+            }
+            let cost = rule.cost(&req.cost);
+            any_cost |= cost > 0;
+            if rule.dimension != Dimension::Concurrency && cost > rule.whole_capacity {
+                if rule.enforce {
+                    self.rollback(now, &held);
+                    return Ok(Decision::Rejected(Rejected {
+                        rule: ri as usize,
+                        reason: RejectReason::NeverFits {
+                            cost,
+                            burst: rule.whole_capacity,
+                        },
+                        limits,
+                    }));
+                }
+                // A shadow rule notes it and moves on.
+            }
+            let id = self.hashing.key_id(ri, values.iter().copied());
+            let mut found = table.lookup(id, ri, values).cloned();
+            loop {
+                let slot = match found.take() {
+                    Some(s) => s,
+                    None => match self.resolve_slow(now, id, ri, values) {
+                        Ok(s) => s,
+                        Err(e) => {
+                            self.rollback(now, &held);
+                            return Err(e);
+                        }
+                    },
+                };
+                match slot.try_take(now, cost) {
+                    Take::Taken { amount, after } => {
+                        limits.push(status(rule, cost, false, &slot.params, after, now));
+                        held[n_held] = Some(LeaseLimit {
+                            dimension: rule.dimension,
+                            mode: rule.rule.mode,
+                            reserved: cost,
+                            debited: amount,
+                            slot,
+                        });
+                        n_held += 1;
+                        break;
+                    }
+                    Take::Busy {
+                        retry_after_ns,
+                        after,
+                    } => {
+                        slot.rejected.fetch_add(cost, Ordering::Relaxed);
+                        limits.push(status(rule, cost, !rule.enforce, &slot.params, after, now));
+                        if rule.enforce {
+                            self.rollback(now, &held);
+                            return Ok(Decision::Rejected(Rejected {
+                                rule: ri as usize,
+                                reason: RejectReason::RetryLater { retry_after_ns },
+                                limits,
+                            }));
+                        }
+                        break;
+                    }
+                    Take::Sealed => continue,
+                }
+            }
+        }
+        if !matched && self.cfg.unmatched == Unmatched::Reject {
+            return Err(AdmitError::NoMatchingRule);
+        }
+        if !any_cost && matched {
+            // A pure check: nothing was debited, nothing is held.
+            return Ok(Decision::Admitted(Admitted {
+                lease_expires_at_ns: None,
+                replayed: false,
+                limits,
+            }));
+        }
+        let expires = now.saturating_add(ttl_ms * MS);
+        // Count admitted cost before the lease is published (undone if it is not).
+        for l in held.iter().flatten() {
+            l.slot.admitted.fetch_add(l.reserved, Ordering::Relaxed);
+        }
+        let lease = Lease {
+            id: InlineId::new(req.request_id),
+            admitted_at_ns: now,
+            expires_at_ns: expires,
+            input_tokens: req.cost.input_tokens,
+            max_output_tokens: req.cost.max_output_tokens,
+            limits: held,
+            len: n_held as u8,
+        };
+        match self.leases.insert(hash, lease) {
+            Ok(()) => {}
+            Err(InsertError::Full(lease)) => {
+                uncount(&lease);
+                self.rollback(now, &lease.limits);
+                return Err(AdmitError::LeaseTableFull {
+                    max: self.cfg.max_leases,
+                });
+            }
+            Err(InsertError::Exists(lease)) => {
+                // A concurrent retry of the same id won the race: undo ours, answer
+                // with theirs.
+                uncount(&lease);
+                self.rollback(now, &lease.limits);
+                return self
+                    .leases
+                    .with_live(hash, req.request_id, |l| replay(l, now))
+                    .ok_or(AdmitError::RequestIdCollision);
+            }
+        }
+        Ok(Decision::Admitted(Admitted {
+            lease_expires_at_ns: Some(expires),
+            replayed: false,
+            limits,
+        }))
+    }
+
+    /// Undoes every debit in `held` (a rejection or a failed insert).
+    fn rollback(&self, now: u64, held: &[Option<LeaseLimit>]) {
+        for l in held.iter().flatten() {
+            if !l.slot.give_back(now, l.debited) {
+                // Sealed since: give the reservation back to the current slot, in units.
+                self.give_back_units(now, &l.slot.key, l.dimension, l.reserved);
+            }
+        }
+    }
+
+    fn give_back_units(&self, now: u64, key: &LimitKey, dim: Dimension, units: u64) {
+        let values: Vec<&str> = key.values().collect();
+        for _ in 0..8 {
+            let Some(slot) = self.current_slot(key.id, key.rule, &values) else {
+                return; // evicted at rest: nothing to give back to
+            };
+            let amount = match (&slot.params, dim) {
+                (Params::Slots(_), _) => units.min(1),
+                (Params::Rate(p), _) => p.refund_ns(units),
+                (Params::Closed(_), _) => 0,
+            };
+            if slot.give_back(now, amount) {
+                return;
+            }
+        }
+    }
+
+    fn charge_units(&self, now: u64, key: &LimitKey, units: u64, held: &Arc<Slot>) {
+        if held.charge(now, units) {
+            return;
+        }
+        let values: Vec<&str> = key.values().collect();
+        for _ in 0..8 {
+            let Some(slot) = self.current_slot(key.id, key.rule, &values) else {
+                return;
+            };
+            if slot.charge(now, units) {
+                return;
+            }
+        }
+    }
+
+    /// The live slot for a key, from pending or the table, without creating one.
+    fn current_slot(&self, id: u64, rule: u32, values: &[&str]) -> Option<Arc<Slot>> {
+        let slow = self.slow();
+        let table = self.table.load();
+        find_live(&slow, &table, id, rule, values).map(|(_, s)| s)
+    }
+
+    /// The slow path: find the key's live slot, or create it.
+    fn resolve_slow(
+        &self,
+        now: u64,
+        id: u64,
+        rule: u32,
+        values: &[&str],
+    ) -> Result<Arc<Slot>, AdmitError> {
+        let mut slow = self.slow();
+        let table = self.table.load();
+        if let Some((_, s)) = find_live(&slow, &table, id, rule, values) {
+            return Ok(s);
+        }
+        if slow.keys >= self.cfg.max_keys {
+            drop(table);
+            let evicted = self.evict_locked(&mut slow, now, 0, self.cfg.max_keys / 16 + 1);
+            if evicted == 0 {
+                return Err(AdmitError::KeyTableFull {
+                    max: self.cfg.max_keys,
+                });
+            }
+            self.publish_locked(&mut slow);
+        }
+        let table = self.table.load();
+        let slot_id = free_id(&slow, &table, id).ok_or(AdmitError::KeyTableFull {
+            max: self.cfg.max_keys,
+        })?;
+        let c = &self.compiled[rule as usize];
+        let boxed: Box<[Box<str>]> = values.iter().map(|v| Box::<str>::from(*v)).collect();
+        let (params, state) = match slow.slices.get(&(rule, boxed.clone())) {
+            // A granted key whose slot was evicted at rest: recreate it full, as it was.
+            Some(s) => (s.grant, Slot::full_state(now)),
+            None => match self.cfg.slice_source {
+                SliceSource::Standalone => (c.whole, Slot::full_state(now)),
+                SliceSource::Allocated => {
+                    let closed = match c.whole {
+                        Params::Slots(_) => Params::Slots(0),
+                        Params::Rate(p) => Params::Closed(p.limit),
+                        Params::Closed(l) => Params::Closed(l),
+                    };
+                    (closed, Slot::empty_state(&closed, now))
+                }
+            },
+        };
+        let key = Arc::new(LimitKey {
+            id: slot_id,
+            rule,
+            display: display_key(&c.rule, values).into(),
+            values: boxed,
+        });
+        let slot = Arc::new(Slot::new(key, params, state));
+        slow.pending.insert(slot_id, Arc::clone(&slot));
+        slow.keys += 1;
+        if slow.pending.len() > 64 + table.map.len() / 16 {
+            drop(table);
+            self.publish_locked(&mut slow);
+        }
+        Ok(slot)
+    }
+
+    /// Folds pending slots into a new table and drops sealed ones.
+    fn publish_locked(&self, slow: &mut Slow) {
+        let old = self.table.load();
+        let mut map: HashMap<u64, Arc<Slot>, PassThroughState> = HashMap::with_capacity_and_hasher(
+            old.map.len() + slow.pending.len(),
+            Default::default(),
+        );
+        for (id, s) in old.map.iter() {
+            if !s.is_sealed() {
+                map.insert(*id, Arc::clone(s));
+            }
+        }
+        for (id, s) in slow.pending.drain() {
+            if !s.is_sealed() {
+                map.insert(id, s);
+            }
+        }
+        self.table.store(Arc::new(KeyTable { map }));
+    }
+
+    /// Seals up to `max` slots at rest for `idle_ns`; returns how many.
+    fn evict_locked(&self, slow: &mut Slow, now: u64, idle_ns: u64, max: usize) -> usize {
+        let table = self.table.load();
+        let mut evicted = 0;
+        let retire = |slow_retired: &mut Vec<(u64, u64)>, s: &Slot| {
+            let r = &mut slow_retired[s.key.rule as usize];
+            r.0 += s.admitted.load(Ordering::Relaxed);
+            r.1 += s.rejected.load(Ordering::Relaxed);
+        };
+        let candidates: Vec<Arc<Slot>> = table
+            .map
+            .values()
+            .chain(slow.pending.values())
+            .cloned()
+            .collect();
+        for s in candidates {
+            if evicted >= max {
+                break;
+            }
+            if self.cfg.slice_source == SliceSource::Allocated
+                && slow
+                    .slices
+                    .contains_key(&(s.key.rule, s.key.values.clone()))
+            {
+                continue; // granted keys are the allocator's to manage
+            }
+            if s.seal_if_at_rest(now, idle_ns) {
+                retire(&mut slow.retired, &s);
+                slow.keys -= 1;
+                evicted += 1;
+            }
+        }
+        evicted
+    }
+
+    /// Settles a request: refunds `reserved - actual` once, releases its slots and emits
+    /// one usage record. Idempotent on the request id.
+    pub fn complete(
+        &self,
+        now: u64,
+        request_id: &str,
+        usage: Usage,
+        status: CompletionStatus,
+    ) -> Result<Completion, CompleteError> {
+        validate_id(request_id).map_err(CompleteError::Invalid)?;
+        validate_usage(&usage)?;
+        let hash = self.hashing.request_hash(request_id);
+        match self.leases.remove_for_completion(hash, request_id, now) {
+            Removed::Live(lease) => {
+                for l in lease.limits() {
+                    self.settle(now, l, &usage, true);
+                }
+                self.sink.record(&UsageRecord {
+                    request_id,
+                    outcome: Outcome::Completed(status),
+                    usage: Some(usage),
+                    reserved_input_tokens: lease.input_tokens,
+                    max_output_tokens: lease.max_output_tokens,
+                    admitted_at_ns: lease.admitted_at_ns,
+                    at_ns: now,
+                    limits: &lease.limits,
+                });
+                Ok(Completion::Settled)
+            }
+            Removed::Expired(lease) => {
+                for l in lease.limits() {
+                    self.settle(now, l, &usage, false);
+                }
+                self.sink.record(&UsageRecord {
+                    request_id,
+                    outcome: Outcome::LateCompleted(status),
+                    usage: Some(usage),
+                    reserved_input_tokens: lease.input_tokens,
+                    max_output_tokens: lease.max_output_tokens,
+                    admitted_at_ns: lease.admitted_at_ns,
+                    at_ns: now,
+                    limits: &lease.limits,
+                });
+                Ok(Completion::Late)
+            }
+            Removed::Completed => Ok(Completion::Duplicate),
+            Removed::Unknown => Err(CompleteError::UnknownRequest),
+        }
+    }
+
+    /// Reconciles one limit. `live`: the lease was live (refund and release); otherwise
+    /// it expired earlier (slots already released, no refund), and only output beyond
+    /// the reservation is charged.
+    fn settle(&self, now: u64, l: &LeaseLimit, usage: &Usage, live: bool) {
+        let rule = &self.compiled[l.slot.key.rule as usize];
+        if l.dimension == Dimension::Concurrency {
+            if live && l.debited > 0 && !l.slot.give_back(now, l.debited) {
+                self.give_back_units(now, &l.slot.key, l.dimension, l.debited);
+            }
+            return;
+        }
+        let actual = rule.actual(l.reserved, usage);
+        if actual < l.reserved {
+            if !live {
+                return;
+            }
+            match &l.slot.params {
+                Params::Rate(p) => {
+                    let ns = l.debited.saturating_sub(p.debit_ns(actual));
+                    if !l.slot.give_back(now, ns) {
+                        self.give_back_units(now, &l.slot.key, l.dimension, l.reserved - actual);
+                    }
+                }
+                Params::Closed(_) | Params::Slots(_) => {}
+            }
+        } else if actual > l.reserved {
+            self.charge_units(now, &l.slot.key, actual - l.reserved, &l.slot);
+        }
+    }
+
+    /// Sets a live lease's expiry to `now + ttl_ms` (`None`: the default TTL).
+    pub fn extend(
+        &self,
+        now: u64,
+        request_id: &str,
+        ttl_ms: Option<u64>,
+    ) -> Result<u64, ExtendError> {
+        validate_id(request_id).map_err(ExtendError::Invalid)?;
+        let ttl_ms = ttl_ms.unwrap_or(self.cfg.lease_ttl_ms);
+        if ttl_ms == 0 || ttl_ms > self.cfg.max_lease_ttl_ms {
+            return Err(ExtendError::InvalidTtl {
+                ttl_ms,
+                max_ms: self.cfg.max_lease_ttl_ms,
+            });
+        }
+        let hash = self.hashing.request_hash(request_id);
+        let at = now.saturating_add(ttl_ms * MS);
+        if self.leases.extend(hash, request_id, at) {
+            Ok(at)
+        } else {
+            Err(ExtendError::NotLive)
+        }
+    }
+
+    /// Charges a cost that was already spent (Envoy's post-hoc `hits_addend`), past zero
+    /// if need be: the buckets go into debt and later requests wait. Holds no lease.
+    pub fn charge(&self, now: u64, req: &AdmitRequest<'_>) -> Result<usize, AdmitError> {
+        validate_request(req)?;
+        let table = self.table.load();
+        let mut values: [&str; MAX_DESCRIPTORS] = [""; MAX_DESCRIPTORS];
+        let mut charged = 0;
+        for &ri in self.candidates(req.domain) {
+            let rule = &self.compiled[ri as usize];
+            let Some(nv) = rule.matches(req.descriptors, &mut values) else {
+                continue;
+            };
+            if rule.dimension == Dimension::Concurrency {
+                continue;
+            }
+            let values = &values[..nv];
+            let cost = rule.cost(&req.cost);
+            let id = self.hashing.key_id(ri, values.iter().copied());
+            let mut found = table.lookup(id, ri, values).cloned();
+            for _ in 0..8 {
+                let slot = match found.take() {
+                    Some(s) => s,
+                    None => self.resolve_slow(now, id, ri, values)?,
+                };
+                if slot.charge(now, cost) {
+                    slot.admitted.fetch_add(cost, Ordering::Relaxed);
+                    charged += 1;
+                    break;
+                }
+            }
+        }
+        Ok(charged)
+    }
+
+    /// Applies allocator grants. Each update is fenced by (epoch, seq); a changed slice
+    /// seals the key's slot and installs a converted one (invariant 2).
+    pub fn apply_slices(
+        &self,
+        now: u64,
+        updates: &[SliceUpdate],
+    ) -> Vec<Result<SliceApplied, SliceError>> {
+        let mut slow = self.slow();
+        let out = updates
+            .iter()
+            .map(|u| self.apply_one_locked(&mut slow, now, u))
+            .collect();
+        self.publish_locked(&mut slow);
+        out
+    }
+
+    fn apply_one_locked(
+        &self,
+        slow: &mut Slow,
+        now: u64,
+        u: &SliceUpdate,
+    ) -> Result<SliceApplied, SliceError> {
+        let (ri, rule) = self
+            .rules
+            .by_name(&u.rule)
+            .ok_or_else(|| SliceError::UnknownRule(u.rule.clone()))?;
+        let wildcards = rule
+            .matches
+            .iter()
+            .filter(|(_, p)| *p == Pattern::Each)
+            .count();
+        if u.values.len() != wildcards {
+            return Err(SliceError::WrongValues {
+                rule: u.rule.clone(),
+                expected: wildcards,
+                got: u.values.len(),
+            });
+        }
+        if u.rate > MAX_COST || u.burst > MAX_COST || u.transfer_tokens > MAX_COST {
+            return Err(SliceError::Absurd {
+                rule: u.rule.clone(),
+            });
+        }
+        let ri = ri as u32;
+        let boxed: Box<[Box<str>]> = u.values.iter().map(|v| v.as_str().into()).collect();
+        if let Some(s) = slow.slices.get(&(ri, boxed.clone()))
+            && (u.epoch < s.epoch || (u.epoch == s.epoch && u.seq <= s.seq))
+        {
+            return Err(SliceError::Stale {
+                epoch: u.epoch,
+                seq: u.seq,
+                held_epoch: s.epoch,
+                held_seq: s.seq,
+            });
+        }
+        if !slow.slices.contains_key(&(ri, boxed.clone())) && slow.slices.len() >= self.cfg.max_keys
+        {
+            return Err(SliceError::TableFull {
+                max: self.cfg.max_keys,
+            });
+        }
+        let c = &self.compiled[ri as usize];
+        let grant = match c.whole {
+            Params::Slots(_) => Params::Slots(u.burst),
+            Params::Rate(p) => Params::rate(RateLimit {
+                rate: u.rate,
+                burst: u.burst,
+                period_ns: p.limit.period_ns,
+            }),
+            Params::Closed(l) => Params::rate(RateLimit {
+                rate: u.rate,
+                burst: u.burst,
+                period_ns: l.period_ns,
+            }),
+        };
+        let applied = self.install_locked(slow, now, ri, &u.values, grant, u.transfer_tokens)?;
+        slow.slices.insert(
+            (ri, boxed),
+            SliceState {
+                epoch: u.epoch,
+                seq: u.seq,
+                grant,
+                lease_expires_at_ns: u.lease_expires_at_ns,
+                fleet_size: u.fleet_size.max(1),
+                expired: false,
+            },
+        );
+        Ok(applied)
+    }
+
+    /// Seals the key's live slot (if any) and installs one with `params`, converting
+    /// its state; a key without a slot starts empty plus `transfer`.
+    fn install_locked(
+        &self,
+        slow: &mut Slow,
+        now: u64,
+        rule: u32,
+        values: &[String],
+        params: Params,
+        transfer: u64,
+    ) -> Result<SliceApplied, SliceError> {
+        let vals: Vec<&str> = values.iter().map(|s| s.as_str()).collect();
+        let id = self.hashing.key_id(rule, vals.iter().copied());
+        let table = self.table.load();
+        let existing = find_live(slow, &table, id, rule, &vals);
+        let (slot_id, key, state, released) = match existing {
+            Some((slot_id, old)) => match old.seal() {
+                Some(final_state) => {
+                    let r = &mut slow.retired[rule as usize];
+                    r.0 += old.admitted.load(Ordering::Relaxed);
+                    r.1 += old.rejected.load(Ordering::Relaxed);
+                    let (state, released) =
+                        bucket::convert(&old.params, final_state, &params, now, transfer);
+                    (slot_id, Arc::clone(&old.key), state, released)
+                }
+                None => unreachable!("find_live returns unsealed slots; sealing needs the lock"),
+            },
+            None => {
+                if slow.keys >= self.cfg.max_keys {
+                    return Err(SliceError::TableFull {
+                        max: self.cfg.max_keys,
+                    });
+                }
+                let slot_id = free_id(slow, &table, id).ok_or(SliceError::TableFull {
+                    max: self.cfg.max_keys,
+                })?;
+                let c = &self.compiled[rule as usize];
+                let key = Arc::new(LimitKey {
+                    id: slot_id,
+                    rule,
+                    display: display_key(&c.rule, &vals).into(),
+                    values: vals.iter().map(|v| Box::<str>::from(*v)).collect(),
+                });
+                slow.keys += 1;
+                let empty = Slot::empty_state(&params, now);
+                let (state, _) = bucket::convert(&params, empty, &params, now, transfer);
+                (slot_id, key, state, 0)
+            }
+        };
+        let in_flight = match params {
+            Params::Slots(_) => state,
+            _ => 0,
+        };
+        slow.pending
+            .insert(slot_id, Arc::new(Slot::new(key, params, state)));
+        Ok(SliceApplied {
+            released_tokens: released,
+            in_flight,
+        })
+    }
+
+    /// Periodic upkeep; the shell calls it every ~100 ms. Expires leases (releasing their
+    /// slots, refunding nothing, recording each), applies the partition posture to
+    /// slices whose lease ended, evicts keys at rest for `key_idle_ms`, and publishes.
+    pub fn maintain(&self, now: u64) -> MaintainReport {
+        let mut report = MaintainReport::default();
+        let mut expired = Vec::new();
+        self.leases
+            .expire(now, self.cfg.tombstone_ttl_ms * MS, &mut expired);
+        report.leases_expired = expired.len();
+        for lease in &expired {
+            for l in lease.limits() {
+                if l.dimension == Dimension::Concurrency
+                    && l.debited > 0
+                    && !l.slot.give_back(now, l.debited)
+                {
+                    self.give_back_units(now, &l.slot.key, l.dimension, l.debited);
+                }
+            }
+            self.sink.record(&UsageRecord {
+                request_id: lease.id.as_str(),
+                outcome: Outcome::Expired,
+                usage: None,
+                reserved_input_tokens: lease.input_tokens,
+                max_output_tokens: lease.max_output_tokens,
+                admitted_at_ns: lease.admitted_at_ns,
+                at_ns: now,
+                limits: &lease.limits,
+            });
+        }
+
+        let mut slow = self.slow();
+        // Posture for slices whose lease ended.
+        let ended: Vec<((u32, Box<[Box<str>]>), SliceState)> = slow
+            .slices
+            .iter()
+            .filter(|(_, s)| !s.expired && s.lease_expires_at_ns <= now)
+            .map(|(k, s)| (k.clone(), *s))
+            .collect();
+        for ((rule, values), s) in ended {
+            let c = &self.compiled[rule as usize];
+            let fallback = match (c.rule.posture, s.grant, c.whole) {
+                (Posture::Open, g, _) => g,
+                (Posture::Strict, Params::Slots(_), _) => Params::Slots(0),
+                (Posture::Strict, Params::Rate(p), _) => Params::Closed(p.limit),
+                (Posture::Strict, g, _) => g,
+                (Posture::Conservative, Params::Slots(g), Params::Slots(w)) => {
+                    Params::Slots(g.min(w / s.fleet_size as u64))
+                }
+                (Posture::Conservative, Params::Rate(g), Params::Rate(w)) => {
+                    let n = s.fleet_size as u64;
+                    Params::rate(RateLimit {
+                        rate: g.limit.rate.min(w.limit.rate / n),
+                        burst: g.limit.burst.min(w.limit.burst / n),
+                        period_ns: g.limit.period_ns,
+                    })
+                }
+                (Posture::Conservative, g, _) => g,
+            };
+            let vals: Vec<String> = values.iter().map(|v| v.to_string()).collect();
+            if fallback != s.grant {
+                let _ = self.install_locked(&mut slow, now, rule, &vals, fallback, 0);
+            }
+            if let Some(st) = slow.slices.get_mut(&(rule, values)) {
+                st.expired = true;
+                st.grant = fallback;
+            }
+            report.slices_expired += 1;
+        }
+        report.keys_evicted =
+            self.evict_locked(&mut slow, now, self.cfg.key_idle_ms * MS, usize::MAX);
+        self.publish_locked(&mut slow);
+        report
+    }
+
+    /// Per-rule totals.
+    pub fn stats(&self) -> Vec<RuleStats> {
+        let slow = self.slow();
+        let table = self.table.load();
+        let mut out: Vec<RuleStats> = self
+            .compiled
+            .iter()
+            .map(|c| RuleStats {
+                rule: c.rule.name.clone(),
+                shadow: !c.enforce,
+                admitted: slow.retired[c.index as usize].0,
+                rejected: slow.retired[c.index as usize].1,
+                keys: 0,
+            })
+            .collect();
+        let mut seen = std::collections::HashSet::new();
+        for (id, s) in slow.pending.iter().chain(table.map.iter()) {
+            if s.is_sealed() || !seen.insert(*id) {
+                continue;
+            }
+            let r = &mut out[s.key.rule as usize];
+            r.admitted += s.admitted.load(Ordering::Relaxed);
+            r.rejected += s.rejected.load(Ordering::Relaxed);
+            r.keys += 1;
+        }
+        out
+    }
+
+    /// Live leases.
+    pub fn leases_in_flight(&self) -> usize {
+        self.leases.len()
+    }
+
+    /// Live keys.
+    pub fn key_count(&self) -> usize {
+        self.slow().keys
+    }
+
+    /// A handle for one limit key, for [`Worker::try_acquire`].
+    pub fn key_handle(&self, rule: &str, values: &[&str]) -> Option<KeyHandle> {
+        let (ri, r) = self.rules.by_name(rule)?;
+        let wild = r
+            .matches
+            .iter()
+            .filter(|(_, p)| *p == Pattern::Each)
+            .count();
+        if wild != values.len() {
+            return None;
+        }
+        let ri = ri as u32;
+        Some(KeyHandle {
+            rule: ri,
+            id: self.hashing.key_id(ri, values.iter().copied()),
+            values: values.iter().map(|v| Box::<str>::from(*v)).collect(),
+        })
+    }
+
+    fn try_acquire_in(
+        &self,
+        table: &KeyTable,
+        now: u64,
+        key: &KeyHandle,
+        cost: u64,
+    ) -> Result<bool, AdmitError> {
+        let mut vals: [&str; MAX_DESCRIPTORS] = [""; MAX_DESCRIPTORS];
+        for (i, v) in key.values.iter().enumerate() {
+            vals[i] = v;
+        }
+        let vals = &vals[..key.values.len()];
+        if let Some(slot) = table.lookup(key.id, key.rule, vals) {
+            match slot.try_take(now, cost) {
+                Take::Taken { .. } => return Ok(true),
+                Take::Busy { .. } => return Ok(false),
+                Take::Sealed => {}
+            }
+        }
+        for _ in 0..8 {
+            let slot = self.resolve_slow(now, key.id, key.rule, vals)?;
+            match slot.try_take(now, cost) {
+                Take::Taken { .. } => return Ok(true),
+                Take::Busy { .. } => return Ok(false),
+                Take::Sealed => continue,
+            }
+        }
+        Ok(false)
+    }
+
+    /// Checks internal invariants; call it when no operation is in flight. Returns the
+    /// first violation found. Checked: table bounds; every concurrency slot's in-flight
+    /// count equals the live leases holding one of its slots; no rate bucket above full.
+    pub fn check_invariants(&self, now: u64) -> Result<(), String> {
+        let slow = self.slow();
+        let table = self.table.load();
+        if slow.keys > self.cfg.max_keys {
+            return Err(format!(
+                "{} keys > max_keys {}",
+                slow.keys, self.cfg.max_keys
+            ));
+        }
+        let mut live: HashMap<u64, Arc<Slot>> = HashMap::new();
+        for (id, s) in table.map.iter() {
+            if !s.is_sealed() {
+                live.insert(*id, Arc::clone(s));
+            }
+        }
+        for (id, s) in slow.pending.iter() {
+            if !s.is_sealed() {
+                live.insert(*id, Arc::clone(s));
+            }
+        }
+        if live.len() != slow.keys {
+            return Err(format!(
+                "{} live slots but {} keys counted",
+                live.len(),
+                slow.keys
+            ));
+        }
+        let mut held: HashMap<u64, u64> = HashMap::new();
+        self.leases.for_each(|l| {
+            for ll in l.limits() {
+                if ll.dimension == Dimension::Concurrency {
+                    *held.entry(ll.slot.key.id).or_default() += ll.debited;
+                }
+            }
+        });
+        let leases = self.leases.len();
+        if leases > self.cfg.max_leases.div_ceil(32) * 32 {
+            return Err(format!("{leases} leases > bound"));
+        }
+        for (id, s) in &live {
+            let state = s.state.load(Ordering::Acquire);
+            match s.params {
+                Params::Slots(_) => {
+                    let want = held.get(id).copied().unwrap_or(0);
+                    if state != want {
+                        return Err(format!(
+                            "{}: {} slots in flight but {} held by leases",
+                            s.key, state, want
+                        ));
+                    }
+                }
+                Params::Rate(_) => {
+                    if Slot::level(&s.params, state, now) > s.params.capacity() as i128 {
+                        return Err(format!("{}: level above capacity", s.key));
+                    }
+                }
+                Params::Closed(_) => {}
+            }
+            debug_assert!(state != SEALED);
+        }
+        Ok(())
+    }
+}
+
+/// A per-thread handle: the engine plus a cached table snapshot (`arc_swap::Cache`), so
+/// a decision for a known key costs one generation check instead of a guard.
+pub struct Worker {
+    cache: Cache<Arc<ArcSwap<KeyTable>>, Arc<KeyTable>>,
+    engine: Arc<Engine>,
+}
+
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker").finish_non_exhaustive()
+    }
+}
+
+impl Worker {
+    /// [`Engine::admit`] through the cached snapshot.
+    pub fn admit(&mut self, now: u64, req: &AdmitRequest<'_>) -> Result<Decision, AdmitError> {
+        let table = self.cache.load();
+        self.engine.admit_in(table, now, req)
+    }
+
+    /// Takes `cost` from one resolved key's bucket, with no lease: the bare bucket check
+    /// (what `governor` does), for callers that settle nothing. True if admitted.
+    pub fn try_acquire(
+        &mut self,
+        now: u64,
+        key: &KeyHandle,
+        cost: u64,
+    ) -> Result<bool, AdmitError> {
+        let table = self.cache.load();
+        self.engine.try_acquire_in(table, now, key, cost)
+    }
+
+    /// The engine.
+    pub fn engine(&self) -> &Arc<Engine> {
+        &self.engine
+    }
+}
+
+fn find_live(
+    slow: &Slow,
+    table: &KeyTable,
+    id: u64,
+    rule: u32,
+    values: &[&str],
+) -> Option<(u64, Arc<Slot>)> {
+    for p in 0..MAX_PROBE {
+        let i = id.wrapping_add(p);
+        for s in [slow.pending.get(&i), table.map.get(&i)]
+            .into_iter()
+            .flatten()
+        {
+            if key_is(&s.key, rule, values) && !s.is_sealed() {
+                return Some((i, Arc::clone(s)));
+            }
+        }
+    }
+    None
+}
+
+fn free_id(slow: &Slow, table: &KeyTable, id: u64) -> Option<u64> {
+    (0..MAX_PROBE).map(|p| id.wrapping_add(p)).find(|i| {
+        let in_pending = slow.pending.get(i).is_some_and(|s| !s.is_sealed());
+        let in_table = table.map.get(i).is_some_and(|s| !s.is_sealed());
+        !in_pending && !in_table
+    })
+}
+
+fn display_key(rule: &Rule, values: &[&str]) -> String {
+    let mut s = String::with_capacity(rule.name.len() + 16);
+    s.push_str(&rule.name);
+    s.push('{');
+    let mut wild = values.iter();
+    for (i, (k, p)) in rule.matches.iter().enumerate() {
+        if i > 0 {
+            s.push(',');
+        }
+        s.push_str(k);
+        s.push('=');
+        match p {
+            Pattern::Each => s.push_str(wild.next().copied().unwrap_or("")),
+            Pattern::Exact(v) => s.push_str(v),
+        }
+    }
+    s.push('}');
+    s
+}
+
+#[inline]
+fn status(
+    rule: &CompiledRule,
+    cost: u64,
+    shadow_rejected: bool,
+    params: &Params,
+    state: u64,
+    now: u64,
+) -> LimitStatus {
+    LimitStatus {
+        rule: rule.index,
+        dimension: rule.dimension,
+        mode: rule.rule.mode,
+        cost,
+        shadow_rejected,
+        params: *params,
+        state,
+        now,
+    }
+}
+
+fn uncount(l: &Lease) {
+    for ll in l.limits() {
+        ll.slot.admitted.fetch_sub(ll.reserved, Ordering::Relaxed);
+    }
+}
+
+fn replay(l: &Lease, now: u64) -> Decision {
+    let mut limits = Limits::EMPTY;
+    for ll in l.limits() {
+        limits.push(LimitStatus {
+            rule: ll.slot.key.rule,
+            dimension: ll.dimension,
+            mode: ll.mode,
+            cost: ll.reserved,
+            shadow_rejected: false,
+            params: ll.slot.params,
+            state: ll.slot.state.load(Ordering::Acquire),
+            now,
+        });
+    }
+    Decision::Admitted(Admitted {
+        lease_expires_at_ns: Some(l.expires_at_ns),
+        replayed: true,
+        limits,
+    })
+}
+
+fn validate_id(id: &str) -> Result<(), &'static str> {
+    if id.is_empty() {
+        return Err("request_id is empty");
+    }
+    if id.len() > MAX_REQUEST_ID_BYTES {
+        return Err("request_id is longer than 128 bytes");
+    }
+    Ok(())
+}
+
+fn validate_request(req: &AdmitRequest<'_>) -> Result<(), AdmitError> {
+    validate_id(req.request_id).map_err(AdmitError::Invalid)?;
+    if req.descriptors.is_empty() {
+        return Err(AdmitError::Invalid("descriptors are empty"));
+    }
+    if req.descriptors.len() > MAX_DESCRIPTORS {
+        return Err(AdmitError::Invalid("more than 16 descriptors"));
+    }
+    for (i, (k, v)) in req.descriptors.iter().enumerate() {
+        if k.is_empty() || v.is_empty() {
+            return Err(AdmitError::Invalid("a descriptor key or value is empty"));
+        }
+        if k.len() > MAX_DESCRIPTOR_BYTES || v.len() > MAX_DESCRIPTOR_BYTES {
+            return Err(AdmitError::Invalid(
+                "a descriptor key or value is longer than 256 bytes",
+            ));
+        }
+        if req.descriptors[..i].iter().any(|(k2, _)| k2 == k) {
+            return Err(AdmitError::Invalid("a descriptor key appears twice"));
+        }
+    }
+    let c = &req.cost;
+    if c.requests > MAX_COST
+        || c.input_tokens > MAX_COST
+        || c.max_output_tokens.is_some_and(|m| m > MAX_COST)
+    {
+        return Err(AdmitError::CostTooLarge { max: MAX_COST });
+    }
+    Ok(())
+}
+
+fn validate_usage(u: &Usage) -> Result<(), CompleteError> {
+    if u.input_tokens > MAX_COST || u.output_tokens > MAX_COST {
+        return Err(CompleteError::UsageTooLarge { max: MAX_COST });
+    }
+    if u.cached_input_tokens > u.input_tokens {
+        return Err(CompleteError::Invalid(
+            "cached_input_tokens is above input_tokens",
+        ));
+    }
+    Ok(())
+}

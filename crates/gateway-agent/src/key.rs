@@ -1,0 +1,120 @@
+//! Limit keys: a rule plus the descriptor values its `*` entries matched.
+
+use std::fmt;
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
+
+/// A limit key: the unit of allocation. Created on the slow path (new keys only).
+#[derive(Debug, PartialEq, Eq)]
+pub struct LimitKey {
+    /// Hash identity inside one engine (seeded per engine; see [`KeyHashing`]).
+    pub(crate) id: u64,
+    /// Index of the rule in the rule set.
+    pub(crate) rule: u32,
+    /// Values matched by the rule's `*` entries, in the rule's match-key order.
+    pub(crate) values: Box<[Box<str>]>,
+    /// `rule{k=v,...}` for logs, metrics and usage records.
+    pub(crate) display: Box<str>,
+}
+
+impl LimitKey {
+    /// Index of the rule this key belongs to.
+    pub fn rule_index(&self) -> usize {
+        self.rule as usize
+    }
+
+    /// Values matched by the rule's `*` entries, in the rule's match-key order.
+    pub fn values(&self) -> impl Iterator<Item = &str> {
+        self.values.iter().map(|v| &**v)
+    }
+
+    /// The key as `rule{key=value,...}` (every match entry, exact ones included).
+    pub fn as_str(&self) -> &str {
+        &self.display
+    }
+
+    #[cfg(test)]
+    pub(crate) fn for_tests(name: &str) -> LimitKey {
+        LimitKey {
+            id: 0,
+            rule: 0,
+            values: Box::new([]),
+            display: name.into(),
+        }
+    }
+}
+
+impl fmt::Display for LimitKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.display)
+    }
+}
+
+/// Seeded hashing for key ids and request ids. The seed is random per engine, so ids
+/// are not predictable from outside and collisions cannot be aimed at.
+#[derive(Clone)]
+pub(crate) struct KeyHashing {
+    keys: foldhash::fast::RandomState,
+    ids_lo: foldhash::quality::RandomState,
+    ids_hi: foldhash::quality::RandomState,
+}
+
+impl KeyHashing {
+    pub(crate) fn new() -> KeyHashing {
+        KeyHashing {
+            keys: foldhash::fast::RandomState::default(),
+            ids_lo: foldhash::quality::RandomState::default(),
+            ids_hi: foldhash::quality::RandomState::default(),
+        }
+    }
+
+    /// Id of the limit key (rule, values). Values are written with their lengths so
+    /// that ("ab","c") and ("a","bc") differ.
+    #[inline]
+    pub(crate) fn key_id<'a>(&self, rule: u32, values: impl Iterator<Item = &'a str>) -> u64 {
+        let mut h = self.keys.build_hasher();
+        h.write_u32(rule);
+        for v in values {
+            h.write_usize(v.len());
+            h.write(v.as_bytes());
+        }
+        h.finish()
+    }
+
+    /// 128-bit id of a request id: two independently seeded hashes. Leases are keyed by
+    /// it; the id string itself is stored in the lease and compared on lookup.
+    #[inline]
+    pub(crate) fn request_hash(&self, request_id: &str) -> u128 {
+        let lo = self.ids_lo.hash_one(request_id);
+        let hi = self.ids_hi.hash_one(request_id);
+        ((hi as u128) << 64) | lo as u128
+    }
+}
+
+/// A hasher for keys that are already uniform hashes: passes the value through.
+#[derive(Default, Clone, Copy)]
+pub(crate) struct PassThrough(u64);
+
+impl Hasher for PassThrough {
+    #[inline]
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    #[inline]
+    fn write(&mut self, bytes: &[u8]) {
+        // Only used with u64/u128 keys; fold anything else in.
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ b as u64;
+        }
+    }
+    #[inline]
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+    #[inline]
+    fn write_u128(&mut self, n: u128) {
+        self.0 = (n as u64) ^ ((n >> 64) as u64);
+    }
+}
+
+/// `BuildHasher` for [`PassThrough`].
+pub(crate) type PassThroughState = BuildHasherDefault<PassThrough>;

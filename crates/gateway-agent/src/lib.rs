@@ -1,0 +1,73 @@
+//! The Bursar gateway agent: admits or rejects each request against in-memory budget
+//! slices, with no network hop.
+//!
+//! This crate owns the agent's **budget engine** (a sans-IO core: every operation takes
+//! `now`) and, as they land, its shell (HTTP, Envoy RLS, the OpenAI proxy, the
+//! allocator sync client). Today it holds the engine and the `bursar-agent` binary's
+//! standalone demo; see the README's status table.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use bursar_agent::{AdmitRequest, Config, Cost, DiscardSink, Engine, Usage, CompletionStatus};
+//!
+//! let config = Config::from_toml(r#"
+//!     [[rule]]
+//!     name = "org-rpm"
+//!     match = { org = "*" }
+//!     dimension = "requests"
+//!     rate = 60
+//!     per = "minute"
+//! "#).unwrap();
+//! let engine = Engine::new(config, Arc::new(DiscardSink));
+//! let now = 0;
+//! let decision = engine.admit(now, &AdmitRequest {
+//!     request_id: "req-1",
+//!     domain: None,
+//!     descriptors: &[("org", "acme")],
+//!     cost: Cost::ONE_REQUEST,
+//!     ttl_ms: None,
+//! }).unwrap();
+//! assert!(decision.is_admitted());
+//! engine.complete(now, "req-1", Usage::default(), CompletionStatus::Ok).unwrap();
+//! ```
+//!
+//! # Layout
+//!
+//! - [`config`]: rules and engine settings from TOML, validated with errors that name
+//!   the rule and field.
+//! - `bucket`: the atomic GCRA bucket and concurrency slots (sealing, conversion
+//!   under invariant 2).
+//! - [`engine`]: the engine: key table (arc-swap snapshot + slow path), admit,
+//!   complete, extend, charge, slices, maintenance, invariants.
+//! - `lease`: the sharded lease table and tombstones.
+//! - [`usage`]: usage records and the sink trait the ledger consumes.
+//! - [`clock`]: monotonic clocks for the shell (the engine takes `now`).
+//! - [`testing`]: fixtures shared by tests, benches and the demo.
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+
+mod bucket;
+pub mod clock;
+pub mod config;
+pub mod engine;
+mod error;
+mod key;
+mod lease;
+pub mod testing;
+pub mod usage;
+
+pub use bucket::RateLimit;
+pub use config::{
+    Config, ConfigError, Dimension, EngineConfig, MAX_COST, Mode, Period, Posture, Rule, RuleLimit,
+    RuleSet, SliceSource, Unmatched,
+};
+pub use engine::{
+    AdmitRequest, Admitted, Completion, Cost, Decision, Engine, KeyHandle, LimitStatus, Limits,
+    MaintainReport, RejectReason, Rejected, RuleStats, SliceApplied, SliceUpdate, Worker,
+};
+pub use error::{AdmitError, CompleteError, ExtendError, SliceError};
+pub use key::LimitKey;
+pub use lease::LeaseLimit;
+pub use usage::{
+    CompletionStatus, DiscardSink, MemorySink, Outcome, OwnedRecord, Usage, UsageRecord, UsageSink,
+};

@@ -1,0 +1,2 @@
+//! `bursar-agent`: placeholder until the demo lands.
+fn main() {}
