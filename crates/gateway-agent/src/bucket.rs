@@ -156,6 +156,9 @@ pub(crate) struct Slot {
     pub(crate) admitted: AtomicU64,
     /// Cost rejected by this slot (rejections are demand).
     pub(crate) rejected: AtomicU64,
+    /// Slots only: engine time of the last take (rate buckets derive idleness from
+    /// their TAT).
+    touched: AtomicU64,
     pub(crate) params: Params,
     pub(crate) key: Arc<LimitKey>,
 }
@@ -167,6 +170,7 @@ impl Slot {
             state: AtomicU64::new(state),
             admitted: AtomicU64::new(0),
             rejected: AtomicU64::new(0),
+            touched: AtomicU64::new(0),
             params,
             key,
         }
@@ -269,6 +273,7 @@ impl Slot {
                         Ordering::Acquire,
                     ) {
                         Ok(_) => {
+                            self.touched.store(now, Ordering::Relaxed);
                             return Take::Taken {
                                 amount: 1,
                                 after: cur + 1,
@@ -348,14 +353,16 @@ impl Slot {
 
     /// Seals the slot only if it is at rest: a rate bucket full since at least `idle_ns`
     /// before `now` (no take since then, since a take leaves the TAT above its time), or
-    /// no slot in flight. Evicting such a slot is invisible: it is recreated identical.
+    /// no slot in flight and none taken for `idle_ns`. Evicting such a slot is invisible: it is recreated identical.
     pub(crate) fn seal_if_at_rest(&self, now: u64, idle_ns: u64) -> bool {
         let cur = self.state.load(Ordering::Acquire);
         let at_rest = match self.params {
             Params::Rate(_) | Params::Closed(_) => {
                 cur != SEALED && cur.saturating_add(idle_ns) <= now
             }
-            Params::Slots(_) => cur == 0,
+            Params::Slots(_) => {
+                cur == 0 && self.touched.load(Ordering::Relaxed).saturating_add(idle_ns) <= now
+            }
         };
         at_rest
             && self

@@ -1294,6 +1294,19 @@ impl Engine {
         out
     }
 
+    /// Level of one limit key at `now`, in whole units (negative: debt), or `None` if
+    /// the key is not held (never used, or evicted at rest: then it is full). `values`
+    /// are the rule's `*` values in match-key order (keys sorted).
+    /// For concurrency rules: free slots.
+    pub fn level(&self, now: u64, rule: &str, values: &[&str]) -> Option<i128> {
+        let (ri, _) = self.rules.by_name(rule)?;
+        let ri = ri as u32;
+        let id = self.hashing.key_id(ri, values.iter().copied());
+        let slot = self.current_slot(id, ri, values)?;
+        let state = slot.state.load(Ordering::Acquire);
+        (state != SEALED).then(|| Slot::level(&slot.params, state, now))
+    }
+
     /// Live leases.
     pub fn leases_in_flight(&self) -> usize {
         self.leases.len()
