@@ -15,6 +15,22 @@
 //! emission interval above `1 + burst/2^32` ns. The property tests check conformance
 //! against an exact rational bucket with exactly that slack.
 //!
+//! **Reservations held.** A reservation of `c` tokens that may be partly refunded is
+//! debited from the level *and* counted in `held` until it settles. The level may
+//! refill only up to `burst - held`: the TAT never falls below `now + held*I`. A
+//! refund of `u` then raises the level by `u` while `held` falls by `c`, so
+//! `level + held` moves exactly as a bucket that charges the *actual* cost at
+//! completion. Without this cap a bucket near full keeps refilling while a large
+//! reservation is out, and the refund then lifts it above what an exact bucket over
+//! the actual costs would hold (the property test found an instant where 429 tokens
+//! were admitted against a burst of 330). Conformance, with `V` the exact bucket that
+//! charges actual cost at admission, `W = level + held`, and `A` the actual costs not
+//! yet settled: `W - A <= V` is preserved by every step, and `level <= W - A` because
+//! `held >= A`, so the engine admits only what `V` would.
+//!
+//! TAT and held live together in one 128-bit atomic (`portable_atomic::AtomicU128`,
+//! `cmpxchg16b` on x86_64) so that they change in one CAS.
+//!
 //! **Changing parameters.** A slot's parameters never change. A slice update *seals*
 //! the old slot (CAS its state to [`SEALED`], which no operation leaves) and installs a
 //! new slot whose state is converted from the sealed one under invariant 2: shrinking
@@ -25,6 +41,8 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+
+use portable_atomic::AtomicU128;
 
 use crate::key::LimitKey;
 
@@ -90,11 +108,6 @@ impl RateParams {
         u64::try_from(x).unwrap_or(TAT_MAX)
     }
 
-    /// Whole tokens that `ns` of refill time buys: `floor(ns / I)`.
-    pub(crate) fn tokens_in(&self, ns: u64) -> u64 {
-        (((ns as u128) << FP_BITS) / self.interval_fp) as u64
-    }
-
     /// Tokens that `ns` of deficit represents, rounded up: `ceil(ns / I)`.
     fn tokens_owed(&self, ns: u64) -> u64 {
         ((ns as u128) << FP_BITS).div_ceil(self.interval_fp) as u64
@@ -134,24 +147,50 @@ impl Params {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Take {
     /// Taken: `amount` is what was debited (ns for rate, slots for concurrency); `after`
-    /// is the state after the take (TAT or in-flight count).
-    Taken { amount: u64, after: u64 },
-    /// Not now: `retry_after_ns` until it would fit (`None`: unknown, e.g. slots or a
-    /// closed bucket). `after` is the state observed.
+    /// is the state after the take.
+    Taken { amount: u64, after: State },
+    /// Not now: `retry_after_ns` until it would fit if nothing else changed (`None`:
+    /// unknown, e.g. slots or a closed bucket). `after` is the state observed.
     Busy {
         retry_after_ns: Option<u64>,
-        after: u64,
+        after: State,
     },
     /// The slot was sealed; look the key up again.
     Sealed,
+}
+
+/// A slot's state: TAT (rate) or in-flight count (slots), and units held by
+/// refundable reservations (rate only).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct State {
+    pub(crate) tat: u64,
+    pub(crate) held: u64,
+}
+
+impl State {
+    #[inline]
+    fn pack(self) -> u128 {
+        ((self.held as u128) << 64) | self.tat as u128
+    }
+
+    #[inline]
+    fn unpack(v: u128) -> State {
+        State {
+            tat: v as u64,
+            held: (v >> 64) as u64,
+        }
+    }
+
+    fn sealed(self) -> bool {
+        self.tat == SEALED
+    }
 }
 
 /// Per-key state, padded to two cache lines so that neighbours never share a line
 /// (FIELD-NOTES: false sharing doubled the cost of adjacent limiters).
 #[repr(align(128))]
 pub(crate) struct Slot {
-    /// TAT (rate), in-flight count (slots), or [`SEALED`].
-    pub(crate) state: AtomicU64,
+    state: AtomicU128,
     /// Cost admitted through this slot (demand reporting and summaries).
     pub(crate) admitted: AtomicU64,
     /// Cost rejected by this slot (rejections are demand).
@@ -164,10 +203,10 @@ pub(crate) struct Slot {
 }
 
 impl Slot {
-    pub(crate) fn new(key: Arc<LimitKey>, params: Params, state: u64) -> Slot {
-        debug_assert!(state != SEALED);
+    pub(crate) fn new(key: Arc<LimitKey>, params: Params, state: State) -> Slot {
+        debug_assert!(!state.sealed());
         Slot {
-            state: AtomicU64::new(state),
+            state: AtomicU128::new(state.pack()),
             admitted: AtomicU64::new(0),
             rejected: AtomicU64::new(0),
             touched: AtomicU64::new(0),
@@ -176,36 +215,62 @@ impl Slot {
         }
     }
 
-    /// Initial state of a slot for a full bucket (rate) or no work in flight (slots).
-    pub(crate) fn full_state(now: u64) -> u64 {
-        // TAT <= now means full; `now` itself is the canonical full state.
-        now
+    /// The current state.
+    #[inline]
+    pub(crate) fn load(&self) -> State {
+        State::unpack(self.state.load(Ordering::Acquire))
     }
 
-    /// Initial state of an empty rate bucket.
-    pub(crate) fn empty_state(params: &Params, now: u64) -> u64 {
-        match params {
-            Params::Rate(p) => now.saturating_add(p.tau_ns).min(TAT_MAX),
-            Params::Closed(_) => now,
+    #[inline]
+    fn cas(&self, cur: State, new: State) -> Result<(), State> {
+        self.state
+            .compare_exchange_weak(cur.pack(), new.pack(), Ordering::AcqRel, Ordering::Acquire)
+            .map(|_| ())
+            .map_err(State::unpack)
+    }
+
+    /// State of a full bucket (rate) or nothing in flight (slots), nothing held.
+    pub(crate) fn full_state(params: &Params, now: u64) -> State {
+        let tat = match params {
+            // TAT <= now means full; `now` itself is the canonical full state.
+            Params::Rate(_) | Params::Closed(_) => now,
             Params::Slots(_) => 0,
+        };
+        State { tat, held: 0 }
+    }
+
+    /// State of a bucket holding `tokens` (at most its capacity), nothing held.
+    pub(crate) fn state_with(params: &Params, now: u64, tokens: u64) -> State {
+        match params {
+            Params::Rate(p) => {
+                let owed = p.limit.burst - tokens.min(p.limit.burst);
+                State {
+                    tat: now.saturating_add(p.debit_ns(owed)).min(TAT_MAX),
+                    held: 0,
+                }
+            }
+            Params::Closed(_) => State { tat: now, held: 0 },
+            Params::Slots(_) => State { tat: 0, held: 0 },
         }
     }
 
-    /// Takes `cost` units (rate) or one slot (concurrency, `cost` ignored). A cost of
-    /// zero only checks that the bucket is not exhausted (at least one token, or one free
-    /// slot) and debits nothing.
+    /// Takes `cost` units (rate) or one slot (concurrency; `cost` 0 only checks). A cost
+    /// of zero only checks that the bucket is not exhausted (at least one token, or one
+    /// free slot) and debits nothing. `hold`: the cost may be partly refunded later, so
+    /// it is counted in `held` until [`Slot::settle`].
     #[inline]
-    pub(crate) fn try_take(&self, now: u64, cost: u64) -> Take {
+    pub(crate) fn try_take(&self, now: u64, cost: u64, hold: bool) -> Take {
         match &self.params {
             Params::Rate(p) => {
                 let inc = p.debit_ns(cost);
                 let probe = if cost == 0 { p.debit_ns(1) } else { inc };
-                let mut cur = self.state.load(Ordering::Acquire);
+                let mut cur = self.load();
                 loop {
-                    if cur == SEALED {
+                    if cur.sealed() {
                         return Take::Sealed;
                     }
-                    let base = cur.max(now);
+                    let floor = now.saturating_add(p.debit_ns(cur.held));
+                    let base = cur.tat.max(floor);
                     let new = base.saturating_add(probe).min(TAT_MAX);
                     if new - now > p.tau_ns {
                         return Take::Busy {
@@ -219,17 +284,15 @@ impl Slot {
                             after: cur,
                         };
                     }
-                    let new = base.saturating_add(inc).min(TAT_MAX);
-                    match self.state.compare_exchange_weak(
-                        cur,
-                        new,
-                        Ordering::AcqRel,
-                        Ordering::Acquire,
-                    ) {
-                        Ok(_) => {
+                    let next = State {
+                        tat: base.saturating_add(inc).min(TAT_MAX),
+                        held: if hold { cur.held + cost } else { cur.held },
+                    };
+                    match self.cas(cur, next) {
+                        Ok(()) => {
                             return Take::Taken {
                                 amount: inc,
-                                after: new,
+                                after: next,
                             };
                         }
                         Err(actual) => cur = actual,
@@ -237,8 +300,8 @@ impl Slot {
                 }
             }
             Params::Closed(_) => {
-                let cur = self.state.load(Ordering::Acquire);
-                if cur == SEALED {
+                let cur = self.load();
+                if cur.sealed() {
                     Take::Sealed
                 } else {
                     Take::Busy {
@@ -249,12 +312,12 @@ impl Slot {
             }
             Params::Slots(max) => {
                 let max = *max;
-                let mut cur = self.state.load(Ordering::Acquire);
+                let mut cur = self.load();
                 loop {
-                    if cur == SEALED {
+                    if cur.sealed() {
                         return Take::Sealed;
                     }
-                    if cur >= max {
+                    if cur.tat >= max {
                         return Take::Busy {
                             retry_after_ns: None,
                             after: cur,
@@ -266,17 +329,16 @@ impl Slot {
                             after: cur,
                         };
                     }
-                    match self.state.compare_exchange_weak(
-                        cur,
-                        cur + 1,
-                        Ordering::AcqRel,
-                        Ordering::Acquire,
-                    ) {
-                        Ok(_) => {
+                    let next = State {
+                        tat: cur.tat + 1,
+                        held: 0,
+                    };
+                    match self.cas(cur, next) {
+                        Ok(()) => {
                             self.touched.store(now, Ordering::Relaxed);
                             return Take::Taken {
                                 amount: 1,
-                                after: cur + 1,
+                                after: next,
                             };
                         }
                         Err(actual) => cur = actual,
@@ -286,36 +348,50 @@ impl Slot {
         }
     }
 
-    /// Gives back `amount` (ns for rate, slots for concurrency). A rate bucket never
-    /// rises above full (the TAT never goes below `min(tat, now)`). Returns false if the
-    /// slot is sealed (nothing changed; the caller re-resolves the key).
-    pub(crate) fn give_back(&self, now: u64, amount: u64) -> bool {
-        if amount == 0 {
-            return self.state.load(Ordering::Acquire) != SEALED;
-        }
-        let mut cur = self.state.load(Ordering::Acquire);
+    /// Settles part of a reservation: gives back `refund_ns` of debit (rate) or
+    /// `refund_ns` slots (concurrency), and releases `release` held units. The level
+    /// never rises above `burst - held`. Returns false if sealed (nothing changed; the
+    /// caller re-resolves the key and settles on the current slot in units).
+    pub(crate) fn settle(&self, now: u64, refund_ns: u64, release: u64) -> bool {
+        let mut cur = self.load();
         loop {
-            if cur == SEALED {
+            if cur.sealed() {
                 return false;
             }
-            let new = match self.params {
-                Params::Rate(_) => {
-                    if cur <= now {
-                        return true; // already full
+            let next = match &self.params {
+                Params::Rate(p) => {
+                    assert!(cur.held >= release, "released more than was held");
+                    let held = cur.held - release;
+                    // Start from the capped TAT (refill behind the cap was never
+                    // available), then give back and re-apply the cap for what is
+                    // still held.
+                    let base = cur.tat.max(now.saturating_add(p.debit_ns(cur.held)));
+                    let floor = now.saturating_add(p.debit_ns(held));
+                    State {
+                        tat: base.saturating_sub(refund_ns).max(floor),
+                        held,
                     }
-                    cur.saturating_sub(amount).max(now)
                 }
-                Params::Closed(_) => return true,
+                Params::Closed(_) => {
+                    assert!(cur.held >= release, "released more than was held");
+                    State {
+                        tat: cur.tat,
+                        held: cur.held - release,
+                    }
+                }
                 Params::Slots(_) => {
-                    assert!(cur >= amount, "released more slots than were taken");
-                    cur - amount
+                    assert!(cur.tat >= refund_ns, "released more slots than were taken");
+                    State {
+                        tat: cur.tat - refund_ns,
+                        held: 0,
+                    }
                 }
             };
-            match self
-                .state
-                .compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Acquire)
-            {
-                Ok(_) => return true,
+            if next == cur {
+                return true;
+            }
+            match self.cas(cur, next) {
+                Ok(()) => return true,
                 Err(actual) => cur = actual,
             }
         }
@@ -326,101 +402,136 @@ impl Slot {
     /// Returns false if sealed.
     pub(crate) fn charge(&self, now: u64, cost: u64) -> bool {
         let Params::Rate(p) = &self.params else {
-            return self.state.load(Ordering::Acquire) != SEALED;
+            return !self.load().sealed();
         };
         let inc = p.debit_ns(cost);
-        let mut cur = self.state.load(Ordering::Acquire);
+        let mut cur = self.load();
         loop {
-            if cur == SEALED {
+            if cur.sealed() {
                 return false;
             }
-            let new = cur.max(now).saturating_add(inc).min(TAT_MAX);
-            match self
-                .state
-                .compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Acquire)
-            {
-                Ok(_) => return true,
+            let floor = now.saturating_add(p.debit_ns(cur.held));
+            let next = State {
+                tat: cur.tat.max(floor).saturating_add(inc).min(TAT_MAX),
+                held: cur.held,
+            };
+            match self.cas(cur, next) {
+                Ok(()) => return true,
                 Err(actual) => cur = actual,
             }
         }
     }
 
     /// Seals the slot and returns its final state, or `None` if it was already sealed.
-    pub(crate) fn seal(&self) -> Option<u64> {
-        let prev = self.state.swap(SEALED, Ordering::AcqRel);
-        (prev != SEALED).then_some(prev)
+    pub(crate) fn seal(&self) -> Option<State> {
+        let prev = State::unpack(self.state.swap(
+            State {
+                tat: SEALED,
+                held: 0,
+            }
+            .pack(),
+            Ordering::AcqRel,
+        ));
+        (!prev.sealed()).then_some(prev)
     }
 
-    /// Seals the slot only if it is at rest: a rate bucket full since at least `idle_ns`
-    /// before `now` (no take since then, since a take leaves the TAT above its time), or
-    /// no slot in flight and none taken for `idle_ns`. Evicting such a slot is invisible: it is recreated identical.
+    /// Seals the slot only if it is at rest: a rate bucket full, holding nothing, with
+    /// no take for `idle_ns` (a take leaves the TAT above its time); or no slot in
+    /// flight and none taken for `idle_ns`. Evicting such a slot is invisible: it is
+    /// recreated identical.
     pub(crate) fn seal_if_at_rest(&self, now: u64, idle_ns: u64) -> bool {
-        let cur = self.state.load(Ordering::Acquire);
-        let at_rest = match self.params {
-            Params::Rate(_) | Params::Closed(_) => {
-                cur != SEALED && cur.saturating_add(idle_ns) <= now
-            }
-            Params::Slots(_) => {
-                cur == 0 && self.touched.load(Ordering::Relaxed).saturating_add(idle_ns) <= now
-            }
-        };
+        let cur = self.load();
+        let at_rest = !cur.sealed()
+            && match self.params {
+                Params::Rate(_) | Params::Closed(_) => {
+                    cur.held == 0 && cur.tat.saturating_add(idle_ns) <= now
+                }
+                Params::Slots(_) => {
+                    cur.tat == 0
+                        && self.touched.load(Ordering::Relaxed).saturating_add(idle_ns) <= now
+                }
+            };
         at_rest
             && self
                 .state
-                .compare_exchange(cur, SEALED, Ordering::AcqRel, Ordering::Acquire)
+                .compare_exchange(
+                    cur.pack(),
+                    State {
+                        tat: SEALED,
+                        held: 0,
+                    }
+                    .pack(),
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                )
                 .is_ok()
     }
 
     /// True once sealed.
     pub(crate) fn is_sealed(&self) -> bool {
-        self.state.load(Ordering::Acquire) == SEALED
+        self.load().sealed()
     }
 
-    /// Level in whole units at `now` for a given state (may be negative: debt).
-    pub(crate) fn level(params: &Params, state: u64, now: u64) -> i128 {
+    /// Admissible level in whole units at `now` (negative: debt): tokens a request could
+    /// take now, or free slots.
+    pub(crate) fn level(params: &Params, state: State, now: u64) -> i128 {
         match params {
             Params::Rate(p) => {
-                let deficit = state.saturating_sub(now);
+                let floor = now.saturating_add(p.debit_ns(state.held));
+                let deficit = state.tat.max(floor) - now;
                 p.limit.burst as i128 - p.tokens_owed(deficit) as i128
             }
-            Params::Closed(_) => 0,
-            Params::Slots(max) => *max as i128 - state as i128,
+            Params::Closed(_) => -(state.held as i128),
+            Params::Slots(max) => *max as i128 - state.tat as i128,
         }
     }
 }
 
 /// Converts a sealed slot's final state to the state of a slot with new parameters,
 /// under invariant 2, adding `transfer` units (tokens handed over by the allocator from
-/// another agent's shrink) without exceeding the new capacity.
+/// another agent's shrink) without exceeding the new capacity. Held reservations carry
+/// over: the clamp applies to `level + held` (see the module docs), so a refund after
+/// a shrink or a growth cannot lift the level above what an exact bucket would hold.
 ///
 /// Returns the new state and the whole units the clamp gave up (which the agent reports
 /// so that the allocator can hand them on).
 pub(crate) fn convert(
     old: &Params,
-    state: u64,
+    state: State,
     new: &Params,
     now: u64,
     transfer: u64,
-) -> (u64, u64) {
+) -> (State, u64) {
     match (old, new) {
         (Params::Slots(_), Params::Slots(_)) => (state, 0),
-        (_, Params::Slots(_)) => (0, 0),
+        (_, Params::Slots(_)) | (Params::Slots(_), _) => (Slot::full_state(new, now), 0),
         (old, new) => {
-            let level = match old {
-                Params::Slots(_) => 0,
-                _ => Slot::level(old, state, now),
-            };
+            let held = state.held as i128;
+            let with_held = Slot::level(old, state, now) + held;
             let cap = new.capacity() as i128;
-            let released = (level - cap).max(0) as u64;
-            let kept = level.min(cap).saturating_add(transfer as i128).min(cap);
+            let released = (with_held - cap).max(0) as u64;
+            let kept = with_held.min(cap).saturating_add(transfer as i128).min(cap);
             match new {
                 Params::Rate(p) => {
-                    // Deficit below full, in whole units; debt (kept < 0) carries over.
-                    let owed = (cap - kept).max(0) as u64;
-                    let state = now.saturating_add(p.debit_ns(owed)).min(TAT_MAX);
-                    (state, released)
+                    // Owed below full, in whole units: the held units and any debt.
+                    let owed = (cap - kept + held).max(0) as u64;
+                    let owed = owed.max(state.held);
+                    let tat = now.saturating_add(p.debit_ns(owed)).min(TAT_MAX);
+                    (
+                        State {
+                            tat,
+                            held: state.held,
+                        },
+                        released,
+                    )
                 }
-                _ => (now, level.max(0) as u64),
+                _ => (
+                    State {
+                        tat: now,
+                        held: state.held,
+                    },
+                    with_held.max(0) as u64,
+                ),
             }
         }
     }
@@ -442,59 +553,87 @@ mod tests {
         })
     }
 
+    fn full(p: Params, now: u64) -> Slot {
+        Slot::new(key(), p, Slot::full_state(&p, now))
+    }
+
+    fn level(s: &Slot, now: u64) -> i128 {
+        Slot::level(&s.params, s.load(), now)
+    }
+
     #[test]
     fn a_full_bucket_admits_exactly_its_burst_then_refills_at_the_rate() {
-        let slot = Slot::new(key(), rate(10, 5), Slot::full_state(0));
+        let slot = full(rate(10, 5), 0);
         for _ in 0..5 {
-            assert!(matches!(slot.try_take(0, 1), Take::Taken { .. }));
+            assert!(matches!(slot.try_take(0, 1, false), Take::Taken { .. }));
         }
-        let Take::Busy { retry_after_ns, .. } = slot.try_take(0, 1) else {
+        let Take::Busy { retry_after_ns, .. } = slot.try_take(0, 1, false) else {
             panic!("sixth token must be refused");
         };
         assert_eq!(retry_after_ns, Some(100_000_000));
-        assert!(matches!(slot.try_take(99_999_999, 1), Take::Busy { .. }));
-        assert!(matches!(slot.try_take(100_000_000, 1), Take::Taken { .. }));
+        assert!(matches!(slot.try_take(99_999_999, 1, false), Take::Busy { .. }));
+        assert!(matches!(slot.try_take(100_000_000, 1, false), Take::Taken { .. }));
     }
 
     #[test]
     fn a_cost_equal_to_burst_fits_even_when_the_interval_is_not_whole() {
         // I = 1e9/3 ns, not a whole number of ns.
-        let slot = Slot::new(key(), rate(3, 7), Slot::full_state(0));
-        assert!(matches!(slot.try_take(0, 7), Take::Taken { .. }));
-        assert!(matches!(slot.try_take(0, 1), Take::Busy { .. }));
+        let slot = full(rate(3, 7), 0);
+        assert!(matches!(slot.try_take(0, 7, false), Take::Taken { .. }));
+        assert!(matches!(slot.try_take(0, 1, false), Take::Busy { .. }));
     }
 
     #[test]
-    fn give_back_never_raises_the_level_above_full() {
-        let slot = Slot::new(key(), rate(10, 5), Slot::full_state(1_000));
-        let Take::Taken { amount, .. } = slot.try_take(1_000, 2) else {
+    fn settling_never_raises_the_level_above_full() {
+        let slot = full(rate(10, 5), 1_000);
+        let Take::Taken { amount, .. } = slot.try_take(1_000, 2, true) else {
             panic!()
         };
-        assert!(slot.give_back(1_000, amount * 10));
-        assert_eq!(
-            Slot::level(&slot.params, slot.state.load(Ordering::Relaxed), 1_000),
-            5
-        );
+        assert_eq!(level(&slot, 1_000), 3);
+        assert!(slot.settle(1_000, amount * 10, 2));
+        assert_eq!(level(&slot, 1_000), 5);
+    }
+
+    #[test]
+    fn a_held_reservation_caps_refill_so_a_refund_cannot_overfill() {
+        // burst 10 at 10/s: reserve 8 (held), then 1 s passes.
+        let slot = full(rate(10, 10), 0);
+        let Take::Taken { amount, .. } = slot.try_take(0, 8, true) else {
+            panic!()
+        };
+        let later = 1_000_000_000;
+        assert_eq!(level(&slot, later), 2, "refill stops at burst - held");
+        // All 8 unused: the refund restores them; level + held never exceeded 10.
+        let p = match slot.params {
+            Params::Rate(p) => p,
+            _ => unreachable!(),
+        };
+        assert!(slot.settle(later, amount - p.debit_ns(0), 8));
+        assert_eq!(level(&slot, later), 10);
+        // Had 5 been used, level + held would be 10 - 5 after settling.
+        let slot = full(rate(10, 10), 0);
+        let Take::Taken { amount, .. } = slot.try_take(0, 8, true) else {
+            panic!()
+        };
+        assert!(slot.settle(later, amount - p.debit_ns(5), 8));
+        assert_eq!(level(&slot, later), 5);
     }
 
     #[test]
     fn zero_cost_checks_without_debiting() {
-        let slot = Slot::new(key(), rate(10, 1), Slot::full_state(0));
-        assert!(matches!(slot.try_take(0, 0), Take::Taken { amount: 0, .. }));
-        assert!(matches!(slot.try_take(0, 1), Take::Taken { .. }));
-        assert!(matches!(slot.try_take(0, 0), Take::Busy { .. }));
+        let slot = full(rate(10, 1), 0);
+        assert!(matches!(slot.try_take(0, 0, false), Take::Taken { amount: 0, .. }));
+        assert!(matches!(slot.try_take(0, 1, false), Take::Taken { .. }));
+        assert!(matches!(slot.try_take(0, 0, false), Take::Busy { .. }));
     }
 
     #[test]
     fn charge_goes_into_debt_and_later_requests_wait() {
-        let slot = Slot::new(key(), rate(10, 10), Slot::full_state(0));
+        let slot = full(rate(10, 10), 0);
         assert!(slot.charge(0, 30));
-        assert_eq!(
-            Slot::level(&slot.params, slot.state.load(Ordering::Relaxed), 0),
-            -20
-        );
+        assert_eq!(level(&slot, 0), -20);
         // 20 tokens of debt plus 1 token: 2.1 s.
-        let Take::Busy { retry_after_ns, .. } = slot.try_take(0, 1) else {
+        let Take::Busy { retry_after_ns, .. } = slot.try_take(0, 1, false) else {
             panic!()
         };
         assert_eq!(retry_after_ns, Some(2_100_000_000));
@@ -502,11 +641,11 @@ mod tests {
 
     #[test]
     fn sealed_slots_refuse_everything() {
-        let slot = Slot::new(key(), rate(10, 10), Slot::full_state(0));
-        assert_eq!(slot.seal(), Some(0));
+        let slot = full(rate(10, 10), 0);
+        assert_eq!(slot.seal(), Some(State { tat: 0, held: 0 }));
         assert_eq!(slot.seal(), None);
-        assert_eq!(slot.try_take(0, 1), Take::Sealed);
-        assert!(!slot.give_back(0, 1));
+        assert_eq!(slot.try_take(0, 1, false), Take::Sealed);
+        assert!(!slot.settle(0, 1, 0));
         assert!(!slot.charge(0, 1));
     }
 
@@ -514,43 +653,39 @@ mod tests {
     fn shrinking_clamps_and_reports_what_it_gave_up_growing_keeps_the_level() {
         let big = rate(100, 100);
         let small = rate(10, 10);
-        let (state, released) = convert(&big, Slot::full_state(0), &small, 0, 0);
+        let (state, released) = convert(&big, Slot::full_state(&big, 0), &small, 0, 0);
         assert_eq!(released, 90);
         assert_eq!(Slot::level(&small, state, 0), 10);
         let (state, released) = convert(&small, state, &big, 0, 0);
         assert_eq!(released, 0);
-        assert_eq!(
-            Slot::level(&big, state, 0),
-            10,
-            "growth must not raise the level"
-        );
+        assert_eq!(Slot::level(&big, state, 0), 10, "growth must not raise the level");
         let (state, _) = convert(&big, state, &big, 0, 500);
-        assert_eq!(
-            Slot::level(&big, state, 0),
-            100,
-            "transfer is capped at capacity"
-        );
+        assert_eq!(Slot::level(&big, state, 0), 100, "transfer is capped at capacity");
+    }
+
+    #[test]
+    fn held_units_carry_over_a_slice_change_and_count_against_the_clamp() {
+        let big = rate(100, 100);
+        let small = rate(10, 10);
+        let slot = full(big, 0);
+        assert!(matches!(slot.try_take(0, 30, true), Take::Taken { .. }));
+        // level 70 + held 30 = 100, clamped to 10: level -20, held 30.
+        let (state, released) = convert(&big, slot.load(), &small, 0, 0);
+        assert_eq!(released, 90);
+        assert_eq!(state.held, 30);
+        assert_eq!(Slot::level(&small, state, 0), -20);
     }
 
     #[test]
     fn slots_admit_up_to_max_and_release() {
-        let slot = Slot::new(key(), Params::Slots(2), 0);
+        let slot = full(Params::Slots(2), 0);
         assert!(matches!(
-            slot.try_take(0, 1),
-            Take::Taken {
-                amount: 1,
-                after: 1
-            }
+            slot.try_take(0, 1, false),
+            Take::Taken { amount: 1, after: State { tat: 1, .. } }
         ));
-        assert!(matches!(
-            slot.try_take(0, 1),
-            Take::Taken {
-                amount: 1,
-                after: 2
-            }
-        ));
-        assert!(matches!(slot.try_take(0, 1), Take::Busy { .. }));
-        assert!(slot.give_back(0, 1));
-        assert!(matches!(slot.try_take(0, 1), Take::Taken { .. }));
+        assert!(matches!(slot.try_take(0, 1, false), Take::Taken { amount: 1, .. }));
+        assert!(matches!(slot.try_take(0, 1, false), Take::Busy { .. }));
+        assert!(slot.settle(0, 1, 0));
+        assert!(matches!(slot.try_take(0, 1, false), Take::Taken { .. }));
     }
 }

@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use arc_swap::{ArcSwap, Cache};
 
-use crate::bucket::{self, Params, RateLimit, SEALED, Slot, Take};
+use crate::bucket::{self, Params, RateLimit, Slot, State, Take};
 use crate::config::{
     Config, Dimension, MAX_COST, MAX_DESCRIPTOR_BYTES, MAX_DESCRIPTORS, MAX_LIMITS_PER_REQUEST,
     MAX_REQUEST_ID_BYTES, Mode, Pattern, Posture, Rule, RuleLimit, RuleSet, SliceSource, Unmatched,
@@ -95,7 +95,7 @@ pub struct LimitStatus {
     /// True when this limit (a shadow rule) would have rejected.
     pub shadow_rejected: bool,
     params: Params,
-    state: u64,
+    state: State,
     now: u64,
 }
 
@@ -112,25 +112,17 @@ impl LimitStatus {
 
     /// Whole units left after this decision.
     pub fn remaining(&self) -> u64 {
-        match &self.params {
-            Params::Rate(p) => {
-                let deficit = self.state.saturating_sub(self.now);
-                if deficit >= p.tau_ns {
-                    0
-                } else {
-                    p.tokens_in(p.tau_ns - deficit).min(p.limit.burst)
-                }
-            }
-            Params::Closed(_) => 0,
-            Params::Slots(max) => max.saturating_sub(self.state),
-        }
+        Slot::level(&self.params, self.state, self.now).clamp(0, self.limit() as i128) as u64
     }
 
-    /// Nanoseconds until the limit is whole again (rate buckets: full; slots: unknown,
-    /// reported as 0).
+    /// Nanoseconds until the limit is whole again, if nothing more is admitted and the
+    /// reservations held settle with no refund (slots: unknown, reported as 0).
     pub fn reset_after_ns(&self) -> u64 {
         match &self.params {
-            Params::Rate(_) => self.state.saturating_sub(self.now),
+            Params::Rate(p) => {
+                let owed = self.limit() as i128 - Slot::level(&self.params, self.state, self.now);
+                p.debit_ns(owed.max(0) as u64)
+            }
             Params::Closed(_) | Params::Slots(_) => 0,
         }
     }
@@ -374,6 +366,16 @@ impl CompiledRule {
                 .saturating_add(self.rule.reserved_output(c.max_output_tokens)),
             Dimension::Concurrency => c.requests.min(1),
         }
+    }
+
+    /// Token dimensions may be partly refunded at completion; their reservations are
+    /// held (bucket.rs) until settled.
+    #[inline]
+    fn refundable(&self) -> bool {
+        matches!(
+            self.dimension,
+            Dimension::InputTokens | Dimension::OutputTokens | Dimension::TotalTokens
+        )
     }
 
     fn actual(&self, reserved: u64, u: &Usage) -> u64 {
@@ -654,7 +656,8 @@ impl Engine {
                         }
                     },
                 };
-                match slot.try_take(now, cost) {
+                let hold = rule.refundable();
+                match slot.try_take(now, cost, hold) {
                     Take::Taken { amount, after } => {
                         limits.push(status(rule, cost, false, &slot.params, after, now));
                         held[n_held] = Some(LeaseLimit {
@@ -662,6 +665,7 @@ impl Engine {
                             mode: rule.rule.mode,
                             reserved: cost,
                             debited: amount,
+                            held: if hold && amount > 0 { cost } else { 0 },
                             slot,
                         });
                         n_held += 1;
@@ -742,25 +746,29 @@ impl Engine {
     /// Undoes every debit in `held` (a rejection or a failed insert).
     fn rollback(&self, now: u64, held: &[Option<LeaseLimit>]) {
         for l in held.iter().flatten() {
-            if !l.slot.give_back(now, l.debited) {
-                // Sealed since: give the reservation back to the current slot, in units.
-                self.give_back_units(now, &l.slot.key, l.dimension, l.reserved);
+            if !l.slot.settle(now, l.debited, l.held) {
+                // Sealed since: settle on the current slot, in units.
+                self.settle_current(now, l, l.reserved);
             }
         }
     }
 
-    fn give_back_units(&self, now: u64, key: &LimitKey, dim: Dimension, units: u64) {
+    /// Settles `l` on the key's *current* slot (the one it was debited on has been
+    /// sealed by a slice change; its held units carried over): gives back `refund`
+    /// units (one slot, for concurrency) and releases what `l` held.
+    fn settle_current(&self, now: u64, l: &LeaseLimit, refund: u64) {
+        let key = &l.slot.key;
         let values: Vec<&str> = key.values().collect();
         for _ in 0..8 {
             let Some(slot) = self.current_slot(key.id, key.rule, &values) else {
-                return; // evicted at rest: nothing to give back to
+                return; // evicted at rest: it held nothing
             };
-            let amount = match (&slot.params, dim) {
-                (Params::Slots(_), _) => units.min(1),
-                (Params::Rate(p), _) => p.refund_ns(units),
-                (Params::Closed(_), _) => 0,
+            let amount = match &slot.params {
+                Params::Slots(_) => refund.min(1),
+                Params::Rate(p) => p.refund_ns(refund),
+                Params::Closed(_) => 0,
             };
-            if slot.give_back(now, amount) {
+            if slot.settle(now, amount, l.held) {
                 return;
             }
         }
@@ -819,16 +827,16 @@ impl Engine {
         let boxed: Box<[Box<str>]> = values.iter().map(|v| Box::<str>::from(*v)).collect();
         let (params, state) = match slow.slices.get(&(rule, boxed.clone())) {
             // A granted key whose slot was evicted at rest: recreate it full, as it was.
-            Some(s) => (s.grant, Slot::full_state(now)),
+            Some(s) => (s.grant, Slot::full_state(&s.grant, now)),
             None => match self.cfg.slice_source {
-                SliceSource::Standalone => (c.whole, Slot::full_state(now)),
+                SliceSource::Standalone => (c.whole, Slot::full_state(&c.whole, now)),
                 SliceSource::Allocated => {
                     let closed = match c.whole {
                         Params::Slots(_) => Params::Slots(0),
                         Params::Rate(p) => Params::Closed(p.limit),
                         Params::Closed(l) => Params::Closed(l),
                     };
-                    (closed, Slot::empty_state(&closed, now))
+                    (closed, Slot::full_state(&closed, now))
                 }
             },
         };
@@ -953,32 +961,29 @@ impl Engine {
         }
     }
 
-    /// Reconciles one limit. `live`: the lease was live (refund and release); otherwise
-    /// it expired earlier (slots already released, no refund), and only output beyond
-    /// the reservation is charged.
+    /// Reconciles one limit. `live`: the lease was live (refund and release);
+    /// otherwise it expired earlier (slots and held units already released, nothing
+    /// refunded), and only usage beyond the reservation is charged.
     fn settle(&self, now: u64, l: &LeaseLimit, usage: &Usage, live: bool) {
         let rule = &self.compiled[l.slot.key.rule as usize];
         if l.dimension == Dimension::Concurrency {
-            if live && l.debited > 0 && !l.slot.give_back(now, l.debited) {
-                self.give_back_units(now, &l.slot.key, l.dimension, l.debited);
+            if live && l.debited > 0 && !l.slot.settle(now, l.debited, 0) {
+                self.settle_current(now, l, l.debited);
             }
             return;
         }
         let actual = rule.actual(l.reserved, usage);
-        if actual < l.reserved {
-            if !live {
-                return;
+        if live && (l.held > 0 || actual < l.reserved) {
+            let used = actual.min(l.reserved);
+            let exact_ns = match &l.slot.params {
+                Params::Rate(p) => l.debited.saturating_sub(p.debit_ns(used)),
+                Params::Closed(_) | Params::Slots(_) => 0,
+            };
+            if !l.slot.settle(now, exact_ns, l.held) {
+                self.settle_current(now, l, l.reserved - used);
             }
-            match &l.slot.params {
-                Params::Rate(p) => {
-                    let ns = l.debited.saturating_sub(p.debit_ns(actual));
-                    if !l.slot.give_back(now, ns) {
-                        self.give_back_units(now, &l.slot.key, l.dimension, l.reserved - actual);
-                    }
-                }
-                Params::Closed(_) | Params::Slots(_) => {}
-            }
-        } else if actual > l.reserved {
+        }
+        if actual > l.reserved {
             self.charge_units(now, &l.slot.key, actual - l.reserved, &l.slot);
         }
     }
@@ -1146,6 +1151,21 @@ impl Engine {
         let id = self.hashing.key_id(rule, vals.iter().copied());
         let table = self.table.load();
         let existing = find_live(slow, &table, id, rule, &vals);
+        if let Some((_, old)) = &existing
+            && old.params == params
+            && transfer == 0
+        {
+            // A renewal: same slice. Keep the slot (and its pending refunds).
+            let state = old.load();
+            return Ok(SliceApplied {
+                released_tokens: 0,
+                in_flight: if matches!(params, Params::Slots(_)) {
+                    state.tat
+                } else {
+                    0
+                },
+            });
+        }
         let (slot_id, key, state, released) = match existing {
             Some((slot_id, old)) => match old.seal() {
                 Some(final_state) => {
@@ -1175,17 +1195,17 @@ impl Engine {
                     values: vals.iter().map(|v| Box::<str>::from(*v)).collect(),
                 });
                 slow.keys += 1;
-                let empty = Slot::empty_state(&params, now);
-                let (state, _) = bucket::convert(&params, empty, &params, now, transfer);
-                (slot_id, key, state, 0)
+                (slot_id, key, Slot::state_with(&params, now, transfer), 0)
             }
         };
         let in_flight = match params {
-            Params::Slots(_) => state,
+            Params::Slots(_) => state.tat,
             _ => 0,
         };
-        slow.pending
-            .insert(slot_id, Arc::new(Slot::new(key, params, state)));
+        slow.pending.insert(
+            slot_id,
+            Arc::new(Slot::new(key, params, state)),
+        );
         Ok(SliceApplied {
             released_tokens: released,
             in_flight,
@@ -1203,11 +1223,15 @@ impl Engine {
         report.leases_expired = expired.len();
         for lease in &expired {
             for l in lease.limits() {
-                if l.dimension == Dimension::Concurrency
-                    && l.debited > 0
-                    && !l.slot.give_back(now, l.debited)
-                {
-                    self.give_back_units(now, &l.slot.key, l.dimension, l.debited);
+                // Release slots and held units; refund nothing (the reservation is
+                // charged in full: nobody said what was used).
+                let slots = if l.dimension == Dimension::Concurrency {
+                    l.debited
+                } else {
+                    0
+                };
+                if (slots > 0 || l.held > 0) && !l.slot.settle(now, slots, l.held) {
+                    self.settle_current(now, l, slots);
                 }
             }
             self.sink.record(&UsageRecord {
@@ -1303,8 +1327,8 @@ impl Engine {
         let ri = ri as u32;
         let id = self.hashing.key_id(ri, values.iter().copied());
         let slot = self.current_slot(id, ri, values)?;
-        let state = slot.state.load(Ordering::Acquire);
-        (state != SEALED).then(|| Slot::level(&slot.params, state, now))
+        let state = slot.load();
+        (!slot.is_sealed()).then(|| Slot::level(&slot.params, state, now))
     }
 
     /// Live leases.
@@ -1349,7 +1373,7 @@ impl Engine {
         }
         let vals = &vals[..key.values.len()];
         if let Some(slot) = table.lookup(key.id, key.rule, vals) {
-            match slot.try_take(now, cost) {
+            match slot.try_take(now, cost, false) {
                 Take::Taken { .. } => return Ok(true),
                 Take::Busy { .. } => return Ok(false),
                 Take::Sealed => {}
@@ -1357,7 +1381,7 @@ impl Engine {
         }
         for _ in 0..8 {
             let slot = self.resolve_slow(now, key.id, key.rule, vals)?;
-            match slot.try_take(now, cost) {
+            match slot.try_take(now, cost, false) {
                 Take::Taken { .. } => return Ok(true),
                 Take::Busy { .. } => return Ok(false),
                 Take::Sealed => continue,
@@ -1396,11 +1420,15 @@ impl Engine {
                 slow.keys
             ));
         }
-        let mut held: HashMap<u64, u64> = HashMap::new();
+        // Per key: slots taken and token units held by live leases.
+        let mut held: HashMap<u64, (u64, u64)> = HashMap::new();
         self.leases.for_each(|l| {
             for ll in l.limits() {
+                let e = held.entry(ll.slot.key.id).or_default();
                 if ll.dimension == Dimension::Concurrency {
-                    *held.entry(ll.slot.key.id).or_default() += ll.debited;
+                    e.0 += ll.debited;
+                } else {
+                    e.1 += ll.held;
                 }
             }
         });
@@ -1409,25 +1437,32 @@ impl Engine {
             return Err(format!("{leases} leases > bound"));
         }
         for (id, s) in &live {
-            let state = s.state.load(Ordering::Acquire);
+            let state = s.load();
+            let (slots, units) = held.get(id).copied().unwrap_or((0, 0));
             match s.params {
                 Params::Slots(_) => {
-                    let want = held.get(id).copied().unwrap_or(0);
-                    if state != want {
+                    if state.tat != slots {
                         return Err(format!(
                             "{}: {} slots in flight but {} held by leases",
-                            s.key, state, want
+                            s.key, state.tat, slots
                         ));
                     }
                 }
-                Params::Rate(_) => {
-                    if Slot::level(&s.params, state, now) > s.params.capacity() as i128 {
-                        return Err(format!("{}: level above capacity", s.key));
+                Params::Rate(_) | Params::Closed(_) => {
+                    if state.held != units {
+                        return Err(format!(
+                            "{}: {} units held but leases hold {}",
+                            s.key, state.held, units
+                        ));
+                    }
+                    let with_held = Slot::level(&s.params, state, now) + state.held as i128;
+                    if matches!(s.params, Params::Rate(_))
+                        && with_held > s.params.capacity() as i128
+                    {
+                        return Err(format!("{}: level plus held above capacity", s.key));
                     }
                 }
-                Params::Closed(_) => {}
             }
-            debug_assert!(state != SEALED);
         }
         Ok(())
     }
@@ -1526,7 +1561,7 @@ fn status(
     cost: u64,
     shadow_rejected: bool,
     params: &Params,
-    state: u64,
+    state: State,
     now: u64,
 ) -> LimitStatus {
     LimitStatus {
@@ -1557,7 +1592,7 @@ fn replay(l: &Lease, now: u64) -> Decision {
             cost: ll.reserved,
             shadow_rejected: false,
             params: ll.slot.params,
-            state: ll.slot.state.load(Ordering::Acquire),
+            state: ll.slot.load(),
             now,
         });
     }

@@ -53,6 +53,9 @@ pub struct LeaseLimit {
     pub(crate) reserved: u64,
     /// Raw amount debited from `slot` (ns for rate buckets, slots for concurrency).
     pub(crate) debited: u64,
+    /// Units counted in the key's `held` until settled (token dimensions: `reserved`;
+    /// requests and concurrency: 0).
+    pub(crate) held: u64,
 }
 
 impl LeaseLimit {
