@@ -1,1 +1,216 @@
-fn main() {}
+//! The hot path, side by side with the `governor` crate (keyed, DashMap store) in one
+//! harness, so the figures are ratios from one run on one machine.
+//!
+//! Run: `cargo bench -p bursar-agent --bench hot_path`
+//!
+//! Both limiters are set so that every check is admitted (the common case), and both
+//! look a key up by an integer-like handle: governor hashes a `u64` key into its
+//! DashMap; ours finds a pre-resolved `KeyHandle`'s id in the arc-swap table through a
+//! per-thread `Worker` cache. Ours reads a coarse clock (one atomic load); governor
+//! reads its default clock (quanta). FIELD-NOTES records both clock costs.
+#![allow(missing_docs)] // criterion_group! generates undocumented items
+
+use std::hint::black_box;
+use std::num::NonZeroU32;
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use bursar_agent::clock::{Clock, CoarseClock};
+use bursar_agent::testing::{THREE_DIMENSIONS, engine};
+use bursar_agent::{AdmitRequest, CompletionStatus, Cost, Engine, KeyHandle, Usage};
+use criterion::{Criterion, criterion_group, criterion_main};
+use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
+
+const KEYS: usize = 10_000;
+
+const OURS: &str = r#"
+[engine]
+max_keys = 20_000
+[[rule]]
+name = "rps"
+match = { k = "*" }
+dimension = "requests"
+rate = 4_000_000_000
+per = "second"
+burst = 4_000_000_000
+"#;
+
+fn governor() -> DefaultKeyedRateLimiter<u64> {
+    RateLimiter::keyed(Quota::per_second(NonZeroU32::MAX))
+}
+
+fn ours() -> (Arc<Engine>, Vec<KeyHandle>) {
+    let e = engine(OURS);
+    let names: Vec<String> = (0..KEYS).map(|i| format!("key-{i}")).collect();
+    let handles: Vec<KeyHandle> = names
+        .iter()
+        .map(|n| e.key_handle("rps", &[n]).expect("rule"))
+        .collect();
+    // Create every key (slow path) and publish them, so the benchmark sees warm keys.
+    let mut w = e.worker();
+    for h in &handles {
+        assert!(w.try_acquire(0, h, 1).expect("ok"));
+    }
+    e.maintain(0);
+    (e, handles)
+}
+
+fn single_thread(c: &mut Criterion) {
+    let (clock, _driver) = CoarseClock::start(Duration::from_micros(100));
+    let (e, handles) = ours();
+    let gov = governor();
+    for k in 0..KEYS as u64 {
+        let _ = gov.check_key(&k);
+    }
+
+    let mut g = c.benchmark_group("keyed_check");
+    g.bench_function("governor/1_key", |b| {
+        b.iter(|| black_box(gov.check_key(black_box(&7u64)).is_ok()))
+    });
+    let mut w = e.worker();
+    g.bench_function("bursar/1_key", |b| {
+        b.iter(|| {
+            black_box(
+                w.try_acquire(clock.now_ns(), black_box(&handles[7]), 1)
+                    .expect("ok"),
+            )
+        })
+    });
+    let mut i = 0u64;
+    g.bench_function("governor/10k_keys", |b| {
+        b.iter(|| {
+            i = (i + 7919) % KEYS as u64;
+            black_box(gov.check_key(black_box(&i)).is_ok())
+        })
+    });
+    let mut j = 0usize;
+    g.bench_function("bursar/10k_keys", |b| {
+        b.iter(|| {
+            j = (j + 7919) % KEYS;
+            black_box(
+                w.try_acquire(clock.now_ns(), black_box(&handles[j]), 1)
+                    .expect("ok"),
+            )
+        })
+    });
+    g.finish();
+}
+
+/// Two threads, `iters` checks each, run at once; the time per iteration is wall time
+/// over `iters`, i.e. the cost of one check per thread while the other runs too.
+fn two_threads(c: &mut Criterion) {
+    let (clock, _driver) = CoarseClock::start(Duration::from_micros(100));
+    let (e, handles) = ours();
+    let handles = Arc::new(handles);
+    let gov = Arc::new(governor());
+
+    let mut g = c.benchmark_group("two_threads");
+    for (name, same) in [("distinct_keys", false), ("same_key", true)] {
+        g.bench_function(format!("governor/{name}"), |b| {
+            b.iter_custom(|iters| {
+                let barrier = Arc::new(Barrier::new(2));
+                let start = Instant::now();
+                std::thread::scope(|s| {
+                    for t in 0..2u64 {
+                        let (gov, barrier) = (Arc::clone(&gov), Arc::clone(&barrier));
+                        s.spawn(move || {
+                            barrier.wait();
+                            let mut k = t * 5_000;
+                            for _ in 0..iters {
+                                if !same {
+                                    k = t * 5_000 + (k + 7) % 5_000;
+                                }
+                                black_box(gov.check_key(&k).is_ok());
+                            }
+                        });
+                    }
+                });
+                start.elapsed()
+            })
+        });
+        g.bench_function(format!("bursar/{name}"), |b| {
+            b.iter_custom(|iters| {
+                let barrier = Arc::new(Barrier::new(2));
+                let start = Instant::now();
+                std::thread::scope(|s| {
+                    for t in 0..2usize {
+                        let (handles, barrier, clock) =
+                            (Arc::clone(&handles), Arc::clone(&barrier), clock.clone());
+                        let mut w = e.worker();
+                        s.spawn(move || {
+                            barrier.wait();
+                            let mut k = t * 5_000;
+                            for _ in 0..iters {
+                                if !same {
+                                    k = t * 5_000 + (k + 7) % 5_000;
+                                }
+                                black_box(
+                                    w.try_acquire(clock.now_ns(), &handles[k], 1).expect("ok"),
+                                );
+                            }
+                        });
+                    }
+                });
+                start.elapsed()
+            })
+        });
+    }
+    g.finish();
+}
+
+/// Admit from descriptors over three rules (requests, input tokens, output tokens),
+/// with a lease, then complete it with a refund: the whole per-request cost.
+fn admit_complete(c: &mut Criterion) {
+    let (clock, _driver) = CoarseClock::start(Duration::from_micros(100));
+    let e = engine(THREE_DIMENSIONS);
+    let ids: Vec<String> = (0..4096).map(|i| format!("req-{i:08}")).collect();
+    let mut w = e.worker();
+    let desc = [("org", "acme"), ("key", "k-123"), ("model", "gpt-4o")];
+    let mut n = 0usize;
+    let mut g = c.benchmark_group("admit_complete");
+    g.bench_function("bursar/3_dimensions", |b| {
+        b.iter(|| {
+            n = (n + 1) % ids.len();
+            let id = &ids[n];
+            let now = clock.now_ns();
+            let d = w
+                .admit(
+                    now,
+                    &AdmitRequest {
+                        request_id: id,
+                        domain: None,
+                        descriptors: &desc,
+                        cost: Cost {
+                            requests: 1,
+                            input_tokens: 900,
+                            max_output_tokens: Some(512),
+                        },
+                        ttl_ms: None,
+                    },
+                )
+                .expect("ok");
+            debug_assert!(d.is_admitted());
+            black_box(&d);
+            let usage = Usage {
+                input_tokens: 900,
+                cached_input_tokens: 0,
+                output_tokens: 200,
+            };
+            black_box(
+                e.complete(now, id, usage, CompletionStatus::Ok)
+                    .expect("live"),
+            )
+        })
+    });
+    g.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default()
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(3))
+        .sample_size(40);
+    targets = single_thread, two_threads, admit_complete
+}
+criterion_main!(benches);

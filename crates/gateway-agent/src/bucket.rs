@@ -424,14 +424,16 @@ impl Slot {
 
     /// Seals the slot and returns its final state, or `None` if it was already sealed.
     pub(crate) fn seal(&self) -> Option<State> {
-        let prev = State::unpack(self.state.swap(
-            State {
-                tat: SEALED,
-                held: 0,
-            }
-            .pack(),
-            Ordering::AcqRel,
-        ));
+        let prev = State::unpack(
+            self.state.swap(
+                State {
+                    tat: SEALED,
+                    held: 0,
+                }
+                .pack(),
+                Ordering::AcqRel,
+            ),
+        );
         (!prev.sealed()).then_some(prev)
     }
 
@@ -571,8 +573,14 @@ mod tests {
             panic!("sixth token must be refused");
         };
         assert_eq!(retry_after_ns, Some(100_000_000));
-        assert!(matches!(slot.try_take(99_999_999, 1, false), Take::Busy { .. }));
-        assert!(matches!(slot.try_take(100_000_000, 1, false), Take::Taken { .. }));
+        assert!(matches!(
+            slot.try_take(99_999_999, 1, false),
+            Take::Busy { .. }
+        ));
+        assert!(matches!(
+            slot.try_take(100_000_000, 1, false),
+            Take::Taken { .. }
+        ));
     }
 
     #[test]
@@ -622,7 +630,10 @@ mod tests {
     #[test]
     fn zero_cost_checks_without_debiting() {
         let slot = full(rate(10, 1), 0);
-        assert!(matches!(slot.try_take(0, 0, false), Take::Taken { amount: 0, .. }));
+        assert!(matches!(
+            slot.try_take(0, 0, false),
+            Take::Taken { amount: 0, .. }
+        ));
         assert!(matches!(slot.try_take(0, 1, false), Take::Taken { .. }));
         assert!(matches!(slot.try_take(0, 0, false), Take::Busy { .. }));
     }
@@ -658,9 +669,17 @@ mod tests {
         assert_eq!(Slot::level(&small, state, 0), 10);
         let (state, released) = convert(&small, state, &big, 0, 0);
         assert_eq!(released, 0);
-        assert_eq!(Slot::level(&big, state, 0), 10, "growth must not raise the level");
+        assert_eq!(
+            Slot::level(&big, state, 0),
+            10,
+            "growth must not raise the level"
+        );
         let (state, _) = convert(&big, state, &big, 0, 500);
-        assert_eq!(Slot::level(&big, state, 0), 100, "transfer is capped at capacity");
+        assert_eq!(
+            Slot::level(&big, state, 0),
+            100,
+            "transfer is capped at capacity"
+        );
     }
 
     #[test]
@@ -681,9 +700,15 @@ mod tests {
         let slot = full(Params::Slots(2), 0);
         assert!(matches!(
             slot.try_take(0, 1, false),
-            Take::Taken { amount: 1, after: State { tat: 1, .. } }
+            Take::Taken {
+                amount: 1,
+                after: State { tat: 1, .. }
+            }
         ));
-        assert!(matches!(slot.try_take(0, 1, false), Take::Taken { amount: 1, .. }));
+        assert!(matches!(
+            slot.try_take(0, 1, false),
+            Take::Taken { amount: 1, .. }
+        ));
         assert!(matches!(slot.try_take(0, 1, false), Take::Busy { .. }));
         assert!(slot.settle(0, 1, 0));
         assert!(matches!(slot.try_take(0, 1, false), Take::Taken { .. }));

@@ -319,10 +319,16 @@ pub struct RuleStats {
     pub keys: usize,
 }
 
+/// A compiled match entry: descriptor key and `Some(exact)`, or `None` for `*`.
+type MatchEntry = (Box<str>, Option<Box<str>>);
+
+/// A limit key by value: rule index and `*` values.
+type SliceKey = (u32, Box<[Box<str>]>);
+
 struct CompiledRule {
     index: u32,
     /// Descriptor key and `Some(exact)` or `None` for `*`, sorted by key.
-    matches: Box<[(Box<str>, Option<Box<str>>)]>,
+    matches: Box<[MatchEntry]>,
     dimension: Dimension,
     enforce: bool,
     /// The whole limit (standalone slice).
@@ -438,7 +444,7 @@ struct Slow {
     /// Slots newer than the published table (new keys and replacements).
     pending: HashMap<u64, Arc<Slot>, PassThroughState>,
     /// Allocator grants by key (rule, values).
-    slices: HashMap<(u32, Box<[Box<str>]>), SliceState>,
+    slices: HashMap<SliceKey, SliceState>,
     /// Live keys (table + pending, not counting sealed slots).
     keys: usize,
     /// Admitted/rejected of retired slots, per rule.
@@ -629,8 +635,11 @@ impl Engine {
             }
             let cost = rule.cost(&req.cost);
             any_cost |= cost > 0;
-            if rule.dimension != Dimension::Concurrency && cost > rule.whole_capacity {
-                if rule.enforce {
+            if rule.dimension != Dimension::Concurrency
+                && cost > rule.whole_capacity
+                && rule.enforce
+            {
+                {
                     self.rollback(now, &held);
                     return Ok(Decision::Rejected(Rejected {
                         rule: ri as usize,
@@ -641,7 +650,6 @@ impl Engine {
                         limits,
                     }));
                 }
-                // A shadow rule notes it and moves on.
             }
             let id = self.hashing.key_id(ri, values.iter().copied());
             let mut found = table.lookup(id, ri, values).cloned();
@@ -1202,10 +1210,8 @@ impl Engine {
             Params::Slots(_) => state.tat,
             _ => 0,
         };
-        slow.pending.insert(
-            slot_id,
-            Arc::new(Slot::new(key, params, state)),
-        );
+        slow.pending
+            .insert(slot_id, Arc::new(Slot::new(key, params, state)));
         Ok(SliceApplied {
             released_tokens: released,
             in_flight,
@@ -1248,7 +1254,7 @@ impl Engine {
 
         let mut slow = self.slow();
         // Posture for slices whose lease ended.
-        let ended: Vec<((u32, Box<[Box<str>]>), SliceState)> = slow
+        let ended: Vec<(SliceKey, SliceState)> = slow
             .slices
             .iter()
             .filter(|(_, s)| !s.expired && s.lease_expires_at_ns <= now)

@@ -1,2 +1,353 @@
-//! `bursar-agent`: placeholder until the demo lands.
-fn main() {}
+//! `bursar-agent`: the Bursar gateway agent.
+//!
+//! Today the agent runs **standalone** (one node: each key's slice is the rule's whole
+//! limit). The front doors (HTTP API, Envoy RLS, OpenAI proxy) and the allocator sync
+//! client are not built yet; see the README's status table.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use bursar_agent::clock::{Clock, CoarseClock};
+use bursar_agent::testing::DEMO_RULES;
+use bursar_agent::{
+    AdmitRequest, CompletionStatus, Config, Cost, Decision, Engine, MemorySink, RuleLimit, Usage,
+};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "bursar-agent",
+    version,
+    about = "Bursar gateway agent: admits or rejects each request against in-memory budget slices",
+    long_about = "Bursar gateway agent: admits or rejects each request against in-memory \
+budget slices, with no network hop.\n\nToday it runs standalone (single node: the slice is \
+the whole limit). `demo` drives the real engine with synthetic LLM traffic and prints a live \
+summary; `check-config` validates a rules file. The HTTP API, Envoy RLS service, OpenAI proxy \
+and allocator sync are not built yet."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the engine standalone against synthetic LLM traffic and print a live summary.
+    Demo(DemoArgs),
+    /// Validate a rules file and print what it defines. Exit code 1 on an invalid file.
+    CheckConfig {
+        /// The TOML rules file.
+        file: PathBuf,
+    },
+}
+
+#[derive(Parser)]
+struct DemoArgs {
+    /// Rules file (TOML). Default: the embedded demo rules (an org ceiling over per-key
+    /// limits on input tokens, requests, output tokens, concurrency and a shadow rule).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// How long to run, in seconds.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    duration_s: u64,
+    /// Offered load, requests per second across all tenants.
+    #[arg(long, default_value_t = 2_000, value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
+    rps: u64,
+    /// Tenants (`org` values), Zipf-distributed (a few heavy, many light).
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+    tenants: u64,
+    /// Load-generating threads.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=64))]
+    threads: u64,
+    /// Seed of the synthetic load.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().command {
+        Command::Demo(args) => demo(args),
+        Command::CheckConfig { file } => check_config(&file),
+    }
+}
+
+fn check_config(file: &std::path::Path) -> Result<()> {
+    let cfg = Config::from_file(file).map_err(|e| anyhow::anyhow!("{e}"))?;
+    println!("{}: {} rules, valid", file.display(), cfg.rules.len());
+    for r in cfg.rules.rules() {
+        let limit = match r.limit {
+            RuleLimit::Rate { rate, per, burst } => {
+                format!("{rate}/{} burst {burst}", per.as_str())
+            }
+            RuleLimit::Concurrency { max_in_flight } => format!("{max_in_flight} in flight"),
+        };
+        let matches: Vec<String> = r
+            .matches
+            .iter()
+            .map(|(k, p)| match p {
+                bursar_agent::config::Pattern::Each => format!("{k}=*"),
+                bursar_agent::config::Pattern::Exact(v) => format!("{k}={v}"),
+            })
+            .collect();
+        println!(
+            "  {:<24} {:<14} {:<28} match {{{}}}{}",
+            r.name,
+            r.dimension.as_str(),
+            limit,
+            matches.join(","),
+            if r.mode == bursar_agent::Mode::Shadow {
+                "  (shadow)"
+            } else {
+                ""
+            }
+        );
+    }
+    Ok(())
+}
+
+/// splitmix64: a small seeded generator for the synthetic load (no dependency).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+#[derive(Default)]
+struct Counters {
+    decisions: AtomicU64,
+    admitted: AtomicU64,
+    rejected: AtomicU64,
+    errors: AtomicU64,
+}
+
+fn demo(args: DemoArgs) -> Result<()> {
+    let config = match &args.config {
+        Some(p) => Config::from_file(p).map_err(|e| anyhow::anyhow!("{e}"))?,
+        None => Config::from_toml(DEMO_RULES).context("embedded demo rules")?,
+    };
+    let wildcard_keys: Vec<&str> = config
+        .rules
+        .rules()
+        .iter()
+        .flat_map(|r| r.matches.iter().map(|(k, _)| k.as_str()))
+        .collect();
+    if !wildcard_keys.contains(&"org") {
+        bail!(
+            "the demo's synthetic load sends descriptors org and key: the rules match none of them"
+        );
+    }
+    let sink = Arc::new(MemorySink::new(0)); // count-only: records are dropped at the bound
+    let engine = Arc::new(Engine::new(config, sink.clone()));
+    let (clock, _driver) = CoarseClock::start(Duration::from_micros(100));
+    let stop = Arc::new(AtomicBool::new(false));
+    let counters = Arc::new(Counters::default());
+
+    // Zipf(1.1) over tenants: cumulative weights for inverse sampling.
+    let weights: Vec<f64> = (1..=args.tenants)
+        .map(|i| 1.0 / (i as f64).powf(1.1))
+        .collect();
+    let total: f64 = weights.iter().sum();
+    let mut acc = 0.0;
+    let cdf: Arc<Vec<f64>> = Arc::new(
+        weights
+            .iter()
+            .map(|w| {
+                acc += w / total;
+                acc
+            })
+            .collect(),
+    );
+    let orgs: Arc<Vec<String>> =
+        Arc::new((0..args.tenants).map(|i| format!("org-{i:03}")).collect());
+    let keys = ["k0", "k1", "k2", "k3"];
+
+    println!(
+        "bursar-agent demo: standalone engine, {} rules, {} tenants (Zipf 1.1), {} req/s offered \
+         on {} threads for {} s",
+        engine.rules().len(),
+        args.tenants,
+        args.rps,
+        args.threads,
+        args.duration_s
+    );
+    println!("Each key's slice is the rule's whole limit (no allocator yet).\n");
+
+    let per_thread_rps = (args.rps / args.threads).max(1);
+    let mut workers = Vec::new();
+    for t in 0..args.threads {
+        let (engine, clock, stop, counters, cdf, orgs) = (
+            Arc::clone(&engine),
+            clock.clone(),
+            Arc::clone(&stop),
+            Arc::clone(&counters),
+            Arc::clone(&cdf),
+            Arc::clone(&orgs),
+        );
+        let seed = args.seed.wrapping_mul(1_000_003).wrapping_add(t);
+        workers.push(std::thread::spawn(move || {
+            let mut rng = Rng(seed);
+            let mut w = engine.worker();
+            // Requests in flight: (request id, reserved output, finishes at ns).
+            let mut in_flight: std::collections::VecDeque<(String, u64, u64)> =
+                std::collections::VecDeque::with_capacity(256);
+            let interval_ns = 1_000_000_000 / per_thread_rps;
+            let mut next_at = clock.now_ns();
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let now = clock.now_ns();
+                // Finish what is due (actual output below the reservation).
+                while let Some((_, _, at)) = in_flight.front() {
+                    if *at > now && in_flight.len() < 200 {
+                        break;
+                    }
+                    let (id, reserved, _) = in_flight.pop_front().expect("front exists");
+                    let out = (reserved as f64 * rng.unit()) as u64;
+                    let usage = Usage {
+                        input_tokens: 0,
+                        cached_input_tokens: 0,
+                        output_tokens: out,
+                    };
+                    let _ = engine.complete(now, &id, usage, CompletionStatus::Ok);
+                }
+                if now < next_at {
+                    std::thread::sleep(Duration::from_nanos((next_at - now).min(2_000_000)));
+                    continue;
+                }
+                next_at += interval_ns;
+                n += 1;
+                let u = rng.unit();
+                let org = cdf.partition_point(|&c| c < u).min(orgs.len() - 1);
+                let key = keys[(rng.next() % keys.len() as u64) as usize];
+                // LLM-like: input tokens heavy-tailed, max_tokens often set.
+                let input = 50 + (rng.unit().powi(3) * 6_000.0) as u64;
+                let max_out = if rng.next().is_multiple_of(4) {
+                    None
+                } else {
+                    Some(256 + rng.next() % 1_024)
+                };
+                let id = format!("t{t}-{n}");
+                let desc = [("org", orgs[org].as_str()), ("key", key)];
+                let r = w.admit(
+                    now,
+                    &AdmitRequest {
+                        request_id: &id,
+                        domain: None,
+                        descriptors: &desc,
+                        cost: Cost {
+                            requests: 1,
+                            input_tokens: input,
+                            max_output_tokens: max_out,
+                        },
+                        ttl_ms: None,
+                    },
+                );
+                counters.decisions.fetch_add(1, Ordering::Relaxed);
+                match r {
+                    Ok(Decision::Admitted(_)) => {
+                        counters.admitted.fetch_add(1, Ordering::Relaxed);
+                        let reserved = max_out.unwrap_or(512);
+                        let dur = 20_000_000 + rng.next() % 400_000_000;
+                        in_flight.push_back((id, reserved, now + dur));
+                    }
+                    Ok(Decision::Rejected(_)) => {
+                        counters.rejected.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(_) => {
+                        counters.errors.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+            for (id, _, _) in in_flight {
+                let _ = engine.complete(
+                    clock.now_ns(),
+                    &id,
+                    Usage::default(),
+                    CompletionStatus::ClientGone,
+                );
+            }
+        }));
+    }
+
+    let start = Instant::now();
+    let mut last = engine.stats();
+    let mut last_counts = (0u64, 0u64, 0u64);
+    let mut next_print = Duration::from_secs(1);
+    while start.elapsed() < Duration::from_secs(args.duration_s) {
+        std::thread::sleep(Duration::from_millis(100));
+        engine.maintain(clock.now_ns());
+        if start.elapsed() >= next_print {
+            next_print += Duration::from_secs(1);
+            let stats = engine.stats();
+            let d = counters.decisions.load(Ordering::Relaxed);
+            let a = counters.admitted.load(Ordering::Relaxed);
+            let r = counters.rejected.load(Ordering::Relaxed);
+            println!(
+                "t={:>3}s  decisions {:>6}/s  admitted {:>6}/s  rejected {:>6}/s  leases {:>5}  keys {:>5}",
+                start.elapsed().as_secs(),
+                d - last_counts.0,
+                a - last_counts.1,
+                r - last_counts.2,
+                engine.leases_in_flight(),
+                engine.key_count()
+            );
+            println!(
+                "        {:<24} {:<14} {:>14} {:>14} {:>6}",
+                "limit", "dimension", "admitted/s", "rejected/s", "keys"
+            );
+            for (s, l) in stats.iter().zip(last.iter()) {
+                let rule = engine.rules().by_name(&s.rule).expect("own rule").1;
+                println!(
+                    "        {:<24} {:<14} {:>14} {:>14} {:>6}{}",
+                    s.rule,
+                    rule.dimension.as_str(),
+                    s.admitted.saturating_sub(l.admitted),
+                    s.rejected.saturating_sub(l.rejected),
+                    s.keys,
+                    if s.shadow {
+                        "  (shadow: rejected = would reject)"
+                    } else {
+                        ""
+                    }
+                );
+            }
+            last = stats;
+            last_counts = (d, a, r);
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    for w in workers {
+        w.join()
+            .map_err(|_| anyhow::anyhow!("a load thread panicked"))?;
+    }
+    let now = clock.now_ns();
+    engine.maintain(now);
+    let d = counters.decisions.load(Ordering::Relaxed);
+    let a = counters.admitted.load(Ordering::Relaxed);
+    println!(
+        "\ndone: {d} decisions, {a} admitted ({:.1} %), {} rejected, {} errors; leases left {}",
+        100.0 * a as f64 / d.max(1) as f64,
+        counters.rejected.load(Ordering::Relaxed),
+        counters.errors.load(Ordering::Relaxed),
+        engine.leases_in_flight()
+    );
+    match engine.check_invariants(now) {
+        Ok(()) => println!("engine invariants: ok (every slot and held reservation accounted for)"),
+        Err(e) => bail!("engine invariant violated: {e}"),
+    }
+    let (_, records) = sink.take();
+    println!("usage records produced: {records} (the ledger will consume them; not built yet)");
+    Ok(())
+}

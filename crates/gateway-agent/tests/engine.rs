@@ -75,7 +75,9 @@ fn a_rejection_leaves_no_partial_debit_on_the_other_limits() {
     let e = engine(LLM);
     // key-itpm (300) trips on 301 input tokens after org-rpm and org-itpm matched.
     let before_rpm = e.level(0, "org-rpm", &["acme"]);
-    let d = e.admit(0, &req("r1", ACME_K1, tokens(250, Some(10)))).unwrap();
+    let d = e
+        .admit(0, &req("r1", ACME_K1, tokens(250, Some(10))))
+        .unwrap();
     assert!(d.is_admitted());
     let rpm = e.level(0, "org-rpm", &["acme"]).unwrap();
     let itpm = e.level(0, "org-itpm", &["acme"]).unwrap();
@@ -84,7 +86,9 @@ fn a_rejection_leaves_no_partial_debit_on_the_other_limits() {
     assert_eq!(before_rpm, None, "the key did not exist before");
     assert_eq!((rpm, itpm, otpm, conc), (9, 750, 990, 1));
 
-    let d = e.admit(0, &req("r2", ACME_K1, tokens(60, Some(10)))).unwrap();
+    let d = e
+        .admit(0, &req("r2", ACME_K1, tokens(60, Some(10))))
+        .unwrap();
     let Decision::Rejected(r) = d else {
         panic!("key-itpm has 50 left, 60 must be rejected")
     };
@@ -100,7 +104,9 @@ fn a_rejection_leaves_no_partial_debit_on_the_other_limits() {
 #[test]
 fn a_cost_above_burst_never_fits_and_says_so() {
     let e = engine(LLM);
-    let d = e.admit(0, &req("big", ACME_K1, tokens(301, Some(0)))).unwrap();
+    let d = e
+        .admit(0, &req("big", ACME_K1, tokens(301, Some(0))))
+        .unwrap();
     let Decision::Rejected(r) = d else { panic!() };
     assert_eq!(
         r.reason,
@@ -119,10 +125,17 @@ fn retry_after_is_the_time_until_the_cost_fits() {
     let e = engine(LLM);
     for i in 0..10 {
         let id = format!("r{i}");
-        assert!(e.admit(0, &req(&id, &[("org", "b")], Cost::ONE_REQUEST)).unwrap().is_admitted());
-        e.complete(0, &id, Usage::default(), CompletionStatus::Ok).unwrap();
+        assert!(
+            e.admit(0, &req(&id, &[("org", "b")], Cost::ONE_REQUEST))
+                .unwrap()
+                .is_admitted()
+        );
+        e.complete(0, &id, Usage::default(), CompletionStatus::Ok)
+            .unwrap();
     }
-    let d = e.admit(0, &req("r10", &[("org", "b")], Cost::ONE_REQUEST)).unwrap();
+    let d = e
+        .admit(0, &req("r10", &[("org", "b")], Cost::ONE_REQUEST))
+        .unwrap();
     let Decision::Rejected(r) = d else { panic!() };
     assert_eq!(
         r.reason,
@@ -158,7 +171,10 @@ fn shadow_rules_count_but_never_reject() {
     );
     for i in 0..5 {
         let d = e
-            .admit(0, &req(&format!("r{i}"), &[("org", "a")], Cost::ONE_REQUEST))
+            .admit(
+                0,
+                &req(&format!("r{i}"), &[("org", "a")], Cost::ONE_REQUEST),
+            )
             .unwrap();
         let Decision::Admitted(a) = d else {
             panic!("a shadow rule must never reject")
@@ -179,15 +195,21 @@ fn output_is_reserved_as_max_tokens_capped_with_a_default_when_absent() {
     let d = e.admit(0, &req("a", ACME_K1, tokens(1, None))).unwrap();
     assert!(d.is_admitted());
     assert_eq!(e.level(0, "org-otpm", &["acme"]), Some(900), "default 100");
-    e.admit(0, &req("b", ACME_K1, tokens(1, Some(5000)))).unwrap();
-    assert_eq!(e.level(0, "org-otpm", &["acme"]), Some(500), "capped at 400");
+    e.admit(0, &req("b", ACME_K1, tokens(1, Some(5000))))
+        .unwrap();
+    assert_eq!(
+        e.level(0, "org-otpm", &["acme"]),
+        Some(500),
+        "capped at 400"
+    );
 }
 
 #[test]
 fn completion_refunds_unused_reservation_exactly_once() {
     let sink = Arc::new(MemorySink::new(100));
     let e = engine_with_sink(LLM, sink.clone());
-    e.admit(0, &req("a", ACME_K1, tokens(100, Some(300)))).unwrap();
+    e.admit(0, &req("a", ACME_K1, tokens(100, Some(300))))
+        .unwrap();
     assert_eq!(e.level(0, "org-otpm", &["acme"]), Some(700));
     let used = Usage {
         input_tokens: 100,
@@ -204,7 +226,11 @@ fn completion_refunds_unused_reservation_exactly_once() {
         e.complete(0, "a", used, CompletionStatus::Ok).unwrap(),
         Completion::Duplicate
     );
-    assert_eq!(e.level(0, "org-otpm", &["acme"]), Some(950), "no second refund");
+    assert_eq!(
+        e.level(0, "org-otpm", &["acme"]),
+        Some(950),
+        "no second refund"
+    );
     let (records, dropped) = sink.take();
     assert_eq!(dropped, 0);
     assert_eq!(records.len(), 1, "one usage record per completion");
@@ -221,7 +247,8 @@ fn completion_refunds_unused_reservation_exactly_once() {
 #[test]
 fn output_beyond_the_reservation_is_charged_as_debt() {
     let e = engine(LLM);
-    e.admit(0, &req("a", ACME_K1, tokens(0, Some(100)))).unwrap();
+    e.admit(0, &req("a", ACME_K1, tokens(0, Some(100))))
+        .unwrap();
     let used = Usage {
         output_tokens: 1500,
         ..Usage::default()
@@ -243,8 +270,12 @@ fn output_beyond_the_reservation_is_charged_as_debt() {
 #[test]
 fn a_retry_with_a_live_request_id_gets_the_same_lease_and_is_not_charged() {
     let e = engine(LLM);
-    let first = e.admit(0, &req("same", ACME_K1, tokens(10, Some(10)))).unwrap();
-    let again = e.admit(5 * MS, &req("same", ACME_K1, tokens(10, Some(10)))).unwrap();
+    let first = e
+        .admit(0, &req("same", ACME_K1, tokens(10, Some(10))))
+        .unwrap();
+    let again = e
+        .admit(5 * MS, &req("same", ACME_K1, tokens(10, Some(10))))
+        .unwrap();
     let (Decision::Admitted(a), Decision::Admitted(b)) = (first, again) else {
         panic!()
     };
@@ -270,7 +301,11 @@ fn expiry_releases_slots_refunds_nothing_and_a_late_completion_is_recorded_once(
     assert_eq!(rep.leases_expired, 0);
     let rep = e.maintain(SEC);
     assert_eq!(rep.leases_expired, 1);
-    assert_eq!(e.level(SEC, "org-conc", &["acme"]), Some(2), "slot released");
+    assert_eq!(
+        e.level(SEC, "org-conc", &["acme"]),
+        Some(2),
+        "slot released"
+    );
     // The bucket refilled meanwhile (1000/s for 1 s); what matters is that the late
     // completion refunds nothing: measure the level just before and after.
     let before = e.level(SEC, "org-otpm", &["acme"]);
@@ -304,8 +339,14 @@ fn expiry_releases_slots_refunds_nothing_and_a_late_completion_is_recorded_once(
 #[test]
 fn extend_moves_the_expiry_and_refuses_unknown_ids_and_absurd_ttls() {
     let e = engine(LLM);
-    e.admit(0, &AdmitRequest { ttl_ms: Some(1_000), ..req("x", ACME_K1, tokens(1, Some(1))) })
-        .unwrap();
+    e.admit(
+        0,
+        &AdmitRequest {
+            ttl_ms: Some(1_000),
+            ..req("x", ACME_K1, tokens(1, Some(1)))
+        },
+    )
+    .unwrap();
     assert_eq!(e.extend(900 * MS, "x", Some(1_000)).unwrap(), 1_900 * MS);
     assert_eq!(e.maintain(1_500 * MS).leases_expired, 0);
     assert_eq!(e.extend(0, "nope", None), Err(ExtendError::NotLive));
@@ -325,10 +366,19 @@ fn concurrency_slots_are_taken_and_released() {
     let d = e.admit(0, &req("c", ACME_K1, tokens(1, Some(1)))).unwrap();
     let Decision::Rejected(r) = d else { panic!() };
     assert_eq!(e.rules().rules()[r.rule].name, "org-conc");
-    assert_eq!(r.reason, RejectReason::RetryLater { retry_after_ns: None });
+    assert_eq!(
+        r.reason,
+        RejectReason::RetryLater {
+            retry_after_ns: None
+        }
+    );
     e.complete(0, "a", Usage::default(), CompletionStatus::ClientGone)
         .unwrap();
-    assert!(e.admit(0, &req("c", ACME_K1, tokens(1, Some(1)))).unwrap().is_admitted());
+    assert!(
+        e.admit(0, &req("c", ACME_K1, tokens(1, Some(1))))
+            .unwrap()
+            .is_admitted()
+    );
     e.check_invariants(0).unwrap();
 }
 
@@ -344,13 +394,20 @@ fn a_zero_cost_request_is_a_check_that_holds_nothing() {
         per = "second"
         "#,
     );
-    let d = e.admit(0, &req("c1", &[("org", "a")], Cost::CHECK)).unwrap();
+    let d = e
+        .admit(0, &req("c1", &[("org", "a")], Cost::CHECK))
+        .unwrap();
     let Decision::Admitted(a) = d else { panic!() };
     assert_eq!(a.lease_expires_at_ns, None);
     assert_eq!(e.leases_in_flight(), 0);
     assert_eq!(e.level(0, "rpm", &["a"]), Some(1));
-    e.admit(0, &req("r", &[("org", "a")], Cost::ONE_REQUEST)).unwrap();
-    assert!(!e.admit(0, &req("c2", &[("org", "a")], Cost::CHECK)).unwrap().is_admitted());
+    e.admit(0, &req("r", &[("org", "a")], Cost::ONE_REQUEST))
+        .unwrap();
+    assert!(
+        !e.admit(0, &req("c2", &[("org", "a")], Cost::CHECK))
+            .unwrap()
+            .is_admitted()
+    );
 }
 
 #[test]
@@ -359,12 +416,19 @@ fn post_hoc_charges_go_past_zero() {
     let n = e
         .charge(0, &req("ai-gw", ACME_K1, tokens(2_500, Some(0))))
         .unwrap();
-    assert_eq!(n, 4, "rpm, org-itpm, key-itpm, org-otpm (concurrency is not charged)");
+    assert_eq!(
+        n, 4,
+        "rpm, org-itpm, key-itpm, org-otpm (concurrency is not charged)"
+    );
     // 300/s is not a whole number of ns per token: debits round up by under 1 ns each,
     // and the level is reported rounded down, so -2200 may read as -2201.
     let level = e.level(0, "key-itpm", &["k1", "acme"]).unwrap();
     assert!((-2_201..=-2_200).contains(&level), "{level}");
-    assert!(!e.admit(0, &req("next", ACME_K1, tokens(1, Some(1)))).unwrap().is_admitted());
+    assert!(
+        !e.admit(0, &req("next", ACME_K1, tokens(1, Some(1))))
+            .unwrap()
+            .is_admitted()
+    );
 }
 
 #[test]
@@ -396,8 +460,14 @@ fn bad_requests_get_clear_errors_and_change_nothing() {
             AdmitError::CostTooLarge { max: 1 << 40 },
         ),
         (
-            AdmitRequest { ttl_ms: Some(0), ..req("e", ACME_K1, Cost::ONE_REQUEST) },
-            AdmitError::InvalidTtl { ttl_ms: 0, max_ms: 3_600_000 },
+            AdmitRequest {
+                ttl_ms: Some(0),
+                ..req("e", ACME_K1, Cost::ONE_REQUEST)
+            },
+            AdmitError::InvalidTtl {
+                ttl_ms: 0,
+                max_ms: 3_600_000,
+            },
         ),
         (
             req("e", &[("team", "x")], Cost::ONE_REQUEST),
@@ -452,12 +522,15 @@ fn unmatched_requests_can_be_allowed_by_config() {
         per = "second"
         "#,
     );
-    let d = e.admit(0, &req("x", &[("org", "other")], Cost::ONE_REQUEST)).unwrap();
+    let d = e
+        .admit(0, &req("x", &[("org", "other")], Cost::ONE_REQUEST))
+        .unwrap();
     let Decision::Admitted(a) = d else { panic!() };
     assert!(a.limits.is_empty());
     // The lease exists so that completion still produces a usage record.
     assert_eq!(
-        e.complete(0, "x", Usage::default(), CompletionStatus::Ok).unwrap(),
+        e.complete(0, "x", Usage::default(), CompletionStatus::Ok)
+            .unwrap(),
         Completion::Settled
     );
 }
@@ -487,7 +560,10 @@ fn domains_select_their_rules_plus_domainless_ones() {
     };
     assert_eq!(e.admit(0, &edge).unwrap().limits().len(), 2);
     assert_eq!(
-        e.admit(0, &req("b", &[("org", "x")], Cost::ONE_REQUEST)).unwrap().limits().len(),
+        e.admit(0, &req("b", &[("org", "x")], Cost::ONE_REQUEST))
+            .unwrap()
+            .limits()
+            .len(),
         1
     );
     let other = AdmitRequest {
@@ -515,23 +591,37 @@ fn idle_keys_are_evicted_and_the_key_table_is_bounded() {
     for i in 0..4 {
         let user = format!("u{i}");
         let id = format!("r{i}");
-        assert!(e.admit(0, &req(&id, &[("user", &user)], Cost::ONE_REQUEST)).unwrap().is_admitted());
-        e.complete(0, &id, Usage::default(), CompletionStatus::Ok).unwrap();
+        assert!(
+            e.admit(0, &req(&id, &[("user", &user)], Cost::ONE_REQUEST))
+                .unwrap()
+                .is_admitted()
+        );
+        e.complete(0, &id, Usage::default(), CompletionStatus::Ok)
+            .unwrap();
     }
     assert_eq!(e.key_count(), 4);
     // No key is idle yet: a fifth key is refused, clearly.
     assert_eq!(
-        e.admit(0, &req("r4", &[("user", "u4")], Cost::ONE_REQUEST)).unwrap_err(),
+        e.admit(0, &req("r4", &[("user", "u4")], Cost::ONE_REQUEST))
+            .unwrap_err(),
         AdmitError::KeyTableFull { max: 4 }
     );
     // At rest since 1 s (refilled) plus idle 1 s: evictable.
     let rep = e.maintain(2 * SEC);
     assert_eq!(rep.keys_evicted, 4);
     assert_eq!(e.key_count(), 0);
-    assert!(e.admit(2 * SEC, &req("r4", &[("user", "u4")], Cost::ONE_REQUEST)).unwrap().is_admitted());
+    assert!(
+        e.admit(2 * SEC, &req("r4", &[("user", "u4")], Cost::ONE_REQUEST))
+            .unwrap()
+            .is_admitted()
+    );
     // An evicted key comes back full, exactly as it would have been.
     assert_eq!(e.level(2 * SEC, "rpm", &["u0"]), None);
-    assert!(e.admit(2 * SEC, &req("r5", &[("user", "u0")], Cost::ONE_REQUEST)).unwrap().is_admitted());
+    assert!(
+        e.admit(2 * SEC, &req("r5", &[("user", "u0")], Cost::ONE_REQUEST))
+            .unwrap()
+            .is_admitted()
+    );
     e.check_invariants(2 * SEC).unwrap();
 }
 
@@ -551,7 +641,10 @@ fn the_lease_table_is_bounded() {
     );
     let mut full = 0;
     for i in 0..200 {
-        match e.admit(0, &req(&format!("r{i}"), &[("org", "a")], Cost::ONE_REQUEST)) {
+        match e.admit(
+            0,
+            &req(&format!("r{i}"), &[("org", "a")], Cost::ONE_REQUEST),
+        ) {
             Ok(d) => assert!(d.is_admitted()),
             Err(AdmitError::LeaseTableFull { .. }) => full += 1,
             Err(other) => panic!("{other}"),
@@ -595,15 +688,25 @@ posture = "conservative"
 #[test]
 fn without_a_grant_an_allocated_key_admits_nothing_and_a_new_grant_starts_empty() {
     let e = engine(ALLOCATED);
-    let d = e.admit(0, &req("a", &[("org", "a")], Cost::ONE_REQUEST)).unwrap();
+    let d = e
+        .admit(0, &req("a", &[("org", "a")], Cost::ONE_REQUEST))
+        .unwrap();
     assert!(matches!(
         d,
         Decision::Rejected(r) if r.reason == RejectReason::RetryLater { retry_after_ns: None }
     ));
     let applied = e.apply_slices(0, &[slice(50, 50, 1, 1)]);
     assert_eq!(applied[0].as_ref().unwrap().released_tokens, 0);
-    assert_eq!(e.level(0, "rpm", &["a"]), Some(0), "growth does not raise the level");
-    assert_eq!(e.level(SEC / 10, "rpm", &["a"]), Some(5), "it refills at the slice rate");
+    assert_eq!(
+        e.level(0, "rpm", &["a"]),
+        Some(0),
+        "growth does not raise the level"
+    );
+    assert_eq!(
+        e.level(SEC / 10, "rpm", &["a"]),
+        Some(5),
+        "it refills at the slice rate"
+    );
 }
 
 #[test]
@@ -677,13 +780,26 @@ fn in_flight_work_is_not_revoked_by_a_concurrency_shrink_it_drains() {
     };
     e.apply_slices(0, &[grant(3, 1)]);
     for id in ["a", "b", "c"] {
-        assert!(e.admit(0, &req(id, &[("org", "a")], Cost::ONE_REQUEST)).unwrap().is_admitted());
+        assert!(
+            e.admit(0, &req(id, &[("org", "a")], Cost::ONE_REQUEST))
+                .unwrap()
+                .is_admitted()
+        );
     }
     let r = e.apply_slices(0, &[grant(1, 2)]);
-    assert_eq!(r[0].as_ref().unwrap().in_flight, 3, "still draining: do not ack yet");
-    assert!(!e.admit(0, &req("d", &[("org", "a")], Cost::ONE_REQUEST)).unwrap().is_admitted());
+    assert_eq!(
+        r[0].as_ref().unwrap().in_flight,
+        3,
+        "still draining: do not ack yet"
+    );
+    assert!(
+        !e.admit(0, &req("d", &[("org", "a")], Cost::ONE_REQUEST))
+            .unwrap()
+            .is_admitted()
+    );
     for id in ["a", "b", "c"] {
-        e.complete(0, id, Usage::default(), CompletionStatus::Ok).unwrap();
+        e.complete(0, id, Usage::default(), CompletionStatus::Ok)
+            .unwrap();
     }
     assert_eq!(e.level(0, "conc", &["a"]), Some(1));
     e.check_invariants(0).unwrap();

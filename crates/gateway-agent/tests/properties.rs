@@ -44,27 +44,12 @@ const ORGS: [&str; 2] = ["a", "b"];
 
 #[derive(Clone, Debug)]
 enum Op {
-    Admit {
-        org: usize,
-        input: u64,
-        ttl_ms: u64,
-    },
-    Complete {
-        pick: usize,
-        used_pct: u64,
-    },
-    Duplicate {
-        pick: usize,
-    },
-    Advance {
-        ms: u64,
-    },
+    Admit { org: usize, input: u64, ttl_ms: u64 },
+    Complete { pick: usize, used_pct: u64 },
+    Duplicate { pick: usize },
+    Advance { ms: u64 },
     Maintain,
-    Slice {
-        org: usize,
-        rate: u64,
-        burst: u64,
-    },
+    Slice { org: usize, rate: u64, burst: u64 },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -82,8 +67,17 @@ fn op() -> impl Strategy<Value = Op> {
 
 /// What the verifier replays, in time order.
 enum Event {
-    Admitted { t: u64, org: usize, id: u64 },
-    Slice { t: u64, org: usize, rate: u64, burst: u64 },
+    Admitted {
+        t: u64,
+        org: usize,
+        id: u64,
+    },
+    Slice {
+        t: u64,
+        org: usize,
+        rate: u64,
+        burst: u64,
+    },
 }
 
 /// An exact token bucket in units of token x period-ns, so refill is integral.

@@ -1,0 +1,172 @@
+//! Multi-threaded stress of the atomic bucket: several threads on one key and on
+//! distinct keys, real clock. Every admission is logged with the `now` it was decided
+//! at; afterwards the admissions of each key, sorted by time, must conform to an exact
+//! (rate, burst) bucket: in every window T, admitted cost <= burst + rate*T.
+
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use bursar_agent::clock::{Clock, MonotonicClock};
+use bursar_agent::testing::engine;
+use bursar_agent::{AdmitRequest, CompletionStatus, Cost, Decision, Engine, Usage};
+
+const RATE_PER_S: i128 = 50_000;
+const BURST: i128 = 1_000;
+const RUN: Duration = Duration::from_millis(300);
+
+const RULES: &str = r#"
+[[rule]]
+name = "rps"
+match = { k = "*" }
+dimension = "requests"
+rate = 50_000
+per = "second"
+burst = 1_000
+
+[[rule]]
+name = "itps"
+match = { t = "*" }
+dimension = "input_tokens"
+rate = 50_000
+per = "second"
+burst = 1_000
+"#;
+
+/// Exact bucket check over (time ns, cost) admissions sorted by time. Returns the worst
+/// deficit in tokens (<= 0 means conformant), with two ns of refill as rounding slack.
+fn worst_deficit(mut log: Vec<(u64, u64)>) -> f64 {
+    log.sort_unstable();
+    let scale = 1_000_000_000i128; // token x ns units: refill dt*rate, capacity B*1e9
+    let cap = BURST * scale;
+    let mut level = cap;
+    let mut at = log.first().map_or(0, |x| x.0);
+    let mut worst = i128::MIN;
+    for (t, cost) in log {
+        level = (level + (t - at) as i128 * RATE_PER_S).min(cap);
+        at = t;
+        level -= cost as i128 * scale;
+        worst = worst.max(-level - 2 * RATE_PER_S);
+    }
+    worst as f64 / scale as f64
+}
+
+fn run_threads(
+    threads: usize,
+    work: impl Fn(usize, &MonotonicClock, &Arc<Engine>) -> Vec<(u64, u64)> + Sync,
+) -> Vec<Vec<(u64, u64)>> {
+    let e = engine(RULES);
+    let clock = MonotonicClock::new();
+    let barrier = Barrier::new(threads);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|i| {
+                let (e, clock, barrier, work) = (&e, &clock, &barrier, &work);
+                s.spawn(move || {
+                    barrier.wait();
+                    work(i, clock, e)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("thread"))
+            .collect()
+    })
+}
+
+fn bare_checks(
+    key: &'static str,
+) -> impl Fn(usize, &MonotonicClock, &Arc<Engine>) -> Vec<(u64, u64)> {
+    move |i, clock, e| {
+        let own = format!("k{i}");
+        let k = if key == "own" { own.as_str() } else { key };
+        let handle = e.key_handle("rps", &[k]).expect("rule exists");
+        let mut w = e.worker();
+        let mut log = Vec::with_capacity(100_000);
+        let end = Instant::now() + RUN;
+        let mut tries = 0u64;
+        while Instant::now() < end {
+            let now = clock.now_ns();
+            tries += 1;
+            if w.try_acquire(now, &handle, 1).expect("no error") {
+                log.push((now, 1));
+            }
+        }
+        assert!(tries as usize > log.len(), "the load must exceed the rate");
+        log
+    }
+}
+
+#[test]
+fn threads_on_one_key_never_exceed_burst_plus_rate_times_t() {
+    let logs = run_threads(3, bare_checks("shared"));
+    let all: Vec<(u64, u64)> = logs.into_iter().flatten().collect();
+    let n = all.len();
+    let worst = worst_deficit(all);
+    eprintln!("one key, 3 threads: {n} admitted, worst deficit {worst:.3} tokens");
+    assert!(n > BURST as usize, "the test must admit past the burst");
+    assert!(worst <= 0.0, "overshoot of {worst} tokens");
+}
+
+#[test]
+fn threads_on_distinct_keys_each_conform() {
+    let logs = run_threads(3, bare_checks("own"));
+    for (i, log) in logs.into_iter().enumerate() {
+        let n = log.len();
+        let worst = worst_deficit(log);
+        eprintln!("key k{i}: {n} admitted, worst deficit {worst:.3} tokens");
+        assert!(n > BURST as usize);
+        assert!(worst <= 0.0, "key k{i}: overshoot of {worst} tokens");
+    }
+}
+
+#[test]
+fn threads_admitting_and_refunding_on_one_key_conform_on_actual_cost() {
+    // Each thread reserves 1..=8 tokens and completes at once with a used share that
+    // varies; the verifier charges the actual (used) cost at admission time.
+    let logs = run_threads(3, |i, clock, e| {
+        let mut w = e.worker();
+        let mut log = Vec::with_capacity(100_000);
+        let end = Instant::now() + RUN;
+        let mut n = 0u64;
+        while Instant::now() < end {
+            n += 1;
+            let id = format!("t{i}-{n}");
+            let reserve = 1 + n % 8;
+            let now = clock.now_ns();
+            let d = w
+                .admit(
+                    now,
+                    &AdmitRequest {
+                        request_id: &id,
+                        domain: None,
+                        descriptors: &[("t", "shared")],
+                        cost: Cost {
+                            requests: 1,
+                            input_tokens: reserve,
+                            max_output_tokens: Some(0),
+                        },
+                        ttl_ms: None,
+                    },
+                )
+                .expect("no error");
+            if let Decision::Admitted(_) = d {
+                let used = (n * 7) % (reserve + 1);
+                log.push((now, used));
+                let usage = Usage {
+                    input_tokens: used,
+                    ..Usage::default()
+                };
+                e.complete(clock.now_ns(), &id, usage, CompletionStatus::Ok)
+                    .expect("live lease");
+            }
+        }
+        log
+    });
+    let all: Vec<(u64, u64)> = logs.into_iter().flatten().collect();
+    let n = all.len();
+    let worst = worst_deficit(all);
+    eprintln!("admit+refund, 3 threads: {n} admitted, worst deficit {worst:.3} tokens");
+    assert!(n > 100);
+    assert!(worst <= 0.0, "overshoot of {worst} tokens");
+}
