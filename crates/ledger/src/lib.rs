@@ -1,17 +1,50 @@
-//! The Bursar ledger. **Not built yet**: this crate holds no code today.
+//! The Bursar ledger: billing truth. It owns the usage event model, validation,
+//! merge by set union with a deterministic conflict rule, per (tenant, hour) digests,
+//! exact totals with corrections applied, the storage trait with its conformance
+//! suite, and the durable redb backend. ("The limiter gates, the meter bills": the
+//! agent's counters are never read for billing; this crate is what is.)
 //!
-//! It will own billing truth: immutable usage events (keyed by `event_key` from the
-//! request id), a durable store behind a narrow trait (redb first; a sled backend may
-//! follow behind a cargo feature and must pass the same conformance suite), merge by
-//! set union with deterministic conflict resolution, per (tenant, hour) digests, and
-//! a cluster shell (foca for membership, quinn with mutual TLS for sync), with the
-//! `bursar-ledger` binary. The agent will embed it as a local durable outbox.
+//! # What works, what does not (yet)
 //!
-//! Today the agent hands usage records to `bursar_agent::UsageSink`; this crate will
-//! provide the sink that makes them durable.
+//! Built and tested: the sans-IO core ([`event`], [`wire`], [`merge`], [`digest`],
+//! [`totals`]), the [`Store`] trait with the in-memory reference model
+//! ([`MemStore`]) and the redb backend ([`RedbStore`], group commit, fsync before
+//! acknowledgement, refuses a damaged data file).
+//!
+//! **Not built:** the cluster (foca membership, quinn sync with mutual TLS, rkyv
+//! messages, push/pull anti-entropy). A ledger node today is a single node; nothing
+//! is replicated between nodes. The agent does not yet embed the ledger as its
+//! outbox.
 //!
 //! # Layout
 //!
-//! Empty until the issue "Ledger: exact, durable, gossip-merged usage records" lands.
+//! - [`event`]: [`Event`], [`EventKey`] (from the request id), validation
+//!   ([`Limits`]), the canonical binary encoding and the element hash.
+//! - [`wire`]: the JSON shape of an event, parsed by hand so each bad field gets its
+//!   own error.
+//! - [`merge`]: the conflict rule (the smaller canonical encoding wins) and the
+//!   per-batch report.
+//! - [`digest`]: per (tenant, hour) digests and the root, order-independent and
+//!   updated incrementally.
+//! - [`totals`]: exact per-bucket totals with `void` and `adjust` applied.
+//! - [`store`]: the [`Store`] trait, the merge algorithm every backend shares
+//!   ([`store::apply_batch`]), [`MemStore`], and queries ([`store::usage_totals`]).
+//! - [`redb_store`]: the durable backend.
+//! - [`conformance`]: the suite every backend's tests call.
+//! - [`testing`]: seeded fixtures shared by tests and benchmarks.
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
+
+pub mod conformance;
+pub mod digest;
+pub mod event;
+pub mod merge;
+pub mod redb_store;
+pub mod store;
+pub mod testing;
+pub mod totals;
+pub mod wire;
+
+pub use event::{Body, Event, EventKey, Limits, Status, TokenDeltas, Tokens, ValidationError};
+pub use redb_store::RedbStore;
+pub use store::{MemStore, Store, StoreError};

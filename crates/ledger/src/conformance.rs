@@ -1,0 +1,306 @@
+//! The conformance suite every [`Store`] backend must pass.
+//!
+//! A backend's test calls [`run`] with two closures: one that makes a fresh, empty
+//! store, and one that closes a store and opens it again from the same place (for a
+//! durable backend; an in-memory one returns it unchanged). Each check compares the
+//! backend against [`MemStore`], the reference model, and panics with the check's
+//! name on a difference.
+//!
+//! ```
+//! use bursar_ledger::{conformance, store::MemStore};
+//! conformance::run(&mut || MemStore::new(), &mut |s| s);
+//! ```
+
+use std::ops::ControlFlow;
+
+use crate::digest::Bucket;
+use crate::event::{Event, EventKey, HOUR_MS, TokenDeltas};
+use crate::merge::Outcome;
+use crate::store::{MemStore, Store, usage_totals};
+use crate::testing::{correction, usage, usage_stream};
+use crate::totals::TotalsLimits;
+
+const NOW: u64 = 490_000 * HOUR_MS;
+
+/// Runs every check. `fresh` makes an empty store; `reopen` closes a store and opens
+/// it again from the same place.
+pub fn run<S: Store>(fresh: &mut dyn FnMut() -> S, reopen: &mut dyn FnMut(S) -> S) {
+    new_duplicate_and_conflict_are_reported(fresh());
+    conflicts_resolve_to_the_same_event_in_every_arrival_order(fresh);
+    digests_scans_and_conflicts_match_the_reference_model(fresh());
+    a_late_event_lands_in_its_own_hour_and_a_later_duplicate_counts_once(fresh());
+    corrections_change_totals_and_not_the_event_count(fresh());
+    an_empty_batch_changes_nothing(fresh());
+    everything_acknowledged_survives_a_reopen(fresh(), reopen);
+}
+
+fn new_duplicate_and_conflict_are_reported(s: impl Store) {
+    let a = usage("r1", "acme", "m", NOW, 10, 0, 5);
+    let b = usage("r2", "acme", "m", NOW, 1, 0, 1);
+    let mut a2 = a.clone();
+    a2.body = usage("r1", "acme", "m", NOW, 11, 0, 5).body;
+    let r = s.apply(&[a.clone(), b.clone(), a.clone()]).expect("apply");
+    assert_eq!(
+        r.outcomes,
+        vec![Outcome::New, Outcome::New, Outcome::Duplicate],
+        "conformance: outcomes of one batch"
+    );
+    assert_eq!((r.new, r.duplicate, r.conflict), (2, 1, 0));
+    let r = s.apply(&[b, a2]).expect("apply");
+    assert_eq!(r.outcomes, vec![Outcome::Duplicate, Outcome::Conflict]);
+    assert_eq!(
+        s.root().expect("root").events,
+        2,
+        "conformance: a conflict counts once"
+    );
+    assert_eq!(s.conflicts(10).expect("conflicts").len(), 1);
+}
+
+fn conflicts_resolve_to_the_same_event_in_every_arrival_order<S: Store>(
+    fresh: &mut dyn FnMut() -> S,
+) {
+    let x = usage("same", "acme", "m", NOW, 10, 0, 5);
+    let mut y = x.clone();
+    y.origin = "agent-z".into();
+    let mut z = x.clone();
+    z.time_ms = NOW - 5 * HOUR_MS; // another bucket: a replace must move the index
+    let orders: [[&Event; 3]; 4] = [[&x, &y, &z], [&z, &y, &x], [&y, &x, &z], [&y, &z, &x]];
+    let mut seen = Vec::new();
+    for order in orders {
+        for one_batch in [true, false] {
+            let s = fresh();
+            if one_batch {
+                let batch: Vec<Event> = order.iter().map(|e| (*e).clone()).collect();
+                s.apply(&batch).expect("apply");
+            } else {
+                for e in order {
+                    s.apply(std::slice::from_ref(e)).expect("apply");
+                }
+            }
+            let kept = s.event(&x.key()).expect("event").expect("present");
+            let digests = s.digests(0, u64::MAX, None).expect("digests");
+            let mut losers: Vec<Event> = s
+                .conflicts(10)
+                .expect("conflicts")
+                .into_iter()
+                .map(|c| c.loser)
+                .collect();
+            losers.sort_by_key(Event::encode);
+            let mut scanned = Vec::new();
+            s.scan(0, u64::MAX, None, &mut |e| {
+                scanned.push(e.clone());
+                ControlFlow::Continue(())
+            })
+            .expect("scan");
+            assert_eq!(
+                scanned,
+                vec![kept.clone()],
+                "conformance: one event per key"
+            );
+            seen.push((kept, digests, losers));
+        }
+    }
+    assert!(
+        seen.windows(2).all(|w| w[0] == w[1]),
+        "conformance: conflict resolution depends on arrival order"
+    );
+    assert_eq!(seen[0].2.len(), 2, "conformance: both losers recorded");
+}
+
+fn digests_scans_and_conflicts_match_the_reference_model(s: impl Store) {
+    let reference = MemStore::new();
+    let mut events = usage_stream(7, "req", "agent-a", 3_000, NOW);
+    // Duplicates and a conflict or two, spread over batches.
+    events.extend(usage_stream(7, "req", "agent-a", 500, NOW));
+    events.extend(usage_stream(8, "req", "agent-b", 20, NOW));
+    for batch in events.chunks(700) {
+        let got = s.apply(batch).expect("apply");
+        let want = reference.apply(batch).expect("reference apply");
+        assert_eq!(
+            got, want,
+            "conformance: batch outcomes differ from the model"
+        );
+    }
+    reference.check_invariants();
+    assert_eq!(s.root().expect("root"), reference.root().expect("root"));
+    let all = |st: &dyn Store| st.digests(0, u64::MAX, None).expect("digests");
+    assert_eq!(all(&s), all(&reference), "conformance: bucket digests");
+    let mut sum = crate::digest::Digest::default();
+    for (_, d) in all(&s) {
+        sum.add(&d);
+    }
+    assert_eq!(
+        sum,
+        s.root().expect("root"),
+        "conformance: root is the sum of buckets"
+    );
+    let some = all(&s)[3].0.clone();
+    assert_eq!(
+        s.digests(some.hour, some.hour + 1, Some(&some.tenant))
+            .expect("digests"),
+        reference
+            .digests(some.hour, some.hour + 1, Some(&some.tenant))
+            .expect("digests"),
+        "conformance: digests of one tenant and hour"
+    );
+    let collect = |st: &dyn Store, from: u64, to: u64, after: Option<&(Bucket, EventKey)>| {
+        let mut v = Vec::new();
+        st.scan(from, to, after, &mut |e| {
+            v.push(e.clone());
+            ControlFlow::Continue(())
+        })
+        .expect("scan");
+        v
+    };
+    let (from, to) = (NOW / HOUR_MS - 30, NOW / HOUR_MS - 10);
+    let got = collect(&s, from, to, None);
+    assert_eq!(
+        got,
+        collect(&reference, from, to, None),
+        "conformance: scan"
+    );
+    assert!(!got.is_empty());
+    let cursor = (Bucket::of(&got[10]), got[10].key());
+    assert_eq!(
+        collect(&s, from, to, Some(&cursor)),
+        got[11..].to_vec(),
+        "conformance: scan after a cursor"
+    );
+    let mut first = Vec::new();
+    s.scan(from, to, None, &mut |e| {
+        first.push(e.clone());
+        if first.len() == 5 {
+            ControlFlow::Break(())
+        } else {
+            ControlFlow::Continue(())
+        }
+    })
+    .expect("scan");
+    assert_eq!(first, got[..5].to_vec(), "conformance: scan stops on Break");
+    let mut in_bucket = Vec::new();
+    s.visit_bucket(&some, &mut |e| in_bucket.push(e.clone()))
+        .expect("visit");
+    let mut want = Vec::new();
+    reference
+        .visit_bucket(&some, &mut |e| want.push(e.clone()))
+        .expect("visit");
+    assert_eq!(in_bucket, want, "conformance: visit_bucket");
+    assert!(in_bucket.iter().all(|e| Bucket::of(e) == some));
+    let conflicts = |st: &dyn Store| {
+        st.conflicts(1000)
+            .expect("conflicts")
+            .into_iter()
+            .map(|c| (c.key, c.loser))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        conflicts(&s),
+        conflicts(&reference),
+        "conformance: conflicts"
+    );
+    assert_eq!(conflicts(&s).len(), 20);
+}
+
+fn a_late_event_lands_in_its_own_hour_and_a_later_duplicate_counts_once(s: impl Store) {
+    let late = usage("late", "acme", "m", NOW - 35 * 24 * HOUR_MS + 17, 100, 0, 7);
+    let today = usage("today", "acme", "m", NOW, 1, 0, 1);
+    s.apply(&[today, late.clone()]).expect("apply");
+    // "A week later" the same event is delivered again, alone and in a batch.
+    let r = s
+        .apply(&[late.clone(), usage("x", "acme", "m", NOW, 1, 0, 1)])
+        .expect("apply");
+    assert_eq!(r.outcomes[0], Outcome::Duplicate);
+    let late_hour = late.time_ms / HOUR_MS;
+    let d = s
+        .digests(late_hour, late_hour + 1, Some("acme"))
+        .expect("digests");
+    assert_eq!(d.len(), 1, "conformance: the late event has its own bucket");
+    assert_eq!(d[0].1.events, 1);
+    assert_eq!(d[0].1.input_tokens, 100);
+    let t = usage_totals(
+        &s,
+        "acme",
+        late_hour,
+        late_hour + 1,
+        false,
+        TotalsLimits::default(),
+    )
+    .expect("totals");
+    assert_eq!(t.total.requests, 1, "conformance: a duplicate counts once");
+    assert_eq!(t.total.input_tokens, 100);
+}
+
+fn corrections_change_totals_and_not_the_event_count(s: impl Store) {
+    let a = usage("a", "acme", "gpt", NOW, 100, 10, 50);
+    let b = usage("b", "acme", "claude", NOW, 200, 0, 20);
+    let void = correction("void-a", &a, None);
+    let adjust = correction(
+        "adj-b",
+        &b,
+        Some(TokenDeltas {
+            input_tokens: -50,
+            cached_input_tokens: 0,
+            output_tokens: 5,
+        }),
+    );
+    s.apply(&[void, a, b, adjust]).expect("apply");
+    let h = NOW / HOUR_MS;
+    let t = usage_totals(&s, "acme", h, h + 1, true, TotalsLimits::default()).expect("totals");
+    assert_eq!(t.digest.events, 4);
+    assert_eq!(t.digest.corrections, 2);
+    assert_eq!(t.voided, 1);
+    assert_eq!(t.adjusted, 1);
+    assert_eq!(t.total.requests, 1);
+    assert_eq!(t.total.input_tokens, 150);
+    assert_eq!(t.total.output_tokens, 25);
+    assert_eq!(
+        t.groups.len(),
+        1,
+        "conformance: the voided model has no group"
+    );
+    assert!(t.groups.contains_key("claude"));
+}
+
+fn an_empty_batch_changes_nothing(s: impl Store) {
+    let r = s.apply(&[]).expect("apply");
+    assert!(r.outcomes.is_empty());
+    assert!(s.root().expect("root").is_empty());
+    assert!(s.digests(0, u64::MAX, None).expect("digests").is_empty());
+}
+
+fn everything_acknowledged_survives_a_reopen<S: Store>(s: S, reopen: &mut dyn FnMut(S) -> S) {
+    let events = usage_stream(11, "dur", "agent-a", 2_000, NOW);
+    let mut x = events[0].clone();
+    x.origin = "zzz".into();
+    s.apply(&events[..1000]).expect("apply");
+    s.apply(&events[1000..]).expect("apply");
+    s.apply(&[x]).expect("apply");
+    let root = s.root().expect("root");
+    let digests = s.digests(0, u64::MAX, None).expect("digests");
+    let conflicts = s.conflicts(10).expect("conflicts");
+    let s = reopen(s);
+    assert_eq!(
+        s.root().expect("root"),
+        root,
+        "conformance: root after reopen"
+    );
+    assert_eq!(s.digests(0, u64::MAX, None).expect("digests"), digests);
+    assert_eq!(s.conflicts(10).expect("conflicts"), conflicts);
+    // events[0] lost or won its conflict with x; every other one is as written.
+    assert!(s.event(&events[0].key()).expect("event").is_some());
+    for e in &events[1..] {
+        assert_eq!(s.event(&e.key()).expect("event").as_ref(), Some(e));
+    }
+    let r = s.apply(&events).expect("apply");
+    assert_eq!(r.new, 0, "conformance: nothing is new after a reopen");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_reference_model_passes_its_own_suite() {
+        run(&mut MemStore::new, &mut |s| s);
+    }
+}

@@ -1,0 +1,508 @@
+//! The redb backend: one file, `ledger.redb`, in the data directory.
+//!
+//! Tables:
+//! - `events`: event key (16 bytes) -> canonical encoding;
+//! - `by_bucket`: (hour, tenant, event key) -> () (the bucket index, for queries and
+//!   export);
+//! - `digests`: (hour, tenant) -> digest (80 bytes);
+//! - `conflicts`: (event key, element hash of the loser) -> the loser's encoding;
+//! - `meta`: `format` (a marker naming this layout) and `root` (the root digest).
+//!
+//! [`Store::apply`] is one write transaction with `Durability::Immediate`: every event
+//! of the batch, the index, the digests and the root are committed together with one
+//! fsync, and `apply` returns only after the commit. That is group commit: the shell
+//! batches concurrent requests into one `apply`.
+//!
+//! Opening refuses, with [`StoreError::Open`], a file that is not a redb database, is
+//! damaged, or is a redb database without this ledger's format marker. It never
+//! recreates or truncates an existing file.
+
+use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use redb::{
+    Database, Durability, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition,
+    TableHandle,
+};
+
+use crate::digest::{Bucket, Digest, DigestSet};
+use crate::event::{Event, EventKey};
+use crate::merge::{ApplyReport, Conflict};
+use crate::store::{Store, StoreError, TxnOps, apply_batch};
+
+const EVENTS: TableDefinition<[u8; 16], &[u8]> = TableDefinition::new("events");
+const BY_BUCKET: TableDefinition<(u64, &str, [u8; 16]), ()> = TableDefinition::new("by_bucket");
+const DIGESTS: TableDefinition<(u64, &str), &[u8]> = TableDefinition::new("digests");
+const CONFLICTS: TableDefinition<([u8; 16], u128), &[u8]> = TableDefinition::new("conflicts");
+const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
+
+/// The value of `meta["format"]`.
+pub const FORMAT: &[u8] = b"bursar-ledger/redb/1";
+
+/// The data file's name inside the data directory.
+pub const FILE_NAME: &str = "ledger.redb";
+
+/// A ledger store in a redb file. Cheap to clone (shares the database).
+#[derive(Clone)]
+pub struct RedbStore {
+    db: Arc<Database>,
+    path: PathBuf,
+}
+
+impl std::fmt::Debug for RedbStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedbStore")
+            .field("path", &self.path)
+            .finish()
+    }
+}
+
+fn backend(e: impl std::fmt::Display) -> StoreError {
+    StoreError::Backend(e.to_string())
+}
+
+impl RedbStore {
+    /// Opens (or creates) `FILE_NAME` in `dir`, which must exist.
+    pub fn open_dir(dir: &Path) -> Result<RedbStore, StoreError> {
+        RedbStore::open(&dir.join(FILE_NAME))
+    }
+
+    /// Opens the file at `path`, creating it if absent. A file that exists and is not
+    /// a valid ledger database is refused (see the module docs).
+    pub fn open(path: &Path) -> Result<RedbStore, StoreError> {
+        let open_err = |reason: String| StoreError::Open {
+            path: path.display().to_string(),
+            reason,
+        };
+        let existed = path.exists();
+        if existed && std::fs::metadata(path).map(|m| m.len()).unwrap_or(0) == 0 {
+            // redb would silently initialise an empty file; an empty file where a
+            // ledger should be means data went missing, so say so.
+            return Err(open_err(
+                "the file is empty; refusing to start over it (move it aside to start a new ledger)"
+                    .into(),
+            ));
+        }
+        let mut db = Database::create(path).map_err(|e| {
+            open_err(format!(
+                "{e}; the file is corrupt or not a redb database; nothing was changed"
+            ))
+        })?;
+        if existed {
+            // Verify every page checksum before serving anything: a damaged page must
+            // stop the start, not surface as a wrong total later. Reads the whole file.
+            let problem = match db.check_integrity() {
+                Ok(true) => None,
+                Ok(false) => Some(
+                    "the file failed its integrity check and redb repaired it by rolling \
+                     back to an earlier commit: acknowledged events may be missing; \
+                     restore this node from a peer or a backup"
+                        .to_string(),
+                ),
+                Err(e) => Some(format!(
+                    "{e}; the file failed its integrity check and cannot be repaired; \
+                     restore this node from a peer or a backup"
+                )),
+            };
+            if let Some(reason) = problem {
+                // redb 3.1.3 panics in `Database::drop` after a failed integrity check
+                // (its drop commits while recovery is pending). Leak the handle
+                // instead: the caller is about to report the error and stop.
+                std::mem::forget(db);
+                return Err(open_err(reason));
+            }
+        }
+        let store = RedbStore {
+            db: Arc::new(db),
+            path: path.to_path_buf(),
+        };
+        store
+            .check_format(existed)
+            .map_err(|e| open_err(e.to_string()))?;
+        Ok(store)
+    }
+
+    /// The data file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn check_format(&self, existed: bool) -> Result<(), StoreError> {
+        let r = self.db.begin_read().map_err(backend)?;
+        let names: Vec<String> = r
+            .list_tables()
+            .map_err(backend)?
+            .map(|t| t.name().to_string())
+            .collect();
+        if names.iter().any(|n| n == "meta") {
+            let meta = r.open_table(META).map_err(backend)?;
+            let format = meta.get("format").map_err(backend)?;
+            match format {
+                Some(v) if v.value() == FORMAT => return Ok(()),
+                Some(v) => {
+                    return Err(StoreError::Backend(format!(
+                        "format marker {:?} is not {:?}; refusing to open",
+                        String::from_utf8_lossy(v.value()),
+                        String::from_utf8_lossy(FORMAT)
+                    )));
+                }
+                None => {}
+            }
+        }
+        if existed && !names.is_empty() {
+            return Err(StoreError::Backend(format!(
+                "a redb database without the ledger format marker (tables: {names:?}); refusing to open"
+            )));
+        }
+        drop(r);
+        // A new file: create every table and the marker in one durable commit.
+        let mut w = self.db.begin_write().map_err(backend)?;
+        w.set_durability(Durability::Immediate).map_err(backend)?;
+        {
+            w.open_table(EVENTS).map_err(backend)?;
+            w.open_table(BY_BUCKET).map_err(backend)?;
+            w.open_table(DIGESTS).map_err(backend)?;
+            w.open_table(CONFLICTS).map_err(backend)?;
+            let mut meta = w.open_table(META).map_err(backend)?;
+            meta.insert("format", FORMAT).map_err(backend)?;
+            meta.insert("root", Digest::default().to_bytes().as_slice())
+                .map_err(backend)?;
+        }
+        w.commit().map_err(backend)
+    }
+
+    /// Number of stored events.
+    pub fn len(&self) -> Result<u64, StoreError> {
+        let r = self.db.begin_read().map_err(backend)?;
+        r.open_table(EVENTS)
+            .map_err(backend)?
+            .len()
+            .map_err(backend)
+    }
+
+    /// True when no event is stored.
+    pub fn is_empty(&self) -> Result<bool, StoreError> {
+        Ok(self.len()? == 0)
+    }
+}
+
+fn decode(key: &[u8; 16], bytes: &[u8]) -> Result<Event, StoreError> {
+    Event::decode(bytes).map_err(|source| StoreError::Corrupt {
+        what: format!("event {}", EventKey(*key)),
+        source,
+    })
+}
+
+fn digest_of(what: &str, bytes: &[u8]) -> Result<Digest, StoreError> {
+    Digest::from_bytes(bytes).ok_or_else(|| {
+        StoreError::Backend(format!(
+            "corrupt digest record {what}: {} bytes",
+            bytes.len()
+        ))
+    })
+}
+
+struct Txn<'t> {
+    events: redb::Table<'t, [u8; 16], &'static [u8]>,
+    index: redb::Table<'t, (u64, &'static str, [u8; 16]), ()>,
+    conflicts: redb::Table<'t, ([u8; 16], u128), &'static [u8]>,
+}
+
+impl TxnOps for Txn<'_> {
+    fn get(&mut self, key: &EventKey) -> Result<Option<Vec<u8>>, StoreError> {
+        Ok(self
+            .events
+            .get(key.0)
+            .map_err(backend)?
+            .map(|v| v.value().to_vec()))
+    }
+    fn put(&mut self, key: &EventKey, bucket: &Bucket, encoded: &[u8]) -> Result<(), StoreError> {
+        self.events.insert(key.0, encoded).map_err(backend)?;
+        self.index
+            .insert((bucket.hour, bucket.tenant.as_str(), key.0), ())
+            .map_err(backend)?;
+        Ok(())
+    }
+    fn unindex(&mut self, key: &EventKey, bucket: &Bucket) -> Result<(), StoreError> {
+        self.index
+            .remove((bucket.hour, bucket.tenant.as_str(), key.0))
+            .map_err(backend)?;
+        Ok(())
+    }
+    fn put_conflict(&mut self, key: &EventKey, h: u128, loser: &[u8]) -> Result<(), StoreError> {
+        self.conflicts.insert((key.0, h), loser).map_err(backend)?;
+        Ok(())
+    }
+}
+
+impl Store for RedbStore {
+    fn apply(&self, events: &[Event]) -> Result<ApplyReport, StoreError> {
+        let mut w = self.db.begin_write().map_err(backend)?;
+        w.set_durability(Durability::Immediate).map_err(backend)?;
+        let report = {
+            let mut txn = Txn {
+                events: w.open_table(EVENTS).map_err(backend)?,
+                index: w.open_table(BY_BUCKET).map_err(backend)?,
+                conflicts: w.open_table(CONFLICTS).map_err(backend)?,
+            };
+            let mut delta = DigestSet::default();
+            let report = apply_batch(&mut txn, events, &mut delta)?;
+            let mut digests = w.open_table(DIGESTS).map_err(backend)?;
+            for (bucket, d) in delta.buckets() {
+                let k = (bucket.hour, bucket.tenant.as_str());
+                let mut cur = match digests.get(k).map_err(backend)? {
+                    Some(v) => digest_of(&format!("{k:?}"), v.value())?,
+                    None => Digest::default(),
+                };
+                cur.add(d);
+                if cur.is_empty() {
+                    digests.remove(k).map_err(backend)?;
+                } else {
+                    digests
+                        .insert(k, cur.to_bytes().as_slice())
+                        .map_err(backend)?;
+                }
+            }
+            let mut meta = w.open_table(META).map_err(backend)?;
+            let mut root = match meta.get("root").map_err(backend)? {
+                Some(v) => digest_of("root", v.value())?,
+                None => Digest::default(),
+            };
+            root.add(&delta.root());
+            meta.insert("root", root.to_bytes().as_slice())
+                .map_err(backend)?;
+            report
+        };
+        // Durability::Immediate: persistent when commit returns (one fsync).
+        w.commit().map_err(backend)?;
+        Ok(report)
+    }
+
+    fn event(&self, key: &EventKey) -> Result<Option<Event>, StoreError> {
+        let r = self.db.begin_read().map_err(backend)?;
+        let t = r.open_table(EVENTS).map_err(backend)?;
+        let v = t.get(key.0).map_err(backend)?;
+        v.map(|v| decode(&key.0, v.value())).transpose()
+    }
+
+    fn visit_bucket(&self, bucket: &Bucket, f: &mut dyn FnMut(&Event)) -> Result<(), StoreError> {
+        let r = self.db.begin_read().map_err(backend)?;
+        let index = r.open_table(BY_BUCKET).map_err(backend)?;
+        let events = r.open_table(EVENTS).map_err(backend)?;
+        let t = bucket.tenant.as_str();
+        for row in index
+            .range((bucket.hour, t, [0u8; 16])..=(bucket.hour, t, [0xffu8; 16]))
+            .map_err(backend)?
+        {
+            let (k, _) = row.map_err(backend)?;
+            let key = k.value().2;
+            let v = events.get(key).map_err(backend)?.ok_or_else(|| {
+                StoreError::Backend(format!(
+                    "index names event {} that is not stored",
+                    EventKey(key)
+                ))
+            })?;
+            f(&decode(&key, v.value())?);
+        }
+        Ok(())
+    }
+
+    fn scan(
+        &self,
+        from_hour: u64,
+        to_hour: u64,
+        after: Option<&(Bucket, EventKey)>,
+        f: &mut dyn FnMut(&Event) -> ControlFlow<()>,
+    ) -> Result<(), StoreError> {
+        if from_hour >= to_hour {
+            return Ok(());
+        }
+        let r = self.db.begin_read().map_err(backend)?;
+        let index = r.open_table(BY_BUCKET).map_err(backend)?;
+        let events = r.open_table(EVENTS).map_err(backend)?;
+        let range = match after {
+            Some((b, k)) if b.hour >= from_hour => index.range((b.hour, b.tenant.as_str(), k.0)..),
+            _ => index.range((from_hour, "", [0u8; 16])..),
+        }
+        .map_err(backend)?;
+        for row in range {
+            let (k, _) = row.map_err(backend)?;
+            let (hour, tenant, key) = k.value();
+            if hour >= to_hour {
+                break;
+            }
+            if let Some((b, ak)) = after
+                && (hour, tenant, key) <= (b.hour, b.tenant.as_str(), ak.0)
+            {
+                continue;
+            }
+            let v = events.get(key).map_err(backend)?.ok_or_else(|| {
+                StoreError::Backend(format!(
+                    "index names event {} that is not stored",
+                    EventKey(key)
+                ))
+            })?;
+            if f(&decode(&key, v.value())?).is_break() {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    fn digests(
+        &self,
+        from_hour: u64,
+        to_hour: u64,
+        tenant: Option<&str>,
+    ) -> Result<Vec<(Bucket, Digest)>, StoreError> {
+        let mut out = Vec::new();
+        if from_hour >= to_hour {
+            return Ok(out);
+        }
+        let r = self.db.begin_read().map_err(backend)?;
+        let t = r.open_table(DIGESTS).map_err(backend)?;
+        for row in t.range((from_hour, "")..).map_err(backend)? {
+            let (k, v) = row.map_err(backend)?;
+            let (hour, ten) = k.value();
+            if hour >= to_hour {
+                break;
+            }
+            if tenant.is_some_and(|want| want != ten) {
+                continue;
+            }
+            let d = digest_of(&format!("({hour}, {ten:?})"), v.value())?;
+            out.push((
+                Bucket {
+                    hour,
+                    tenant: ten.to_string(),
+                },
+                d,
+            ));
+        }
+        Ok(out)
+    }
+
+    fn root(&self) -> Result<Digest, StoreError> {
+        let r = self.db.begin_read().map_err(backend)?;
+        let meta = r.open_table(META).map_err(backend)?;
+        match meta.get("root").map_err(backend)? {
+            Some(v) => digest_of("root", v.value()),
+            None => Ok(Digest::default()),
+        }
+    }
+
+    fn conflicts(&self, limit: usize) -> Result<Vec<Conflict>, StoreError> {
+        let r = self.db.begin_read().map_err(backend)?;
+        let t = r.open_table(CONFLICTS).map_err(backend)?;
+        let mut out = Vec::new();
+        for row in t.iter().map_err(backend)?.take(limit) {
+            let (k, v) = row.map_err(backend)?;
+            let key = k.value().0;
+            out.push(Conflict {
+                key: EventKey(key),
+                loser: decode(&key, v.value())?,
+            });
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::conformance;
+
+    #[test]
+    fn the_redb_backend_passes_the_conformance_suite() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut n = 0;
+        conformance::run(
+            &mut || {
+                n += 1;
+                RedbStore::open(&dir.path().join(format!("c{n}.redb"))).expect("open")
+            },
+            &mut |s| {
+                let path = s.path().to_path_buf();
+                drop(s);
+                RedbStore::open(&path).expect("reopen")
+            },
+        );
+    }
+
+    #[test]
+    fn a_file_of_garbage_is_refused_with_a_clear_error() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join(FILE_NAME);
+        let garbage: Vec<u8> = (0..64 * 1024u32)
+            .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+            .collect();
+        std::fs::write(&path, &garbage).expect("write");
+        let err = RedbStore::open(&path).expect_err("garbage must be refused");
+        let msg = err.to_string();
+        assert!(matches!(err, StoreError::Open { .. }), "{msg}");
+        assert!(msg.contains("cannot open ledger data file"), "{msg}");
+        assert_eq!(
+            std::fs::read(&path).expect("read"),
+            garbage,
+            "the file was changed"
+        );
+    }
+
+    #[test]
+    fn an_empty_file_is_refused_rather_than_started_over() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join(FILE_NAME);
+        std::fs::write(&path, b"").expect("write");
+        let err = RedbStore::open(&path).expect_err("refused");
+        assert!(err.to_string().contains("the file is empty"), "{err}");
+    }
+
+    #[test]
+    fn a_ledger_file_with_a_changed_record_is_refused_not_misread() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join(FILE_NAME);
+        let now = 490_000 * crate::event::HOUR_MS;
+        let events = crate::testing::usage_stream(3, "d", "a", 2_000, now);
+        {
+            let s = RedbStore::open(&path).expect("open");
+            s.apply(&events).expect("apply");
+        }
+        let mut bytes = std::fs::read(&path).expect("read");
+        // Change one token count inside a stored record: the damage a bad disk or a
+        // stray write does, and the one that would silently change a bill.
+        let victim = events[1234].encode();
+        let at = bytes
+            .windows(victim.len())
+            .position(|w| w == victim.as_slice())
+            .expect("the record is in the file");
+        bytes[at + victim.len() - 1] ^= 0x01;
+        std::fs::write(&path, &bytes).expect("write");
+        // Never a silently changed bill: the start is refused with a clear error.
+        let err = RedbStore::open(&path).expect_err("a changed record must be refused");
+        assert!(matches!(err, StoreError::Open { .. }), "{err}");
+        assert!(err.to_string().contains("integrity check"), "{err}");
+    }
+
+    #[test]
+    fn a_redb_file_from_another_program_is_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join(FILE_NAME);
+        {
+            let db = Database::create(&path).expect("create");
+            let w = db.begin_write().expect("write");
+            {
+                let mut t = w
+                    .open_table(TableDefinition::<&str, u64>::new("other"))
+                    .expect("table");
+                t.insert("x", 1).expect("insert");
+            }
+            w.commit().expect("commit");
+        }
+        let err = RedbStore::open(&path).expect_err("refused");
+        assert!(
+            err.to_string().contains("without the ledger format marker"),
+            "{err}"
+        );
+    }
+}
