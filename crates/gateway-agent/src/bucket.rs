@@ -70,8 +70,9 @@ pub struct RateLimit {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct RateParams {
     pub(crate) limit: RateLimit,
-    /// Emission interval in ns, 32.32 fixed point, rounded up.
-    interval_fp: u128,
+    /// Emission interval in ns, 32.32 fixed point, rounded up; as two words so the
+    /// struct needs no 16-byte alignment and a slot fits one 128-byte block.
+    interval_fp: [u64; 2],
     /// `debit_ns(burst)`.
     pub(crate) tau_ns: u64,
 }
@@ -86,17 +87,22 @@ impl RateParams {
         let interval_fp = num.div_ceil(limit.rate as u128);
         let mut p = RateParams {
             limit,
-            interval_fp,
+            interval_fp: [(interval_fp >> 64) as u64, interval_fp as u64],
             tau_ns: 0,
         };
         p.tau_ns = p.debit_ns(limit.burst);
         Some(p)
     }
 
+    #[inline]
+    fn interval_fp(&self) -> u128 {
+        ((self.interval_fp[0] as u128) << 64) | self.interval_fp[1] as u128
+    }
+
     /// Nanoseconds charged for `cost` units: `ceil(cost * I)`, saturating.
     #[inline]
     pub(crate) fn debit_ns(&self, cost: u64) -> u64 {
-        let x = (cost as u128).saturating_mul(self.interval_fp);
+        let x = (cost as u128).saturating_mul(self.interval_fp());
         let ns = x.div_ceil(1u128 << FP_BITS);
         u64::try_from(ns).unwrap_or(TAT_MAX)
     }
@@ -104,13 +110,13 @@ impl RateParams {
     /// Nanoseconds given back for `tokens` units: `floor(tokens * I)`.
     #[inline]
     pub(crate) fn refund_ns(&self, tokens: u64) -> u64 {
-        let x = (tokens as u128).saturating_mul(self.interval_fp) >> FP_BITS;
+        let x = (tokens as u128).saturating_mul(self.interval_fp()) >> FP_BITS;
         u64::try_from(x).unwrap_or(TAT_MAX)
     }
 
     /// Tokens that `ns` of deficit represents, rounded up: `ceil(ns / I)`.
     fn tokens_owed(&self, ns: u64) -> u64 {
-        ((ns as u128) << FP_BITS).div_ceil(self.interval_fp) as u64
+        ((ns as u128) << FP_BITS).div_ceil(self.interval_fp()) as u64
     }
 }
 
@@ -199,6 +205,10 @@ pub(crate) struct Slot {
     /// their TAT).
     touched: AtomicU64,
     pub(crate) params: Params,
+    /// Second, independent hash of the key: the decision path matches a key by its id
+    /// (the table's key) and this, without touching the key's strings (a false match
+    /// needs a 128-bit collision).
+    pub(crate) check: u64,
     pub(crate) key: Arc<LimitKey>,
 }
 
@@ -211,6 +221,7 @@ impl Slot {
             rejected: AtomicU64::new(0),
             touched: AtomicU64::new(0),
             params,
+            check: key.check,
             key,
         }
     }
@@ -693,6 +704,11 @@ mod tests {
         assert_eq!(released, 90);
         assert_eq!(state.held, 30);
         assert_eq!(Slot::level(&small, state, 0), -20);
+    }
+
+    #[test]
+    fn a_slot_fits_one_128_byte_block() {
+        assert_eq!(std::mem::size_of::<Slot>(), 128);
     }
 
     #[test]

@@ -253,6 +253,7 @@ pub enum Completion {
 pub struct KeyHandle {
     rule: u32,
     id: u64,
+    check: u64,
     values: Box<[Box<str>]>,
 }
 
@@ -410,11 +411,13 @@ struct KeyTable {
 }
 
 impl KeyTable {
+    /// The slot of the key with this id and check hash, if published. Touches the
+    /// table and the slot only (no key strings).
     #[inline]
-    fn lookup(&self, id: u64, rule: u32, values: &[&str]) -> Option<&Arc<Slot>> {
+    fn lookup(&self, id: u64, check: u64) -> Option<&Arc<Slot>> {
         for p in 0..MAX_PROBE {
             match self.map.get(&id.wrapping_add(p)) {
-                Some(s) if key_is(&s.key, rule, values) => return Some(s),
+                Some(s) if s.check == check => return Some(s),
                 Some(_) => continue,
                 None => return None,
             }
@@ -604,13 +607,10 @@ impl Engine {
                 max_ms: self.cfg.max_lease_ttl_ms,
             });
         }
+        // A retry of a live lease is answered from the lease. The common case (a new
+        // id) learns it only at insert time, so admission takes one lock, not two; a
+        // rejection checks first (below) so a retry is never answered 429.
         let hash = self.hashing.request_hash(req.request_id);
-        if let Some(d) = self
-            .leases
-            .with_live(hash, req.request_id, |l| replay(l, now))
-        {
-            return Ok(d);
-        }
 
         let mut limits = Limits::EMPTY;
         let mut held: [Option<LeaseLimit>; MAX_LIMITS_PER_REQUEST] =
@@ -652,7 +652,8 @@ impl Engine {
                 }
             }
             let id = self.hashing.key_id(ri, values.iter().copied());
-            let mut found = table.lookup(id, ri, values).cloned();
+            let check = self.hashing.key_check(ri, values.iter().copied());
+            let mut found = table.lookup(id, check).cloned();
             loop {
                 let slot = match found.take() {
                     Some(s) => s,
@@ -687,6 +688,12 @@ impl Engine {
                         limits.push(status(rule, cost, !rule.enforce, &slot.params, after, now));
                         if rule.enforce {
                             self.rollback(now, &held);
+                            if let Some(d) = self
+                                .leases
+                                .with_live(hash, req.request_id, |l| replay(l, now))
+                            {
+                                return Ok(d);
+                            }
                             return Ok(Decision::Rejected(Rejected {
                                 rule: ri as usize,
                                 reason: RejectReason::RetryLater { retry_after_ns },
@@ -850,6 +857,7 @@ impl Engine {
         };
         let key = Arc::new(LimitKey {
             id: slot_id,
+            check: self.hashing.key_check(rule, values.iter().copied()),
             rule,
             display: display_key(&c.rule, values).into(),
             values: boxed,
@@ -1038,7 +1046,8 @@ impl Engine {
             let values = &values[..nv];
             let cost = rule.cost(&req.cost);
             let id = self.hashing.key_id(ri, values.iter().copied());
-            let mut found = table.lookup(id, ri, values).cloned();
+            let check = self.hashing.key_check(ri, values.iter().copied());
+            let mut found = table.lookup(id, check).cloned();
             for _ in 0..8 {
                 let slot = match found.take() {
                     Some(s) => s,
@@ -1198,6 +1207,7 @@ impl Engine {
                 let c = &self.compiled[rule as usize];
                 let key = Arc::new(LimitKey {
                     id: slot_id,
+                    check: self.hashing.key_check(rule, vals.iter().copied()),
                     rule,
                     display: display_key(&c.rule, &vals).into(),
                     values: vals.iter().map(|v| Box::<str>::from(*v)).collect(),
@@ -1362,6 +1372,7 @@ impl Engine {
         Some(KeyHandle {
             rule: ri,
             id: self.hashing.key_id(ri, values.iter().copied()),
+            check: self.hashing.key_check(ri, values.iter().copied()),
             values: values.iter().map(|v| Box::<str>::from(*v)).collect(),
         })
     }
@@ -1373,20 +1384,16 @@ impl Engine {
         key: &KeyHandle,
         cost: u64,
     ) -> Result<bool, AdmitError> {
-        let mut vals: [&str; MAX_DESCRIPTORS] = [""; MAX_DESCRIPTORS];
-        for (i, v) in key.values.iter().enumerate() {
-            vals[i] = v;
-        }
-        let vals = &vals[..key.values.len()];
-        if let Some(slot) = table.lookup(key.id, key.rule, vals) {
+        if let Some(slot) = table.lookup(key.id, key.check) {
             match slot.try_take(now, cost, false) {
                 Take::Taken { .. } => return Ok(true),
                 Take::Busy { .. } => return Ok(false),
                 Take::Sealed => {}
             }
         }
+        let vals: Vec<&str> = key.values.iter().map(|v| &**v).collect();
         for _ in 0..8 {
-            let slot = self.resolve_slow(now, key.id, key.rule, vals)?;
+            let slot = self.resolve_slow(now, key.id, key.rule, &vals)?;
             match slot.try_take(now, cost, false) {
                 Take::Taken { .. } => return Ok(true),
                 Take::Busy { .. } => return Ok(false),

@@ -8,6 +8,8 @@ use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 pub struct LimitKey {
     /// Hash identity inside one engine (seeded per engine; see [`KeyHashing`]).
     pub(crate) id: u64,
+    /// A second, independent hash of (rule, values).
+    pub(crate) check: u64,
     /// Index of the rule in the rule set.
     pub(crate) rule: u32,
     /// Values matched by the rule's `*` entries, in the rule's match-key order.
@@ -36,6 +38,7 @@ impl LimitKey {
     pub(crate) fn for_tests(name: &str) -> LimitKey {
         LimitKey {
             id: 0,
+            check: 0,
             rule: 0,
             values: Box::new([]),
             display: name.into(),
@@ -54,6 +57,7 @@ impl fmt::Display for LimitKey {
 #[derive(Clone)]
 pub(crate) struct KeyHashing {
     keys: foldhash::fast::RandomState,
+    checks: foldhash::fast::RandomState,
     ids_lo: foldhash::quality::RandomState,
     ids_hi: foldhash::quality::RandomState,
 }
@@ -62,6 +66,7 @@ impl KeyHashing {
     pub(crate) fn new() -> KeyHashing {
         KeyHashing {
             keys: foldhash::fast::RandomState::default(),
+            checks: foldhash::fast::RandomState::default(),
             ids_lo: foldhash::quality::RandomState::default(),
             ids_hi: foldhash::quality::RandomState::default(),
         }
@@ -71,7 +76,22 @@ impl KeyHashing {
     /// that ("ab","c") and ("a","bc") differ.
     #[inline]
     pub(crate) fn key_id<'a>(&self, rule: u32, values: impl Iterator<Item = &'a str>) -> u64 {
-        let mut h = self.keys.build_hasher();
+        Self::hash_key(&self.keys, rule, values)
+    }
+
+    /// The key's check hash (independently seeded).
+    #[inline]
+    pub(crate) fn key_check<'a>(&self, rule: u32, values: impl Iterator<Item = &'a str>) -> u64 {
+        Self::hash_key(&self.checks, rule, values)
+    }
+
+    #[inline]
+    fn hash_key<'a>(
+        state: &foldhash::fast::RandomState,
+        rule: u32,
+        values: impl Iterator<Item = &'a str>,
+    ) -> u64 {
+        let mut h = state.build_hasher();
         h.write_u32(rule);
         for v in values {
             h.write_usize(v.len());
