@@ -1,19 +1,91 @@
-//! The Bursar allocator. **Not built yet**: this crate holds no code today.
+//! The Bursar allocator's **allocation core**: a sans-IO state machine that moves budget
+//! slices between agents by demand and never grants more than a limit plus the
+//! configured overdraft (DESIGN.md, "The overshoot contract").
 //!
-//! It will own the control plane of `../shared/DESIGN.md`: a sans-IO allocation core
-//! (agent registry with incarnations, smoothed demand per key and agent, weighted
-//! max-min water-filling, revoke-before-grant, leases echoing the agent's timestamp,
-//! epoch fencing, partition postures, `check_invariants()` for budget conservation)
-//! and a thin shell (tonic stream per agent, etcd election, a JSON admin endpoint),
-//! with the `bursar-allocator` binary.
+//! This crate owns, today:
 //!
-//! Until it exists, agents run standalone: each agent's slice is the whole limit
-//! (`bursar_agent::SliceSource::Standalone`). The agent side already accepts slice
-//! updates (`bursar_agent::Engine::apply_slices`), which is what this crate will drive.
+//! - the agent registry with incarnations (a restart releases the old grants at once;
+//!   two live agents claiming one id is refused);
+//! - per limit key, smoothed demand per agent (admitted + rejected cost, from cumulative
+//!   counters), weighted max-min water-filling, spare capacity to rejecting agents, a
+//!   reserve kept free for newcomers, and hysteresis;
+//! - **revoke before grant** (invariant 1): commitments count every grant an agent might
+//!   still be using; growth only from what is free; overdraft `O` is the only excess;
+//! - token transfer: tokens released by acknowledged shrinks go, as level, to agents
+//!   that grow;
+//! - leases echoing the agent's report timestamp (invariant 3), grants carrying the term
+//!   and a sequence number (invariant 4), and a new term that learns what agents hold
+//!   for one lease before granting anything beyond it;
+//! - partition postures (`strict` / `conservative` / `open`) and the per-key overshoot
+//!   bound they imply ([`Allocator::overshoot_bound`], docs/tuning.md);
+//! - incremental recomputation (only keys whose demand changed, batched over
+//!   `recompute_delay_ms`), and `check_invariants()`.
+//!
+//! It reads the agents' own rules file through `bursar_agent::Config`, and each
+//! [`Grant`] maps one-to-one onto `bursar_agent::SliceUpdate` ([`Grant::to_slice_update`]).
+//!
+//! **Not built here** (others build them on this core): the protobuf/gRPC protocol
+//! (`crates/proto`), the `bursar-allocator` binary and its shell (tonic stream per
+//! agent, JSON admin endpoint, etcd election and term numbers), and the agent's sync
+//! client (reports on a timer, applies grants, acks). The core compiles without tokio
+//! and never reads a clock: every input carries `now`.
+//!
+//! ```
+//! use bursar_agent::Config;
+//! use bursar_allocator::{Allocator, AllocatorConfig, Hello, KeyName, KeyReport, Report};
+//!
+//! let rules = Config::from_toml(r#"
+//!     [[rule]]
+//!     name = "org-rpm"
+//!     match = { org = "*" }
+//!     dimension = "requests"
+//!     rate = 600
+//!     per = "minute"
+//! "#).unwrap();
+//! let cfg = AllocatorConfig { lease_ms: 1_000, reclaim_margin_ms: 100, ..Default::default() };
+//! let mut alloc = Allocator::new(&rules, cfg, 1, 0).unwrap();
+//! let sec = 1_000_000_000;
+//! alloc.handle_timeout(2 * sec); // a new term learns for one lease first
+//! alloc.handle_hello(2 * sec, &Hello {
+//!     agent: "node-a".into(), incarnation: 1, agent_time_ns: 50, weight: 1, held: vec![],
+//! }).unwrap();
+//! alloc.handle_report(2 * sec, &Report {
+//!     agent: "node-a".into(), incarnation: 1, agent_time_ns: 100,
+//!     keys: vec![KeyReport {
+//!         key: KeyName::new("org-rpm", &["acme"]),
+//!         admitted: 0, rejected: 1, counting_since_ns: 100, in_flight: 0, held: None,
+//!     }],
+//! }).unwrap();
+//! alloc.handle_timeout(alloc.poll_timeout());
+//! let grants: Vec<_> = alloc.drain_grants().collect();
+//! assert_eq!(grants.len(), 1);
+//! assert!(grants[0].rate > 0 && grants[0].rate <= 600);
+//! alloc.check_invariants().unwrap();
+//! ```
 //!
 //! # Layout
 //!
-//! Empty until the issue "Allocator: demand-weighted slices with bounded overshoot"
-//! lands.
+//! - [`core`]: the state machine ([`Allocator`]): registry, demand, allocation,
+//!   accounting, leases, terms, postures, bound, invariants.
+//! - [`waterfill`]: weighted max-min shares and their rounding (pure arithmetic).
+//! - [`msg`]: the core's messages (hello, report, ack, grant) and the mapping onto
+//!   `bursar_agent::SliceUpdate`.
+//! - [`config`]: the allocator's own settings, with bounds and `validate()`.
+//! - `error`: [`AllocError`], one enum for the message boundary.
+//! - [`testing`]: fixtures shared by tests and benchmarks.
+//! - `tests/properties.rs`: random demand, report orders, losses, delays, ack loss and
+//!   restarts against budget conservation (inside and outside view).
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
+
+pub mod config;
+pub mod core;
+mod error;
+pub mod msg;
+pub mod testing;
+pub mod waterfill;
+
+pub use config::{AllocatorConfig, ConfigError, MAX_AGENT_ID_BYTES};
+pub use core::{AgentSlice, Allocator, KeyStatus, OvershootBound, Slice};
+pub use error::AllocError;
+pub use msg::{Ack, Grant, HeldGrant, HeldSlice, Hello, KeyName, KeyReport, Report, SliceAck};

@@ -1,0 +1,177 @@
+//! Allocator settings: plain data with units in the names, a bound on every table, and
+//! [`AllocatorConfig::validate`] at start-up.
+
+/// Longest agent id, in bytes.
+pub const MAX_AGENT_ID_BYTES: usize = 128;
+
+/// Settings of the allocation core. The rules come from the agent's TOML file
+/// (`bursar_agent::Config`); these are the allocator's own knobs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AllocatorConfig {
+    /// Lease of every grant. Default 10,000 ms. An agent that loses the allocator keeps
+    /// its grant this long, then follows the rule's posture; the allocator reclaims the
+    /// grant `lease_ms + reclaim_margin_ms` after the report it answered. Longer leases
+    /// ride out longer allocator outages but delay reclaiming a dead agent's slice and a
+    /// new term's first growth (it learns for one lease).
+    pub lease_ms: u64,
+    /// Subtracted from the agent's lease end (agent clock) so that clock-rate drift
+    /// cannot make the agent's lease outlive the allocator's view. Default 200 ms
+    /// (2 % of the default lease: far above real oscillator drift).
+    pub drift_margin_ms: u64,
+    /// Added to the lease end (allocator clock) before a grant is reclaimed. Covers the
+    /// agent's maintenance period (it applies its posture on its next `maintain`,
+    /// ~100 ms) and scheduling delays. Default 1,000 ms.
+    pub reclaim_margin_ms: u64,
+    /// Half-life of the demand average. Default 1,000 ms: shorter follows shifts faster
+    /// and flaps more.
+    pub demand_half_life_ms: u64,
+    /// Shortest interval a demand sample is measured over (a new key's first report
+    /// covers one request). Default 250 ms (one report interval).
+    pub min_sample_ms: u64,
+    /// A key is recomputed at most this long after its demand changed: reports arriving
+    /// together are allocated together (and many agents reporting a new key at once
+    /// split it). Default 10 ms.
+    pub recompute_delay_ms: u64,
+    /// Grants are changed only when the new target differs from the current one by more
+    /// than this, in permille of the larger. Shrinks ignore it when another agent's
+    /// growth is blocked. Default 50 (5 %).
+    pub hysteresis_permille: u32,
+    /// A demand change smaller than this (permille) does not mark the key for
+    /// recomputation. Default 20.
+    pub demand_change_permille: u32,
+    /// When demand is below the limit, this share (permille) of the spare capacity stays
+    /// free, so a newcomer's first grant needs no revocation round trip. The rest goes
+    /// to rejecting agents, or as headroom to all in proportion to demand. Default 250.
+    pub spare_reserve_permille: u32,
+    /// Overdraft `O` in permille of each rule's rate: the only excess the allocator
+    /// ever grants (rate only, never burst). Default 0.
+    pub overdraft_permille: u32,
+    /// An agent silent this long (no report, no ack) counts as gone for the purpose of a
+    /// hello claiming its id with a new incarnation. Until then such a hello is refused
+    /// as a duplicate. Default 1,000 ms.
+    pub agent_silence_ms: u64,
+    /// Most agents registered. At the bound, a new agent's hello is refused
+    /// (`AgentTableFull`). Default 4,096.
+    pub max_agents: usize,
+    /// Most limit keys tracked. At the bound, a report naming a new key is refused
+    /// (`KeyTableFull`). Default 1,000,000.
+    pub max_keys: usize,
+    /// Most key-agent entries (demand, grants). At the bound, a report naming a new
+    /// pair is refused (`EntryTableFull`). Default 4,000,000 (~200 bytes each).
+    pub max_entries: usize,
+    /// Most keys in one report, hello or ack. Larger ones are refused whole
+    /// (`MessageTooLarge`). Default 10,000.
+    pub max_keys_per_message: usize,
+    /// Most grants waiting in the outbox. At the bound, no new grant is issued (keys
+    /// stay marked and renewals stay due) until the shell drains it. Default 4,000,000.
+    pub max_outbox: usize,
+}
+
+impl Default for AllocatorConfig {
+    fn default() -> Self {
+        AllocatorConfig {
+            lease_ms: 10_000,
+            drift_margin_ms: 200,
+            reclaim_margin_ms: 1_000,
+            demand_half_life_ms: 1_000,
+            min_sample_ms: 250,
+            recompute_delay_ms: 10,
+            hysteresis_permille: 50,
+            demand_change_permille: 20,
+            spare_reserve_permille: 250,
+            overdraft_permille: 0,
+            agent_silence_ms: 1_000,
+            max_agents: 4_096,
+            max_keys: 1_000_000,
+            max_entries: 4_000_000,
+            max_keys_per_message: 10_000,
+            max_outbox: 4_000_000,
+        }
+    }
+}
+
+/// A setting is out of range (operator). Nothing was started.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("allocator setting `{field}`: {reason}")]
+pub struct ConfigError {
+    /// The field.
+    pub field: &'static str,
+    /// What is wrong.
+    pub reason: String,
+}
+
+impl AllocatorConfig {
+    /// Checks every documented constraint.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let err = |field, reason: String| Err(ConfigError { field, reason });
+        if self.lease_ms == 0 || self.lease_ms > 3_600_000 {
+            return err("lease_ms", "must be 1 to 3,600,000".into());
+        }
+        if self.drift_margin_ms >= self.lease_ms {
+            return err("drift_margin_ms", "must be below lease_ms".into());
+        }
+        if self.reclaim_margin_ms > 3_600_000 {
+            return err("reclaim_margin_ms", "must be at most 3,600,000".into());
+        }
+        if self.demand_half_life_ms == 0 {
+            return err("demand_half_life_ms", "must be at least 1".into());
+        }
+        if self.min_sample_ms == 0 {
+            return err("min_sample_ms", "must be at least 1".into());
+        }
+        for (field, v) in [
+            ("hysteresis_permille", self.hysteresis_permille),
+            ("demand_change_permille", self.demand_change_permille),
+            ("spare_reserve_permille", self.spare_reserve_permille),
+            ("overdraft_permille", self.overdraft_permille),
+        ] {
+            if v > 1000 {
+                return err(field, format!("must be at most 1000, got {v}"));
+            }
+        }
+        for (field, v) in [
+            ("max_agents", self.max_agents),
+            ("max_keys", self.max_keys),
+            ("max_entries", self.max_entries),
+            ("max_keys_per_message", self.max_keys_per_message),
+            ("max_outbox", self.max_outbox),
+        ] {
+            if v == 0 {
+                return err(field, "must be at least 1".into());
+            }
+        }
+        if self.max_agents > u32::MAX as usize || self.max_keys > u32::MAX as usize {
+            return err("max_agents", "agents and keys are indexed by u32".into());
+        }
+        Ok(())
+    }
+
+    pub(crate) fn ns(ms: u64) -> u64 {
+        ms.saturating_mul(1_000_000)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_defaults_are_valid_and_bad_values_name_their_field() {
+        AllocatorConfig::default().validate().unwrap();
+        let bad = AllocatorConfig {
+            drift_margin_ms: 20_000,
+            ..AllocatorConfig::default()
+        };
+        assert_eq!(bad.validate().unwrap_err().field, "drift_margin_ms");
+        let bad = AllocatorConfig {
+            overdraft_permille: 1001,
+            ..AllocatorConfig::default()
+        };
+        assert_eq!(bad.validate().unwrap_err().field, "overdraft_permille");
+        let bad = AllocatorConfig {
+            max_keys: 0,
+            ..AllocatorConfig::default()
+        };
+        assert_eq!(bad.validate().unwrap_err().field, "max_keys");
+    }
+}

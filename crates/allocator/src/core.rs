@@ -1,0 +1,2299 @@
+//! The allocation core: a sans-IO state machine.
+//!
+//! Inputs are [`Allocator::handle_hello`], [`Allocator::handle_report`],
+//! [`Allocator::handle_ack`], [`Allocator::handle_disconnect`] and
+//! [`Allocator::handle_timeout`], each with the allocator's `now` (nanoseconds of a
+//! monotonic clock the shell owns). Outputs are [`Grant`]s in an outbox the shell drains
+//! ([`Allocator::drain_grants`]) after each call, and the next deadline
+//! ([`Allocator::poll_timeout`]).
+//!
+//! # Accounting (invariant 1, revoke before grant)
+//!
+//! Per key and agent the core keeps the grants it has **sent** that the agent might
+//! still be using: every grant from the last one the agent is known to have applied (by
+//! an ack, or the held grant in a report or hello) onwards, until its lease has ended by
+//! the allocator's clock plus `reclaim_margin_ms`. The agent's **commitment** is the
+//! componentwise maximum of those grants; the sum of commitments per key never exceeds
+//! `(R + O, B)`. A shrink is sent at once but frees nothing until applied; growth is
+//! sent only out of what is free. A grant's allocator-side expiry is computed from the
+//! allocator's receive time of the report whose agent timestamp the grant echoes, which
+//! is later than the agent's own timestamp: the agent's lease always ends first
+//! (invariant 3).
+//!
+//! # Partitions
+//!
+//! When a grant the agent might be using expires, the core stops counting it and
+//! remembers the rule's posture **fallback** (`strict`: nothing; `conservative`:
+//! `min(grant, R/N)`; `open`: the grant) until the agent applies a newer grant. The
+//! sum of fallbacks is the key's overshoot bound ([`Allocator::overshoot_bound`]).
+
+use std::collections::HashMap;
+use std::hash::{BuildHasher, Hash, Hasher};
+use std::sync::Arc;
+
+use bursar_agent::config::Pattern;
+use bursar_agent::{Config, MAX_COST, Posture, RuleLimit};
+use foldhash::fast::FixedState;
+
+use crate::config::{AllocatorConfig, MAX_AGENT_ID_BYTES};
+use crate::error::AllocError;
+use crate::msg::{Ack, Grant, HeldGrant, Hello, KeyName, KeyReport, Report};
+use crate::waterfill::{Claim, to_units, water_fill};
+
+/// Grants remembered per key and agent before the oldest two are merged (into one
+/// record as large as both, so that accounting stays conservative).
+const MAX_SENT: usize = 6;
+
+/// Probes for a key id whose name hash collides.
+const MAX_PROBE: u64 = 4;
+
+/// Longest descriptor value in a key name (as the agent's config bounds it).
+const MAX_VALUE_BYTES: usize = 256;
+
+/// A (rate, burst) pair: rate in units per the rule's period (0 for concurrency), burst
+/// in units (slots for concurrency).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Slice {
+    /// Rate per period.
+    pub rate: u64,
+    /// Burst (slots).
+    pub burst: u64,
+}
+
+impl Slice {
+    const ZERO: Slice = Slice { rate: 0, burst: 0 };
+
+    fn max(self, o: Slice) -> Slice {
+        Slice {
+            rate: self.rate.max(o.rate),
+            burst: self.burst.max(o.burst),
+        }
+    }
+
+    fn min(self, o: Slice) -> Slice {
+        Slice {
+            rate: self.rate.min(o.rate),
+            burst: self.burst.min(o.burst),
+        }
+    }
+
+    fn le(self, o: Slice) -> bool {
+        self.rate <= o.rate && self.burst <= o.burst
+    }
+
+    fn is_zero(self) -> bool {
+        self.rate == 0 && self.burst == 0
+    }
+}
+
+/// The worst-case overshoot a key can suffer now (DESIGN.md, "Leases and
+/// partitions"): in any window of length `T`, fleet-wide admissions stay within
+/// `B + R*T` plus `burst + (rate + overdraft_rate) * T / period`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OvershootBound {
+    /// Sum over partitioned agents of their posture fallback rates (`conservative`:
+    /// `min(grant, R/N)`; `open`: the grant; `strict`: 0), per the rule's period.
+    pub rate: u64,
+    /// The same sum over bursts (slots for concurrency rules).
+    pub burst: u64,
+    /// The overdraft `O` (rate per period): granted on purpose, never on burst.
+    pub overdraft_rate: u64,
+    /// Agents whose fallback counts.
+    pub partitioned_agents: u32,
+    /// The rule's period in ns (0 for concurrency).
+    pub period_ns: u64,
+}
+
+impl OvershootBound {
+    /// Most units admitted beyond one global bucket `(R, B)` in a window of `window_ns`.
+    pub fn excess_over(&self, window_ns: u64) -> u128 {
+        let per = self.period_ns.max(1) as u128;
+        let rate = (self.rate + self.overdraft_rate) as u128;
+        self.burst as u128 + rate * window_ns as u128 / per
+    }
+}
+
+/// A key's allocation state, for the admin endpoint, summaries and tests.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KeyStatus {
+    /// The key.
+    pub key: KeyName,
+    /// The whole limit: `(R, B)` (concurrency: `(0, slots)`).
+    pub limit: Slice,
+    /// The rate capacity granted at most: `R + O` (concurrency: 0).
+    pub rate_capacity: u64,
+    /// Sum of commitments.
+    pub committed: Slice,
+    /// Sum of smoothed demand, per period.
+    pub demand: f64,
+    /// Per agent: id, smoothed demand, latest grant sent, commitment.
+    pub agents: Vec<AgentSlice>,
+    /// Tokens waiting to be handed to a growing agent.
+    pub transfer_pool: u64,
+    /// The overshoot bound.
+    pub bound: OvershootBound,
+}
+
+/// One agent's share of a key.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AgentSlice {
+    /// The agent.
+    pub agent: Arc<str>,
+    /// Smoothed demand, per period.
+    pub demand: f64,
+    /// The latest grant sent.
+    pub granted: Slice,
+    /// The largest grant it might be using.
+    pub committed: Slice,
+    /// Its posture fallback if it is partitioned.
+    pub fallback: Option<Slice>,
+}
+
+#[derive(Clone, Debug)]
+struct RuleInfo {
+    wildcards: usize,
+    /// `R` (0 for concurrency).
+    rate: u64,
+    /// `R + O` (0 for concurrency).
+    rate_cap: u64,
+    /// `B`, or slots.
+    burst: u64,
+    period_ns: u64,
+    concurrency: bool,
+    posture: Posture,
+}
+
+impl RuleInfo {
+    /// Capacity water-filling divides: the rate (with overdraft), or slots.
+    fn capacity(&self) -> u64 {
+        if self.concurrency {
+            self.burst
+        } else {
+            self.rate_cap
+        }
+    }
+
+    fn limit(&self) -> Slice {
+        Slice {
+            rate: self.rate_cap,
+            burst: self.burst,
+        }
+    }
+
+    /// The slice for `units` of the split dimension: burst in proportion to rate.
+    fn target(&self, units: u64, learning: bool, e: &Entry) -> Slice {
+        let t = if self.concurrency {
+            Slice {
+                rate: 0,
+                burst: units,
+            }
+        } else {
+            let burst = (self.burst as u128 * units as u128 / self.rate_cap.max(1) as u128) as u64;
+            Slice { rate: units, burst }
+        };
+        if learning {
+            t.min(e.learned.unwrap_or(Slice::ZERO))
+        } else {
+            t
+        }
+    }
+
+    fn fallback(&self, g: Slice, fleet: u32) -> Slice {
+        let n = fleet.max(1) as u64;
+        match self.posture {
+            Posture::Strict => Slice::ZERO,
+            Posture::Open => g,
+            Posture::Conservative => Slice {
+                rate: g.rate.min(self.rate / n),
+                burst: g.burst.min(self.burst / n),
+            },
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Sent {
+    epoch: u64,
+    seq: u64,
+    slice: Slice,
+    fleet: u32,
+    /// Allocator clock: when this grant stops counting.
+    expires_ns: u64,
+}
+
+impl Sent {
+    fn id(&self) -> (u64, u64) {
+        (self.epoch, self.seq)
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Entry {
+    agent: u32,
+    demand: f64,
+    /// Demand when the key was last allocated (for change detection).
+    demand_used: f64,
+    has_demand: bool,
+    rejecting: bool,
+    rejecting_used: bool,
+    base_admitted: u64,
+    base_rejected: u64,
+    base_ts: u64,
+    since: u64,
+    sampled: bool,
+    in_flight: u64,
+    /// Grants that may be in use, oldest first.
+    sent: Vec<Sent>,
+    /// Latest grant known applied.
+    applied: (u64, u64),
+    /// What the agent held from an earlier term (the cap while learning).
+    learned: Option<Slice>,
+    /// Posture fallback of an expired grant, and the id it came from.
+    fallback: Option<(Slice, (u64, u64))>,
+}
+
+impl Entry {
+    fn new(agent: u32) -> Entry {
+        Entry {
+            agent,
+            demand: 0.0,
+            demand_used: 0.0,
+            has_demand: false,
+            rejecting: false,
+            rejecting_used: false,
+            base_admitted: 0,
+            base_rejected: 0,
+            base_ts: 0,
+            since: 0,
+            sampled: false,
+            in_flight: 0,
+            sent: Vec::new(),
+            applied: (0, 0),
+            learned: None,
+            fallback: None,
+        }
+    }
+
+    fn commitment(&self) -> Slice {
+        self.sent
+            .iter()
+            .fold(Slice::ZERO, |acc, s| acc.max(s.slice))
+    }
+
+    /// The latest grant sent (what the agent should end up holding).
+    fn current(&self) -> Slice {
+        self.sent.last().map(|s| s.slice).unwrap_or(Slice::ZERO)
+    }
+
+    /// The agent applied `id`: older grants can no longer be in use.
+    fn mark_applied(&mut self, id: (u64, u64)) -> bool {
+        if id <= self.applied {
+            return false;
+        }
+        self.applied = id;
+        self.sent.retain(|s| s.id() >= id);
+        if self.fallback.is_some_and(|(_, f)| id > f) {
+            self.fallback = None;
+        }
+        true
+    }
+
+    fn push_sent(&mut self, s: Sent) {
+        self.sent.push(s);
+        if self.sent.len() > MAX_SENT {
+            let a = self.sent.remove(0);
+            let b = &mut self.sent[0];
+            b.slice = b.slice.max(a.slice);
+            b.expires_ns = b.expires_ns.max(a.expires_ns);
+            b.fleet = b.fleet.min(a.fleet);
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Key {
+    name: Arc<KeyName>,
+    hash: u64,
+    rule: u32,
+    entries: Vec<Entry>,
+    /// Released tokens waiting for a grower (never above the free burst).
+    pool: u64,
+    dirty: bool,
+}
+
+#[derive(Clone, Debug)]
+struct Agent {
+    id: Arc<str>,
+    incarnation: u64,
+    weight: f64,
+    connected: bool,
+    last_heard_ns: u64,
+    /// Agent clock of the last accepted hello or report.
+    report_ts: u64,
+    /// Allocator clock when it arrived.
+    report_recv_ns: u64,
+    /// Key id -> position in the key's entries.
+    entries: HashMap<u32, u32, FixedState>,
+    /// No grant of this agent needs renewal before this (allocator clock).
+    renew_due_ns: u64,
+}
+
+/// The allocation core. See the module docs.
+#[derive(Clone, Debug)]
+pub struct Allocator {
+    cfg: AllocatorConfig,
+    rules: Vec<RuleInfo>,
+    rule_index: HashMap<String, u32, FixedState>,
+    term: u64,
+    learn_until_ns: u64,
+    learning: bool,
+    next_seq: u64,
+    agents: Vec<Option<Agent>>,
+    agent_index: HashMap<Arc<str>, u32, FixedState>,
+    free_agents: Vec<u32>,
+    live_agents: usize,
+    keys: Vec<Option<Key>>,
+    key_index: HashMap<u64, u32, FixedState>,
+    free_keys: Vec<u32>,
+    live_keys: usize,
+    entry_count: usize,
+    dirty: Vec<u32>,
+    recompute_at_ns: Option<u64>,
+    next_sweep_ns: u64,
+    outbox: Vec<Grant>,
+    hasher: FixedState,
+    scratch: Scratch,
+}
+
+#[derive(Clone, Debug, Default)]
+struct Scratch {
+    claims: Vec<Claim>,
+    shares: Vec<f64>,
+    units: Vec<u64>,
+    desired: Vec<Slice>,
+    commit: Vec<Slice>,
+}
+
+/// How a report entry resolved in validation.
+#[derive(Clone, Copy)]
+struct Resolved {
+    key: Option<u32>,
+    rule: u32,
+    hash: u64,
+    entry: Option<u32>,
+}
+
+impl Allocator {
+    /// An allocator for `rules` (the agents' TOML file), in `term`, starting at `now`.
+    ///
+    /// A new term learns for one lease (`lease_ms + reclaim_margin_ms`) before it grants
+    /// anything beyond what agents report holding (invariant 4).
+    pub fn new(
+        rules: &Config,
+        cfg: AllocatorConfig,
+        term: u64,
+        now: u64,
+    ) -> Result<Allocator, crate::config::ConfigError> {
+        cfg.validate()?;
+        let mut infos = Vec::new();
+        let mut rule_index = HashMap::with_hasher(FixedState::with_seed(0));
+        for (i, r) in rules.rules.rules().iter().enumerate() {
+            let wildcards = r
+                .matches
+                .iter()
+                .filter(|(_, p)| *p == Pattern::Each)
+                .count();
+            let info = match r.limit {
+                RuleLimit::Rate { rate, per, burst } => RuleInfo {
+                    wildcards,
+                    rate,
+                    rate_cap: rate + rate * cfg.overdraft_permille as u64 / 1000,
+                    burst,
+                    period_ns: per.as_ns(),
+                    concurrency: false,
+                    posture: r.posture,
+                },
+                RuleLimit::Concurrency { max_in_flight } => RuleInfo {
+                    wildcards,
+                    rate: 0,
+                    rate_cap: 0,
+                    burst: max_in_flight,
+                    period_ns: 0,
+                    concurrency: true,
+                    posture: r.posture,
+                },
+            };
+            infos.push(info);
+            rule_index.insert(r.name.clone(), i as u32);
+        }
+        let learn = AllocatorConfig::ns(cfg.lease_ms + cfg.reclaim_margin_ms);
+        Ok(Allocator {
+            next_sweep_ns: now,
+            rules: infos,
+            rule_index,
+            term,
+            learn_until_ns: now.saturating_add(learn),
+            learning: true,
+            next_seq: 1,
+            agents: Vec::new(),
+            agent_index: HashMap::with_hasher(FixedState::with_seed(1)),
+            free_agents: Vec::new(),
+            live_agents: 0,
+            keys: Vec::new(),
+            key_index: HashMap::with_hasher(FixedState::with_seed(2)),
+            free_keys: Vec::new(),
+            live_keys: 0,
+            entry_count: 0,
+            dirty: Vec::new(),
+            recompute_at_ns: None,
+            outbox: Vec::new(),
+            hasher: FixedState::with_seed(0x6275_7273_6172),
+            scratch: Scratch::default(),
+            cfg,
+        })
+    }
+
+    /// This allocator's term.
+    pub fn term(&self) -> u64 {
+        self.term
+    }
+
+    /// True while the new term is still learning what agents hold (it grants nothing
+    /// beyond that).
+    pub fn is_learning(&self) -> bool {
+        self.learning
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &AllocatorConfig {
+        &self.cfg
+    }
+
+    /// Registered agents.
+    pub fn agent_count(&self) -> usize {
+        self.live_agents
+    }
+
+    /// Tracked keys.
+    pub fn key_count(&self) -> usize {
+        self.live_keys
+    }
+
+    /// Tracked key-agent entries.
+    pub fn entry_count(&self) -> usize {
+        self.entry_count
+    }
+
+    /// Grants waiting in the outbox.
+    pub fn pending_grants(&self) -> usize {
+        self.outbox.len()
+    }
+
+    /// Takes every grant issued so far, oldest first. The shell sends each on its
+    /// agent's stream (a grant for a disconnected agent may be dropped: it stays
+    /// counted until its lease ends, which is safe).
+    pub fn drain_grants(&mut self) -> std::vec::Drain<'_, Grant> {
+        self.outbox.drain(..)
+    }
+
+    /// When [`Allocator::handle_timeout`] next has work: a recomputation, the expiry
+    /// sweep, or the end of the learning period.
+    pub fn poll_timeout(&self) -> u64 {
+        let mut t = self.next_sweep_ns;
+        if self.learning {
+            t = t.min(self.learn_until_ns);
+        }
+        if let Some(r) = self.recompute_at_ns {
+            t = t.min(r);
+        }
+        t
+    }
+
+    fn lease_ns(&self) -> u64 {
+        AllocatorConfig::ns(self.cfg.lease_ms)
+    }
+
+    /// Allocator-side lifetime of a grant: lease plus reclaim margin.
+    fn hold_ns(&self) -> u64 {
+        AllocatorConfig::ns(self.cfg.lease_ms + self.cfg.reclaim_margin_ms)
+    }
+
+    fn hash_name(&self, rule: &str, values: &[String]) -> u64 {
+        let mut h = self.hasher.build_hasher();
+        rule.hash(&mut h);
+        values.hash(&mut h);
+        h.finish()
+    }
+
+    fn find_key(&self, hash: u64, name: &KeyName) -> Option<u32> {
+        for p in 0..MAX_PROBE {
+            if let Some(&id) = self.key_index.get(&hash.wrapping_add(p))
+                && let Some(k) = &self.keys[id as usize]
+                && k.name.rule == name.rule
+                && k.name.values == name.values
+            {
+                return Some(id);
+            }
+        }
+        None
+    }
+
+    /// Resolves a key name: an existing key, or the rule a new one would have.
+    fn resolve(&self, name: &KeyName) -> Result<(Option<u32>, u32, u64), AllocError> {
+        let hash = self.hash_name(&name.rule, &name.values);
+        if let Some(id) = self.find_key(hash, name) {
+            let rule = self.keys[id as usize].as_ref().map(|k| k.rule).unwrap_or(0);
+            return Ok((Some(id), rule, hash));
+        }
+        let &rule = self
+            .rule_index
+            .get(&name.rule)
+            .ok_or_else(|| AllocError::UnknownRule(name.rule.clone()))?;
+        let info = &self.rules[rule as usize];
+        if name.values.len() != info.wildcards
+            || name
+                .values
+                .iter()
+                .any(|v| v.is_empty() || v.len() > MAX_VALUE_BYTES)
+        {
+            return Err(AllocError::InvalidKey {
+                key: name.clone(),
+                expected: info.wildcards,
+            });
+        }
+        Ok((None, rule, hash))
+    }
+
+    fn create_key(&mut self, name: &KeyName, rule: u32, hash: u64) -> u32 {
+        let key = Key {
+            name: Arc::new(name.clone()),
+            hash,
+            rule,
+            entries: Vec::new(),
+            pool: 0,
+            dirty: false,
+        };
+        let id = match self.free_keys.pop() {
+            Some(id) => {
+                self.keys[id as usize] = Some(key);
+                id
+            }
+            None => {
+                self.keys.push(Some(key));
+                (self.keys.len() - 1) as u32
+            }
+        };
+        let slot = (0..MAX_PROBE)
+            .map(|p| hash.wrapping_add(p))
+            .find(|h| !self.key_index.contains_key(h))
+            .expect("validation checked a probe slot is free");
+        self.key_index.insert(slot, id);
+        self.live_keys += 1;
+        id
+    }
+
+    fn key_has_free_probe(&self, hash: u64) -> bool {
+        (0..MAX_PROBE).any(|p| !self.key_index.contains_key(&hash.wrapping_add(p)))
+    }
+
+    fn remove_key(&mut self, id: u32) {
+        let Some(key) = self.keys[id as usize].take() else {
+            return;
+        };
+        for p in 0..MAX_PROBE {
+            let h = key.hash.wrapping_add(p);
+            if self.key_index.get(&h) == Some(&id) {
+                self.key_index.remove(&h);
+                break;
+            }
+        }
+        self.free_keys.push(id);
+        self.live_keys -= 1;
+    }
+
+    fn agent_id(&self, id: &str) -> Result<u32, AllocError> {
+        self.agent_index
+            .get(id)
+            .copied()
+            .ok_or_else(|| AllocError::UnknownAgent(id.to_string()))
+    }
+
+    fn agent(&self, a: u32) -> &Agent {
+        self.agents[a as usize].as_ref().expect("live agent index")
+    }
+
+    fn agent_mut(&mut self, a: u32) -> &mut Agent {
+        self.agents[a as usize].as_mut().expect("live agent index")
+    }
+
+    fn key_mut(&mut self, k: u32) -> &mut Key {
+        self.keys[k as usize].as_mut().expect("live key index")
+    }
+
+    fn key(&self, k: u32) -> &Key {
+        self.keys[k as usize].as_ref().expect("live key index")
+    }
+
+    fn entry_pos(&self, a: u32, k: u32) -> Option<u32> {
+        self.agent(a).entries.get(&k).copied()
+    }
+
+    fn create_entry(&mut self, a: u32, k: u32) -> u32 {
+        let key = self.key_mut(k);
+        key.entries.push(Entry::new(a));
+        let pos = (key.entries.len() - 1) as u32;
+        self.agent_mut(a).entries.insert(k, pos);
+        self.entry_count += 1;
+        pos
+    }
+
+    fn remove_entry(&mut self, k: u32, pos: u32) {
+        let key = self.key_mut(k);
+        let e = key.entries.swap_remove(pos as usize);
+        let moved = key.entries.get(pos as usize).map(|m| m.agent);
+        self.agent_mut(e.agent).entries.remove(&k);
+        if let Some(m) = moved {
+            self.agent_mut(m).entries.insert(k, pos);
+        }
+        self.entry_count -= 1;
+    }
+
+    fn mark_dirty(&mut self, k: u32, at: u64) {
+        let key = self.key_mut(k);
+        if !key.dirty {
+            key.dirty = true;
+            self.dirty.push(k);
+        }
+        self.recompute_at_ns = Some(self.recompute_at_ns.map_or(at, |r| r.min(at)));
+    }
+
+    fn validate_held(&self, name: &KeyName, rule: u32, h: &HeldGrant) -> Result<(), AllocError> {
+        if h.epoch > self.term {
+            return Err(AllocError::NewerTerm {
+                ours: self.term,
+                theirs: h.epoch,
+            });
+        }
+        if h.epoch == self.term && h.seq >= self.next_seq {
+            return Err(AllocError::UnknownSeq {
+                key: name.clone(),
+                seq: h.seq,
+            });
+        }
+        let limit = self.rules[rule as usize].limit();
+        if h.rate > limit.rate || h.burst > limit.burst {
+            return Err(AllocError::AbsurdGrant(name.clone()));
+        }
+        Ok(())
+    }
+
+    /// Records a held grant: from this term it acknowledges; from an earlier term it is
+    /// learned (while learning) or, past learning, its lease has ended and its posture
+    /// fallback counts in the bound until a newer grant is applied.
+    fn apply_held(&mut self, k: u32, pos: u32, h: &HeldGrant, in_flight: u64, fleet: u32) {
+        let term = self.term;
+        let learning = self.learning;
+        let learn_until = self.learn_until_ns;
+        let rule = self.rules[self.key(k).rule as usize].clone();
+        let e = &mut self.key_mut(k).entries[pos as usize];
+        let held = Slice {
+            rate: h.rate,
+            burst: h.burst,
+        };
+        if h.epoch == term {
+            // A concurrency shrink counts as applied only once in-flight work fits.
+            if !(rule.concurrency && in_flight > h.burst) {
+                e.mark_applied((h.epoch, h.seq));
+            }
+            return;
+        }
+        let id = (h.epoch, h.seq);
+        if id < e.applied || e.sent.iter().any(|s| s.id() == id) {
+            return;
+        }
+        if learning {
+            e.learned = Some(e.learned.unwrap_or(Slice::ZERO).max(held));
+            e.sent.insert(
+                0,
+                Sent {
+                    epoch: h.epoch,
+                    seq: h.seq,
+                    slice: held,
+                    fleet,
+                    expires_ns: learn_until,
+                },
+            );
+            e.sent.sort_by_key(|s| s.id());
+            while e.sent.len() > MAX_SENT {
+                let a = e.sent.remove(0);
+                e.sent[0].slice = e.sent[0].slice.max(a.slice);
+                e.sent[0].expires_ns = e.sent[0].expires_ns.max(a.expires_ns);
+            }
+            e.applied = e.applied.max(id);
+        } else {
+            let fb = rule.fallback(held, fleet);
+            if !fb.is_zero() {
+                let prev = e.fallback.map(|(s, _)| s).unwrap_or(Slice::ZERO);
+                let at = e.fallback.map(|(_, f)| f).unwrap_or((0, 0)).max(id);
+                e.fallback = Some((prev.max(fb), at));
+            }
+        }
+    }
+
+    /// A hello: registers an agent, reconnects it, or replaces a restarted one.
+    ///
+    /// A higher incarnation releases every grant of the previous one at once (a
+    /// restarted agent starts empty), unless the previous one is still live (connected
+    /// and heard from within `agent_silence_ms`): then two agents claim one id and the
+    /// hello is refused.
+    pub fn handle_hello(&mut self, now: u64, hello: &Hello) -> Result<(), AllocError> {
+        if hello.agent.is_empty() || hello.agent.len() > MAX_AGENT_ID_BYTES {
+            return Err(AllocError::InvalidAgentId {
+                max: MAX_AGENT_ID_BYTES,
+            });
+        }
+        if hello.held.len() > self.cfg.max_keys_per_message {
+            return Err(AllocError::MessageTooLarge {
+                got: hello.held.len(),
+                max: self.cfg.max_keys_per_message,
+            });
+        }
+        let existing = self.agent_index.get(hello.agent.as_str()).copied();
+        let mut replace = false;
+        if let Some(a) = existing {
+            let ag = self.agent(a);
+            if hello.incarnation < ag.incarnation {
+                return Err(AllocError::StaleIncarnation {
+                    agent: hello.agent.clone(),
+                    registered: ag.incarnation,
+                    got: hello.incarnation,
+                });
+            }
+            if hello.incarnation > ag.incarnation {
+                let silence = AllocatorConfig::ns(self.cfg.agent_silence_ms);
+                if ag.connected && now.saturating_sub(ag.last_heard_ns) < silence {
+                    return Err(AllocError::DuplicateAgent {
+                        agent: hello.agent.clone(),
+                        registered: ag.incarnation,
+                        got: hello.incarnation,
+                    });
+                }
+                replace = true;
+            } else if hello.agent_time_ns < ag.report_ts {
+                return Err(AllocError::StaleReport {
+                    last: ag.report_ts,
+                    got: hello.agent_time_ns,
+                });
+            }
+        } else if self.live_agents >= self.cfg.max_agents {
+            return Err(AllocError::AgentTableFull {
+                max: self.cfg.max_agents,
+            });
+        }
+        // Validate held grants before changing anything.
+        let mut resolved = Vec::with_capacity(hello.held.len());
+        let mut new_keys = 0;
+        for (i, h) in hello.held.iter().enumerate() {
+            let (key, rule, hash) = self.resolve(&h.key)?;
+            if hello.held[..i].iter().any(|o| o.key == h.key) {
+                return Err(AllocError::DuplicateKey(h.key.clone()));
+            }
+            self.validate_held(&h.key, rule, &h.grant)?;
+            if key.is_none() {
+                if !self.key_has_free_probe(hash) {
+                    return Err(AllocError::KeyTableFull {
+                        max: self.cfg.max_keys,
+                    });
+                }
+                new_keys += 1;
+            }
+            resolved.push((key, rule, hash));
+        }
+        if self.live_keys + new_keys > self.cfg.max_keys {
+            return Err(AllocError::KeyTableFull {
+                max: self.cfg.max_keys,
+            });
+        }
+        if self.entry_count + hello.held.len() > self.cfg.max_entries {
+            return Err(AllocError::EntryTableFull {
+                max: self.cfg.max_entries,
+            });
+        }
+        // Apply.
+        let a = match existing {
+            Some(a) if replace => {
+                self.release_agent(now, a);
+                let ag = self.agent_mut(a);
+                ag.incarnation = hello.incarnation;
+                ag.report_ts = 0;
+                a
+            }
+            Some(a) => a,
+            None => self.register(hello),
+        };
+        let ag = self.agent_mut(a);
+        ag.weight = hello.weight.max(1) as f64;
+        ag.connected = true;
+        ag.last_heard_ns = now;
+        ag.report_ts = hello.agent_time_ns;
+        ag.report_recv_ns = now;
+        ag.renew_due_ns = now;
+        for (h, (key, rule, hash)) in hello.held.iter().zip(resolved) {
+            let k = match key.or_else(|| self.find_key(hash, &h.key)) {
+                Some(k) => k,
+                None => self.create_key(&h.key, rule, hash),
+            };
+            let pos = match self.entry_pos(a, k) {
+                Some(p) => p,
+                None => self.create_entry(a, k),
+            };
+            let fleet = self.key(k).entries.len() as u32;
+            self.apply_held(k, pos, &h.grant, 0, fleet);
+            self.mark_dirty(k, now + AllocatorConfig::ns(self.cfg.recompute_delay_ms));
+        }
+        Ok(())
+    }
+
+    fn register(&mut self, hello: &Hello) -> u32 {
+        let id: Arc<str> = hello.agent.as_str().into();
+        let agent = Agent {
+            id: Arc::clone(&id),
+            incarnation: hello.incarnation,
+            weight: 1.0,
+            connected: true,
+            last_heard_ns: 0,
+            report_ts: 0,
+            report_recv_ns: 0,
+            entries: HashMap::with_hasher(FixedState::with_seed(3)),
+            renew_due_ns: 0,
+        };
+        let a = match self.free_agents.pop() {
+            Some(a) => {
+                self.agents[a as usize] = Some(agent);
+                a
+            }
+            None => {
+                self.agents.push(Some(agent));
+                (self.agents.len() - 1) as u32
+            }
+        };
+        self.agent_index.insert(id, a);
+        self.live_agents += 1;
+        a
+    }
+
+    /// Drops every entry of agent `a` (its grants are released: the process is gone).
+    fn release_agent(&mut self, now: u64, a: u32) {
+        let keys: Vec<u32> = self.agent(a).entries.keys().copied().collect();
+        for k in keys {
+            if let Some(pos) = self.entry_pos(a, k) {
+                self.remove_entry(k, pos);
+                self.mark_dirty(k, now);
+            }
+        }
+    }
+
+    /// The agent's stream closed. Its grants stay counted until their leases end (it may
+    /// still be admitting); it gets no growth while disconnected.
+    pub fn handle_disconnect(&mut self, _now: u64, agent: &str) -> Result<(), AllocError> {
+        let a = self.agent_id(agent)?;
+        self.agent_mut(a).connected = false;
+        Ok(())
+    }
+
+    /// Forgets an agent (operator action, or the shell's clean-up of an agent gone for
+    /// good): its grants and any partition fallback stop counting. Only safe once the
+    /// agent is known to be stopped.
+    pub fn forget_agent(&mut self, now: u64, agent: &str) -> Result<(), AllocError> {
+        let a = self.agent_id(agent)?;
+        self.release_agent(now, a);
+        let ag = self.agents[a as usize].take().expect("live agent");
+        self.agent_index.remove(&ag.id);
+        self.free_agents.push(a);
+        self.live_agents -= 1;
+        Ok(())
+    }
+
+    /// A report: updates demand for each key named, records held grants, renews leases
+    /// that are due, and marks keys whose demand changed for recomputation (done in
+    /// [`Allocator::handle_timeout`] after `recompute_delay_ms`, so that reports
+    /// arriving together are allocated together).
+    ///
+    /// The report is validated whole first; an error means nothing changed.
+    pub fn handle_report(&mut self, now: u64, report: &Report) -> Result<(), AllocError> {
+        let a = self.agent_id(&report.agent)?;
+        let ag = self.agent(a);
+        if ag.incarnation != report.incarnation {
+            return Err(AllocError::StaleIncarnation {
+                agent: report.agent.clone(),
+                registered: ag.incarnation,
+                got: report.incarnation,
+            });
+        }
+        if report.agent_time_ns <= ag.report_ts {
+            return Err(AllocError::StaleReport {
+                last: ag.report_ts,
+                got: report.agent_time_ns,
+            });
+        }
+        if report.keys.len() > self.cfg.max_keys_per_message {
+            return Err(AllocError::MessageTooLarge {
+                got: report.keys.len(),
+                max: self.cfg.max_keys_per_message,
+            });
+        }
+        let mut resolved: Vec<Resolved> = Vec::with_capacity(report.keys.len());
+        let mut new_keys = 0usize;
+        let mut new_entries = 0usize;
+        let mut seen: std::collections::HashSet<u64, FixedState> =
+            std::collections::HashSet::with_capacity_and_hasher(
+                report.keys.len(),
+                FixedState::with_seed(4),
+            );
+        for kr in &report.keys {
+            let (key, rule, hash) = self.resolve(&kr.key)?;
+            if !seen.insert(hash) && report.keys.iter().filter(|o| o.key == kr.key).count() > 1 {
+                return Err(AllocError::DuplicateKey(kr.key.clone()));
+            }
+            if let Some(h) = &kr.held {
+                self.validate_held(&kr.key, rule, h)?;
+            }
+            let entry = key.and_then(|k| self.entry_pos(a, k));
+            self.validate_counters(kr, report.agent_time_ns, key, entry)?;
+            match key {
+                None => {
+                    if !self.key_has_free_probe(hash) {
+                        return Err(AllocError::KeyTableFull {
+                            max: self.cfg.max_keys,
+                        });
+                    }
+                    new_keys += 1;
+                    new_entries += 1;
+                }
+                Some(_) if entry.is_none() => new_entries += 1,
+                Some(_) => {}
+            }
+            resolved.push(Resolved {
+                key,
+                rule,
+                hash,
+                entry,
+            });
+        }
+        if self.live_keys + new_keys > self.cfg.max_keys {
+            return Err(AllocError::KeyTableFull {
+                max: self.cfg.max_keys,
+            });
+        }
+        if self.entry_count + new_entries > self.cfg.max_entries {
+            return Err(AllocError::EntryTableFull {
+                max: self.cfg.max_entries,
+            });
+        }
+        // Apply.
+        let ag = self.agent_mut(a);
+        ag.report_ts = report.agent_time_ns;
+        ag.report_recv_ns = now;
+        ag.last_heard_ns = now;
+        ag.connected = true;
+        let soon = now + AllocatorConfig::ns(self.cfg.recompute_delay_ms);
+        for (kr, r) in report.keys.iter().zip(resolved) {
+            let k = match r.key.or_else(|| self.find_key(r.hash, &kr.key)) {
+                Some(k) => k,
+                None => self.create_key(&kr.key, r.rule, r.hash),
+            };
+            let pos = match r.entry.or_else(|| self.entry_pos(a, k)) {
+                Some(p) => p,
+                None => self.create_entry(a, k),
+            };
+            let changed = self.sample(k, pos, kr, report.agent_time_ns);
+            if let Some(h) = &kr.held {
+                let fleet = self.key(k).entries.len() as u32;
+                self.apply_held(k, pos, h, kr.in_flight, fleet);
+            }
+            if changed {
+                self.mark_dirty(k, soon);
+            }
+        }
+        self.renew(now, a);
+        Ok(())
+    }
+
+    fn validate_counters(
+        &self,
+        kr: &KeyReport,
+        agent_time: u64,
+        key: Option<u32>,
+        entry: Option<u32>,
+    ) -> Result<(), AllocError> {
+        let absurd = |reason| AllocError::AbsurdDemand {
+            key: kr.key.clone(),
+            reason,
+        };
+        if kr.counting_since_ns > agent_time {
+            return Err(absurd("counters start after the report's time"));
+        }
+        if kr.in_flight > MAX_COST {
+            return Err(absurd("in-flight count above MAX_COST"));
+        }
+        let (mut base_a, mut base_r) = (0, 0);
+        if let (Some(k), Some(p)) = (key, entry) {
+            let e = &self.key(k).entries[p as usize];
+            if e.sampled && e.since == kr.counting_since_ns {
+                base_a = e.base_admitted;
+                base_r = e.base_rejected;
+            }
+        }
+        if kr.admitted < base_a {
+            return Err(AllocError::NegativeDemand {
+                key: kr.key.clone(),
+                counter: "admitted",
+                was: base_a,
+                now: kr.admitted,
+            });
+        }
+        if kr.rejected < base_r {
+            return Err(AllocError::NegativeDemand {
+                key: kr.key.clone(),
+                counter: "rejected",
+                was: base_r,
+                now: kr.rejected,
+            });
+        }
+        if (kr.admitted - base_a).saturating_add(kr.rejected - base_r) > MAX_COST {
+            return Err(absurd("more than MAX_COST units in one report"));
+        }
+        Ok(())
+    }
+
+    /// Folds one report's counters into the smoothed demand. True if the key should be
+    /// recomputed.
+    fn sample(&mut self, k: u32, pos: u32, kr: &KeyReport, agent_time: u64) -> bool {
+        let half_life = AllocatorConfig::ns(self.cfg.demand_half_life_ms) as f64;
+        let min_sample = AllocatorConfig::ns(self.cfg.min_sample_ms);
+        let change = self.cfg.demand_change_permille as f64 / 1000.0;
+        let key = self.keys[k as usize].as_mut().expect("live key");
+        let rule = &self.rules[key.rule as usize];
+        let e = &mut key.entries[pos as usize];
+        let (ba, br, bt) = if e.sampled && e.since == kr.counting_since_ns {
+            (e.base_admitted, e.base_rejected, e.base_ts)
+        } else {
+            (0, 0, kr.counting_since_ns)
+        };
+        let da = kr.admitted - ba;
+        let dr = kr.rejected - br;
+        let interval = agent_time.saturating_sub(bt).max(min_sample);
+        let sample = if rule.concurrency {
+            kr.in_flight as f64 + dr as f64
+        } else {
+            (da + dr) as f64 * rule.period_ns as f64 / interval as f64
+        };
+        if e.has_demand {
+            let alpha = 1.0 - (-(interval as f64) / half_life).exp2();
+            e.demand += alpha * (sample - e.demand);
+        } else {
+            e.demand = sample;
+            e.has_demand = true;
+        }
+        e.rejecting = dr > 0;
+        e.base_admitted = kr.admitted;
+        e.base_rejected = kr.rejected;
+        e.base_ts = agent_time;
+        e.since = kr.counting_since_ns;
+        e.sampled = true;
+        e.in_flight = kr.in_flight;
+        let floor = rule.capacity() as f64 / 1000.0;
+        e.rejecting != e.rejecting_used
+            || (e.demand - e.demand_used).abs() > change * e.demand_used.max(floor)
+            || (e.demand_used == 0.0) != (e.demand == 0.0)
+    }
+
+    /// Re-sends every grant of agent `a` whose allocator-side expiry is less than three
+    /// quarters of a lease away, with a lease from its latest report.
+    fn renew(&mut self, now: u64, a: u32) {
+        if now < self.agent(a).renew_due_ns {
+            return;
+        }
+        let hold = self.hold_ns();
+        let threshold = now.saturating_add(hold / 4 * 3);
+        let list: Vec<(u32, u32)> = self
+            .agent(a)
+            .entries
+            .iter()
+            .map(|(&k, &p)| (k, p))
+            .collect();
+        let mut due = u64::MAX;
+        self.agent_mut(a).renew_due_ns = u64::MAX;
+        for (k, pos) in list {
+            let e = &self.key(k).entries[pos as usize];
+            let Some(last) = e.sent.last() else { continue };
+            if last.slice.is_zero() {
+                continue;
+            }
+            if last.expires_ns >= threshold && last.epoch == self.term {
+                due = due.min(last.expires_ns.saturating_sub(hold / 2));
+                continue;
+            }
+            if self.outbox.len() >= self.cfg.max_outbox {
+                due = now;
+                break;
+            }
+            let slice = last.slice;
+            self.issue(k, pos, slice, 0);
+        }
+        let ag = self.agent_mut(a);
+        ag.renew_due_ns = ag.renew_due_ns.min(due);
+    }
+
+    /// Sends `slice` to the entry's agent: new seq, lease from its latest report.
+    fn issue(&mut self, k: u32, pos: u32, slice: Slice, transfer: u64) {
+        let lease = self.lease_ns();
+        let drift = AllocatorConfig::ns(self.cfg.drift_margin_ms);
+        let hold = self.hold_ns();
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let term = self.term;
+        let key = self.keys[k as usize].as_mut().expect("live key");
+        let fleet = key.entries.len().max(1) as u32;
+        let e = &mut key.entries[pos as usize];
+        let ag = self.agents[e.agent as usize].as_mut().expect("live agent");
+        let expires_ns = ag.report_recv_ns.saturating_add(hold);
+        ag.renew_due_ns = ag.renew_due_ns.min(expires_ns.saturating_sub(hold / 2));
+        e.push_sent(Sent {
+            epoch: term,
+            seq,
+            slice,
+            fleet,
+            expires_ns,
+        });
+        self.outbox.push(Grant {
+            agent: Arc::clone(&ag.id),
+            incarnation: ag.incarnation,
+            key: Arc::clone(&key.name),
+            rate: slice.rate,
+            burst: slice.burst,
+            epoch: term,
+            seq,
+            lease_expires_at_ns: ag.report_ts.saturating_add(lease).saturating_sub(drift),
+            fleet_size: fleet,
+            transfer_tokens: transfer,
+        });
+    }
+
+    /// Acknowledgements: the agent applied these grants. Older grants stop counting,
+    /// released tokens join the key's transfer pool, and the key is recomputed at once
+    /// (its freed budget can go to agents waiting to grow).
+    pub fn handle_ack(&mut self, now: u64, ack: &Ack) -> Result<(), AllocError> {
+        let a = self.agent_id(&ack.agent)?;
+        let ag = self.agent(a);
+        if ag.incarnation != ack.incarnation {
+            return Err(AllocError::StaleIncarnation {
+                agent: ack.agent.clone(),
+                registered: ag.incarnation,
+                got: ack.incarnation,
+            });
+        }
+        if ack.slices.len() > self.cfg.max_keys_per_message {
+            return Err(AllocError::MessageTooLarge {
+                got: ack.slices.len(),
+                max: self.cfg.max_keys_per_message,
+            });
+        }
+        let mut found = Vec::with_capacity(ack.slices.len());
+        for s in &ack.slices {
+            if s.epoch > self.term {
+                return Err(AllocError::NewerTerm {
+                    ours: self.term,
+                    theirs: s.epoch,
+                });
+            }
+            if s.epoch < self.term {
+                return Err(AllocError::StaleTerm {
+                    ours: self.term,
+                    theirs: s.epoch,
+                });
+            }
+            if s.seq >= self.next_seq || s.released_tokens > MAX_COST || s.in_flight > MAX_COST {
+                return Err(AllocError::UnknownSeq {
+                    key: s.key.clone(),
+                    seq: s.seq,
+                });
+            }
+            let (key, _, _) = self.resolve(&s.key)?;
+            // An ack for a key or entry no longer tracked (forgotten, released) is
+            // harmless: nothing to update.
+            found.push(key.and_then(|k| self.entry_pos(a, k).map(|p| (k, p))));
+        }
+        self.agent_mut(a).last_heard_ns = now;
+        for (s, f) in ack.slices.iter().zip(found) {
+            let Some((k, pos)) = f else { continue };
+            let concurrency = self.rules[self.key(k).rule as usize].concurrency;
+            let key = self.key_mut(k);
+            let e = &mut key.entries[pos as usize];
+            e.in_flight = s.in_flight;
+            let slots = e
+                .sent
+                .iter()
+                .find(|g| g.seq == s.seq)
+                .map(|g| g.slice.burst);
+            if concurrency && slots.is_some_and(|n| s.in_flight > n) {
+                // Not drained yet: the old, larger grant still counts.
+                continue;
+            }
+            let grew_pool = e.mark_applied((s.epoch, s.seq)) && !concurrency;
+            if grew_pool {
+                key.pool = key.pool.saturating_add(s.released_tokens);
+            }
+            self.clamp_pool(k);
+            self.mark_dirty(k, now);
+        }
+        Ok(())
+    }
+
+    fn free(&self, k: u32) -> Slice {
+        let key = self.key(k);
+        let limit = self.rules[key.rule as usize].limit();
+        let used = key
+            .entries
+            .iter()
+            .map(|e| e.commitment())
+            .fold((0u64, 0u64), |(r, b), c| (r + c.rate, b + c.burst));
+        Slice {
+            rate: limit.rate.saturating_sub(used.0),
+            burst: limit.burst.saturating_sub(used.1),
+        }
+    }
+
+    fn clamp_pool(&mut self, k: u32) {
+        let free = self.free(k).burst;
+        let key = self.key_mut(k);
+        key.pool = key.pool.min(free);
+    }
+
+    /// Timers: ends the learning period, sweeps expired grants (reclaiming an
+    /// unreachable agent's slice once its lease has ended by this clock plus
+    /// `reclaim_margin_ms`), and recomputes keys marked since the last call.
+    pub fn handle_timeout(&mut self, now: u64) {
+        if self.learning && now >= self.learn_until_ns {
+            self.learning = false;
+            for k in 0..self.keys.len() as u32 {
+                if let Some(key) = &mut self.keys[k as usize] {
+                    for e in &mut key.entries {
+                        e.learned = None;
+                    }
+                    self.mark_dirty(k, now);
+                }
+            }
+        }
+        if now >= self.next_sweep_ns {
+            self.sweep(now);
+            self.next_sweep_ns = now + (self.lease_ns() / 8).max(1);
+        }
+        if self.recompute_at_ns.is_some_and(|t| t <= now) {
+            self.recompute_dirty(now);
+        }
+    }
+
+    /// Recomputes every key now, whatever its demand did (after a config change, and the
+    /// full-pass benchmark).
+    pub fn reallocate_all(&mut self, now: u64) {
+        for k in 0..self.keys.len() as u32 {
+            if self.keys[k as usize].is_some() {
+                self.mark_dirty(k, now);
+            }
+        }
+        self.recompute_dirty(now);
+    }
+
+    fn sweep(&mut self, now: u64) {
+        for k in 0..self.keys.len() as u32 {
+            let Some(key) = self.keys[k as usize].as_mut() else {
+                continue;
+            };
+            let rule = &self.rules[key.rule as usize];
+            let mut changed = false;
+            for e in &mut key.entries {
+                if e.sent.iter().all(|s| s.expires_ns > now) {
+                    continue;
+                }
+                let applied = e.applied;
+                let mut fb = e.fallback;
+                e.sent.retain(|s| {
+                    if s.expires_ns > now {
+                        return true;
+                    }
+                    if s.id() >= applied {
+                        let f = rule.fallback(s.slice, s.fleet);
+                        if !f.is_zero() {
+                            let (prev, at) = fb.unwrap_or((Slice::ZERO, (0, 0)));
+                            fb = Some((prev.max(f), at.max(s.id())));
+                        }
+                    }
+                    false
+                });
+                e.fallback = fb;
+                changed = true;
+            }
+            if changed {
+                self.mark_dirty(k, now);
+            }
+        }
+    }
+
+    fn recompute_dirty(&mut self, now: u64) {
+        let dirty = std::mem::take(&mut self.dirty);
+        self.recompute_at_ns = None;
+        let mut left = Vec::new();
+        for k in dirty {
+            if self.keys[k as usize].is_none() {
+                continue;
+            }
+            let n = self.key(k).entries.len();
+            if self.outbox.len() + n > self.cfg.max_outbox {
+                left.push(k);
+                continue;
+            }
+            self.key_mut(k).dirty = false;
+            self.recompute(now, k);
+        }
+        for k in left {
+            self.dirty.push(k);
+            self.recompute_at_ns = Some(now);
+        }
+    }
+
+    /// Allocates one key: targets by water-filling, hysteresis, then shrinks at once and
+    /// growth only out of what is free (revoke before grant), with transfer tokens.
+    fn recompute(&mut self, now: u64, k: u32) {
+        let mut sc = std::mem::take(&mut self.scratch);
+        let learning = self.learning;
+        let h = self.cfg.hysteresis_permille as u64;
+        let reserve = self.cfg.spare_reserve_permille as f64 / 1000.0;
+        let key = self.keys[k as usize].as_ref().expect("live key");
+        let rule = self.rules[key.rule as usize].clone();
+        let cap = rule.capacity();
+        let limit = rule.limit();
+
+        // Drop entries with no demand, nothing granted and nothing to remember.
+        let mut idle = Vec::new();
+        for (i, e) in key.entries.iter().enumerate() {
+            if e.demand * 1e6 < cap as f64
+                && e.commitment().is_zero()
+                && e.fallback.is_none()
+                && e.in_flight == 0
+                && e.learned.is_none()
+            {
+                idle.push(i as u32);
+            }
+        }
+        for &pos in idle.iter().rev() {
+            self.remove_entry(k, pos);
+        }
+        let key = self.keys[k as usize].as_ref().expect("live key");
+        if key.entries.is_empty() {
+            self.remove_key(k);
+            self.scratch = sc;
+            return;
+        }
+
+        sc.claims.clear();
+        let lease = self.lease_ns();
+        for e in &key.entries {
+            let ag = self.agents[e.agent as usize].as_ref().expect("live agent");
+            // An agent not heard from for a lease gets no share: its grants would carry
+            // leases already over, and its share would sit unused.
+            let reachable = ag.connected && ag.report_recv_ns.saturating_add(lease) > now;
+            sc.claims.push(Claim {
+                demand: if e.demand.is_finite() && reachable {
+                    e.demand.max(0.0)
+                } else {
+                    0.0
+                },
+                weight: ag.weight,
+                rejecting: e.rejecting,
+            });
+        }
+        water_fill(cap as f64, &sc.claims, reserve, &mut sc.shares);
+        to_units(cap, &sc.shares, &mut sc.units);
+
+        sc.desired.clear();
+        sc.commit.clear();
+        let (mut sum_r, mut sum_b) = (0u128, 0u128);
+        for (i, e) in key.entries.iter().enumerate() {
+            let target = rule.target(sc.units[i], learning, e);
+            let cur = e.current();
+            let reachable = self.agents[e.agent as usize]
+                .as_ref()
+                .is_some_and(|a| a.connected && a.report_recv_ns.saturating_add(lease) > now);
+            let target = if reachable { target } else { target.min(cur) };
+            // Hysteresis on the dimension being split; never holds back a rejecting
+            // agent's growth.
+            let (t, c) = if rule.concurrency {
+                (target.burst, cur.burst)
+            } else {
+                (target.rate, cur.rate)
+            };
+            let in_band = t != 0 && c != 0 && t.abs_diff(c) * 1000 <= h * t.max(c);
+            let desired = if in_band && !(e.rejecting && t > c) {
+                cur
+            } else {
+                target
+            };
+            sum_r += desired.rate as u128;
+            sum_b += desired.burst as u128;
+            sc.desired.push(desired);
+            sc.commit.push(e.commitment());
+        }
+        if sum_r > limit.rate as u128 || sum_b > limit.burst as u128 {
+            // Shrinks held back by hysteresis would block growth: shrink exactly.
+            for (i, e) in key.entries.iter().enumerate() {
+                let target = rule.target(sc.units[i], learning, e);
+                let d = &mut sc.desired[i];
+                if target.le(*d) {
+                    *d = target;
+                }
+            }
+        }
+        let used = sc
+            .commit
+            .iter()
+            .fold((0u64, 0u64), |(r, b), c| (r + c.rate, b + c.burst));
+        let mut free = Slice {
+            rate: limit.rate.saturating_sub(used.0),
+            burst: limit.burst.saturating_sub(used.1),
+        };
+        let n = key.entries.len();
+        let mut pool = key.pool;
+        // Pass 0: shrinks and unchanged (need nothing free). Pass 1: rejecting growers.
+        // Pass 2: other growers.
+        for pass in 0..3 {
+            for i in 0..n {
+                let key = self.keys[k as usize].as_ref().expect("live key");
+                let e = &key.entries[i];
+                let desired = sc.desired[i];
+                let commit = sc.commit[i];
+                let shrink = desired.le(commit);
+                match pass {
+                    0 if !shrink => continue,
+                    1 if shrink || !e.rejecting => continue,
+                    2 if shrink || e.rejecting => continue,
+                    _ => {}
+                }
+                let cur = e.current();
+                let new = if shrink {
+                    desired
+                } else {
+                    Slice {
+                        rate: desired.rate.min(commit.rate + free.rate),
+                        burst: desired.burst.min(commit.burst + free.burst),
+                    }
+                };
+                if new == cur {
+                    continue;
+                }
+                let grow = Slice {
+                    rate: new.rate.saturating_sub(commit.rate),
+                    burst: new.burst.saturating_sub(commit.burst),
+                };
+                free.rate -= grow.rate;
+                free.burst -= grow.burst;
+                let transfer = if rule.concurrency {
+                    0
+                } else {
+                    pool.min(grow.burst)
+                };
+                pool -= transfer;
+                sc.commit[i] = commit.max(new);
+                self.issue(k, i as u32, new, transfer);
+            }
+        }
+        let key = self.keys[k as usize].as_mut().expect("live key");
+        key.pool = pool.min(free.burst);
+        for e in &mut key.entries {
+            e.demand_used = e.demand;
+            e.rejecting_used = e.rejecting;
+        }
+        self.scratch = sc;
+    }
+
+    /// The worst-case overshoot of one key now (DESIGN.md's posture table): 0 with no
+    /// partition (plus the overdraft), else the sum of partitioned agents' fallbacks.
+    pub fn overshoot_bound(&self, key: &KeyName) -> Option<OvershootBound> {
+        let hash = self.hash_name(&key.rule, &key.values);
+        let k = self.find_key(hash, key)?;
+        Some(self.bound_of(k))
+    }
+
+    fn bound_of(&self, k: u32) -> OvershootBound {
+        let key = self.key(k);
+        let rule = &self.rules[key.rule as usize];
+        let mut b = OvershootBound {
+            overdraft_rate: rule.rate_cap - rule.rate,
+            period_ns: rule.period_ns,
+            ..OvershootBound::default()
+        };
+        for e in &key.entries {
+            if let Some((f, _)) = e.fallback {
+                b.rate += f.rate;
+                b.burst += f.burst;
+                b.partitioned_agents += 1;
+            }
+        }
+        b
+    }
+
+    /// A key's allocation state (the admin endpoint's per-key view).
+    pub fn key_status(&self, key: &KeyName) -> Option<KeyStatus> {
+        let hash = self.hash_name(&key.rule, &key.values);
+        let k = self.find_key(hash, key)?;
+        let kk = self.key(k);
+        let rule = &self.rules[kk.rule as usize];
+        let mut committed = Slice::ZERO;
+        let mut demand = 0.0;
+        let agents = kk
+            .entries
+            .iter()
+            .map(|e| {
+                let c = e.commitment();
+                committed.rate += c.rate;
+                committed.burst += c.burst;
+                demand += e.demand;
+                AgentSlice {
+                    agent: Arc::clone(&self.agent(e.agent).id),
+                    demand: e.demand,
+                    granted: e.current(),
+                    committed: c,
+                    fallback: e.fallback.map(|(s, _)| s),
+                }
+            })
+            .collect();
+        Some(KeyStatus {
+            key: key.clone(),
+            limit: Slice {
+                rate: rule.rate,
+                burst: rule.burst,
+            },
+            rate_capacity: rule.rate_cap,
+            committed,
+            demand,
+            agents,
+            transfer_pool: kk.pool,
+            bound: self.bound_of(k),
+        })
+    }
+
+    /// Names of every tracked key.
+    pub fn key_names(&self) -> impl Iterator<Item = &KeyName> {
+        self.keys.iter().flatten().map(|k| &*k.name)
+    }
+
+    /// Checks the core's invariants; tests call it after every step. Returns the first
+    /// violation. Checked: budget conservation for every key (sum of commitments at
+    /// most `(R + O, B)`: invariant 1), the transfer pool within the free burst,
+    /// grants ordered and bounded, index consistency, and table bounds.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut entries = 0;
+        let mut live_keys = 0;
+        for (k, key) in self.keys.iter().enumerate() {
+            let Some(key) = key else { continue };
+            live_keys += 1;
+            let rule = &self.rules[key.rule as usize];
+            let limit = rule.limit();
+            let (mut r, mut b) = (0u128, 0u128);
+            for (pos, e) in key.entries.iter().enumerate() {
+                let Some(ag) = self.agents.get(e.agent as usize).and_then(|a| a.as_ref()) else {
+                    return Err(format!("{}: entry of a dead agent", key.name));
+                };
+                if ag.entries.get(&(k as u32)) != Some(&(pos as u32)) {
+                    return Err(format!("{}: agent index out of step", key.name));
+                }
+                if e.sent.len() > MAX_SENT {
+                    return Err(format!("{}: {} grants remembered", key.name, e.sent.len()));
+                }
+                if e.sent.windows(2).any(|w| w[0].id() >= w[1].id()) {
+                    return Err(format!("{}: grants out of order", key.name));
+                }
+                let c = e.commitment();
+                if rule.concurrency && c.rate != 0 {
+                    return Err(format!("{}: a concurrency grant with a rate", key.name));
+                }
+                r += c.rate as u128;
+                b += c.burst as u128;
+            }
+            entries += key.entries.len();
+            if r > limit.rate as u128 || b > limit.burst as u128 {
+                return Err(format!(
+                    "{}: committed ({r}, {b}) exceeds (R + O, B) = ({}, {})",
+                    key.name, limit.rate, limit.burst
+                ));
+            }
+            if key.pool as u128 > limit.burst as u128 - b {
+                return Err(format!(
+                    "{}: transfer pool {} above the free burst {}",
+                    key.name,
+                    key.pool,
+                    limit.burst as u128 - b
+                ));
+            }
+        }
+        if entries != self.entry_count || live_keys != self.live_keys {
+            return Err("entry or key count out of step".into());
+        }
+        if self.live_keys > self.cfg.max_keys
+            || self.entry_count > self.cfg.max_entries
+            || self.live_agents > self.cfg.max_agents
+        {
+            return Err("a table is above its bound".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::*;
+
+    /// Runs due timers at `now`, checks invariants, returns the grants issued.
+    fn settle(a: &mut Allocator, now: u64) -> Vec<Grant> {
+        a.handle_timeout(now);
+        a.check_invariants().unwrap();
+        a.drain_grants().collect()
+    }
+
+    fn last_for(gs: &[Grant], agent: &str) -> Grant {
+        for_agent(gs, agent)
+            .last()
+            .map(|g| (*g).clone())
+            .expect("a grant for the agent")
+    }
+
+    fn for_agent<'a>(gs: &'a [Grant], agent: &str) -> Vec<&'a Grant> {
+        gs.iter().filter(|g| &*g.agent == agent).collect()
+    }
+
+    #[test]
+    fn a_cold_key_gets_a_first_grant_from_one_out_of_band_report() {
+        let now = 5 * SEC;
+        let mut a = warm_allocator(1, now);
+        a.handle_hello(now, &hello("a", 1, 10)).unwrap();
+        a.handle_report(
+            now,
+            &report("a", 1, 20, vec![line(key("rps", "x"), 0, 1, None)]),
+        )
+        .unwrap();
+        assert!(a.poll_timeout() <= now + 10 * MS);
+        let gs = settle(&mut a, now + 10 * MS);
+        assert_eq!(gs.len(), 1);
+        let g = &gs[0];
+        assert_eq!((g.epoch, &*g.agent), (1, "a"));
+        // Spare goes to the rejecting agent, less the reserve kept free (25 %).
+        assert!(g.rate >= 700 && g.rate <= 1000, "{g:?}");
+        assert_eq!(
+            g.burst, g.rate,
+            "burst is split in proportion to rate (B = R here)"
+        );
+        assert_eq!(g.fleet_size, 1);
+        assert_eq!(g.transfer_tokens, 0, "a new grant starts empty");
+    }
+
+    #[test]
+    fn grants_echo_the_agents_report_time_plus_lease_minus_drift() {
+        let now = 5 * SEC;
+        let mut a = warm_allocator(7, now);
+        a.handle_hello(now, &hello("a", 1, 123)).unwrap();
+        let agent_time = 987_654_321;
+        a.handle_report(
+            now + 3 * MS,
+            &report("a", 1, agent_time, vec![line(key("rps", "x"), 0, 5, None)]),
+        )
+        .unwrap();
+        let gs = settle(&mut a, now + 20 * MS);
+        let cfg = quick_config();
+        assert_eq!(
+            gs[0].lease_expires_at_ns,
+            agent_time + cfg.lease_ms * MS - cfg.drift_margin_ms * MS
+        );
+        assert_eq!(gs[0].epoch, 7);
+        let update = gs[0].to_slice_update();
+        assert_eq!(update.rule, "rps");
+        assert_eq!(update.values, vec!["x".to_string()]);
+        assert_eq!(
+            (
+                update.rate,
+                update.burst,
+                update.seq,
+                update.lease_expires_at_ns
+            ),
+            (
+                gs[0].rate,
+                gs[0].burst,
+                gs[0].seq,
+                gs[0].lease_expires_at_ns
+            )
+        );
+    }
+
+    #[test]
+    fn many_agents_reporting_a_new_key_at_once_split_the_free_budget() {
+        let now = 5 * SEC;
+        let mut a = warm_allocator(1, now);
+        for (i, id) in ["a", "b", "c", "d"].iter().enumerate() {
+            a.handle_hello(now, &hello(id, 1, 1)).unwrap();
+            a.handle_report(
+                now + i as u64 * MS,
+                &report(id, 1, 2, vec![line(key("rps", "fan"), 0, 1, None)]),
+            )
+            .unwrap();
+        }
+        let gs = settle(&mut a, now + 20 * MS);
+        assert_eq!(gs.len(), 4);
+        let rates: Vec<u64> = gs.iter().map(|g| g.rate).collect();
+        assert!(
+            rates.iter().all(|&r| r == rates[0]),
+            "equal split: {rates:?}"
+        );
+        assert!(rates.iter().sum::<u64>() <= 1000);
+        assert!(rates[0] >= 180, "{rates:?}");
+    }
+
+    /// Agent `a` holds most of the key; demand moves to `b`.
+    fn shifted() -> (Allocator, u64, Grant) {
+        let mut now = 5 * SEC;
+        let mut a = warm_allocator(1, now);
+        a.handle_hello(now, &hello("a", 1, 1)).unwrap();
+        a.handle_hello(now, &hello("b", 1, 1)).unwrap();
+        a.handle_report(
+            now,
+            &report("a", 1, 2, vec![line(key("rps", "x"), 0, 900, None)]),
+        )
+        .unwrap();
+        let gs = settle(&mut a, now + 20 * MS);
+        let ga = gs[0].clone();
+        a.handle_ack(now + 21 * MS, &ack(&ga, 1, 0)).unwrap();
+        assert!(settle(&mut a, now + 21 * MS).is_empty());
+        // Demand moves: a is idle, b rejects heavily.
+        now += SEC;
+        a.handle_report(
+            now,
+            &report(
+                "a",
+                1,
+                SEC,
+                vec![line(key("rps", "x"), 0, 900, Some(ga.held()))],
+            ),
+        )
+        .unwrap();
+        a.handle_report(
+            now,
+            &report("b", 1, SEC, vec![line(key("rps", "x"), 0, 2000, None)]),
+        )
+        .unwrap();
+        (a, now, ga)
+    }
+
+    #[test]
+    fn a_shrink_is_applied_before_growth_is_granted() {
+        let (mut a, now, ga) = shifted();
+        let gs = settle(&mut a, now + 20 * MS);
+        let to_a = last_for(&gs, "a");
+        let to_b = for_agent(&gs, "b");
+        assert!(to_a.rate < ga.rate, "a is shrunk");
+        let st = a.key_status(&key("rps", "x")).unwrap();
+        // Until a acknowledges, b gets only what a's old grant leaves free.
+        let b_rate: u64 = to_b.iter().map(|g| g.rate).sum();
+        assert!(
+            b_rate <= 1000 - ga.rate,
+            "b {b_rate} vs a's old {}",
+            ga.rate
+        );
+        assert_eq!(st.committed.rate, ga.rate + b_rate);
+        // The ack frees a's old grant at once; b grows.
+        a.handle_ack(now + 30 * MS, &ack(&to_a, 1, 0)).unwrap();
+        let gs = settle(&mut a, now + 30 * MS);
+        let grown = for_agent(&gs, "b");
+        assert_eq!(grown.len(), 1);
+        assert!(grown[0].rate > b_rate);
+        assert!(grown[0].rate + to_a.rate <= 1000);
+    }
+
+    #[test]
+    fn an_unacknowledged_shrink_frees_nothing_until_its_lease_ends_plus_the_margin() {
+        let (mut a, now, ga) = shifted();
+        let gs = settle(&mut a, now + 20 * MS);
+        let shrink = last_for(&gs, "a");
+        // The ack is lost and a goes silent; b keeps reporting.
+        let cfg = quick_config();
+        let hold = (cfg.lease_ms + cfg.reclaim_margin_ms) * MS;
+        let mut t = now + 20 * MS;
+        let mut b_time = SEC;
+        while t < now + hold - 50 * MS {
+            t += 250 * MS;
+            b_time += 250 * MS;
+            a.handle_report(
+                t,
+                &report("b", 1, b_time, vec![line(key("rps", "x"), 0, 2000, None)]),
+            )
+            .unwrap();
+            settle(&mut a, t + 10 * MS);
+            let st = a.key_status(&key("rps", "x")).unwrap();
+            let a_commit = st
+                .agents
+                .iter()
+                .find(|s| &*s.agent == "a")
+                .unwrap()
+                .committed;
+            if t + 10 * MS < now + hold {
+                assert_eq!(a_commit.rate, ga.rate, "old grant counts until it expires");
+            }
+        }
+        // Past a's lease (by the allocator's clock) plus the margin, it is reclaimed.
+        let late = now + hold + SEC;
+        a.handle_report(
+            late,
+            &report(
+                "b",
+                1,
+                b_time + SEC,
+                vec![line(key("rps", "x"), 0, 2000, None)],
+            ),
+        )
+        .unwrap();
+        settle(&mut a, late);
+        settle(&mut a, late + 20 * MS);
+        let st = a.key_status(&key("rps", "x")).unwrap();
+        let sa = st.agents.iter().find(|s| &*s.agent == "a").unwrap();
+        assert_eq!(sa.committed, Slice::ZERO);
+        // Conservative posture: a may keep min(last grant, R/N) (N = 2 here).
+        let fb = sa.fallback.unwrap();
+        // N is the fleet size in the grant the agent may hold (ga was issued when a was
+        // alone on the key).
+        assert_eq!(shrink.fleet_size, 2);
+        assert_eq!(
+            fb.rate,
+            ga.rate
+                .min(1000 / ga.fleet_size as u64)
+                .max(shrink.rate.min(500))
+        );
+        assert_eq!(st.bound.rate, fb.rate);
+        assert_eq!(st.bound.partitioned_agents, 1);
+    }
+
+    #[test]
+    fn the_bound_follows_each_posture() {
+        for (rule, expect) in [("strict-rps", 0u64), ("open-rps", 1), ("rps", 2)] {
+            let now = 5 * SEC;
+            let mut a = warm_allocator(1, now);
+            for id in ["a", "b"] {
+                a.handle_hello(now, &hello(id, 1, 1)).unwrap();
+                a.handle_report(
+                    now,
+                    &report(id, 1, 2, vec![line(key(rule, "x"), 0, 900, None)]),
+                )
+                .unwrap();
+            }
+            let gs = settle(&mut a, now + 20 * MS);
+            let ga = last_for(&gs, "a");
+            assert_eq!(
+                a.overshoot_bound(&key(rule, "x")).unwrap().rate,
+                0,
+                "no partition"
+            );
+            // a is partitioned; b keeps reporting.
+            let mut t = now;
+            let mut bt = 2;
+            let mut rejected = 900;
+            let mut held = Some(last_for(&gs, "b").held());
+            while t < now + 3 * SEC {
+                t += 250 * MS;
+                bt += 250 * MS;
+                rejected += 900; // b's demand stays as high as a's was
+                let l = line(key(rule, "x"), 0, rejected, held);
+                a.handle_report(t, &report("b", 1, bt, vec![l])).unwrap();
+                if let Some(g) = for_agent(&settle(&mut a, t + 10 * MS), "b").last() {
+                    held = Some(g.held());
+                }
+            }
+            let b = a.overshoot_bound(&key(rule, "x")).unwrap();
+            match expect {
+                0 => assert_eq!(b.rate + b.burst, 0, "strict: {b:?}"),
+                1 => assert_eq!((b.rate, b.burst), (ga.rate, ga.burst), "open"),
+                _ => assert_eq!(
+                    (b.rate, b.burst),
+                    (ga.rate.min(1000 / 2), ga.burst.min(1000 / 2)),
+                    "conservative"
+                ),
+            }
+            assert_eq!(b.excess_over(SEC), (b.burst + b.rate) as u128);
+        }
+    }
+
+    #[test]
+    fn released_tokens_are_handed_to_the_agent_that_grows() {
+        let (mut a, now, _) = shifted();
+        let gs = settle(&mut a, now + 20 * MS);
+        let shrink = last_for(&gs, "a");
+        a.handle_ack(now + 30 * MS, &ack(&shrink, 1, 400)).unwrap();
+        let gs = settle(&mut a, now + 30 * MS);
+        let grow = for_agent(&gs, "b")[0];
+        assert!(
+            grow.transfer_tokens > 0 && grow.transfer_tokens <= 400,
+            "{grow:?}"
+        );
+        let st = a.key_status(&key("rps", "x")).unwrap();
+        assert!(st.transfer_pool + grow.transfer_tokens <= 400);
+        // A duplicate ack adds nothing.
+        a.handle_ack(now + 31 * MS, &ack(&shrink, 1, 400)).unwrap();
+        assert_eq!(
+            a.key_status(&key("rps", "x")).unwrap().transfer_pool,
+            st.transfer_pool
+        );
+    }
+
+    #[test]
+    fn small_demand_changes_do_not_move_grants() {
+        let now = 5 * SEC;
+        let mut a = warm_allocator(1, now);
+        a.handle_hello(now, &hello("a", 1, 1)).unwrap();
+        a.handle_hello(now, &hello("b", 1, 1)).unwrap();
+        let k = key("rps", "x");
+        // Both want more than half: about 500 each.
+        let mut adm = [0u64, 0];
+        let mut t = now;
+        let mut issued = 0;
+        let mut settled = 0;
+        for i in 0..40u64 {
+            t += 250 * MS;
+            for (j, id) in ["a", "b"].iter().enumerate() {
+                adm[j] += 200 + (i % 3) * 5; // ~800/s each, jittering by ~2 %
+                a.handle_report(t, &report(id, 1, t, vec![line(k.clone(), adm[j], 0, None)]))
+                    .unwrap();
+            }
+            let gs = settle(&mut a, t + 10 * MS);
+            if i == 20 {
+                settled = a.key_status(&k).unwrap().agents[0].granted.rate;
+            }
+            if i >= 20 {
+                issued += gs.iter().filter(|g| g.rate != settled).count();
+            }
+        }
+        assert_eq!(issued, 0, "no flapping once settled");
+    }
+
+    #[test]
+    fn a_new_term_grants_nothing_beyond_what_agents_hold_until_a_lease_has_passed() {
+        let cfg = quick_config();
+        let start = 100 * SEC;
+        let mut a = Allocator::new(&rules(), cfg.clone(), 2, start).unwrap();
+        assert!(a.is_learning());
+        let held = HeldGrant {
+            epoch: 1,
+            seq: 40,
+            rate: 300,
+            burst: 300,
+        };
+        let mut h = hello("a", 1, 10);
+        h.held.push(crate::msg::HeldSlice {
+            key: key("rps", "x"),
+            grant: held,
+        });
+        a.handle_hello(start, &h).unwrap();
+        a.handle_hello(start, &hello("b", 1, 10)).unwrap();
+        a.handle_report(
+            start + MS,
+            &report("a", 1, 20, vec![line(key("rps", "x"), 0, 5000, Some(held))]),
+        )
+        .unwrap();
+        a.handle_report(
+            start + MS,
+            &report("b", 1, 20, vec![line(key("rps", "x"), 0, 5000, None)]),
+        )
+        .unwrap();
+        let gs = settle(&mut a, start + 20 * MS);
+        // a's lease is renewed in the new term at what it holds; b (cold) gets nothing.
+        assert!(gs.iter().all(|g| g.epoch == 2));
+        assert_eq!(for_agent(&gs, "a").iter().map(|g| g.rate).max(), Some(300));
+        assert!(for_agent(&gs, "b").iter().all(|g| g.rate == 0));
+        // After one lease plus margin, growth resumes.
+        let end = start + (cfg.lease_ms + cfg.reclaim_margin_ms) * MS;
+        a.handle_report(
+            end - 100 * MS,
+            &report("b", 1, SEC, vec![line(key("rps", "x"), 0, 9000, None)]),
+        )
+        .unwrap();
+        let gs = settle(&mut a, end);
+        assert!(!a.is_learning());
+        assert!(for_agent(&gs, "b").iter().any(|g| g.rate > 0), "{gs:?}");
+    }
+
+    #[test]
+    fn a_restarted_agent_releases_its_old_grants_at_once() {
+        let (mut a, now, ga) = shifted();
+        settle(&mut a, now + 20 * MS);
+        let before = a.key_status(&key("rps", "x")).unwrap();
+        assert!(before.committed.rate >= ga.rate);
+        // a restarts: it is silent for agent_silence_ms, then says hello as incarnation 2.
+        a.handle_disconnect(now + 30 * MS, "a").unwrap();
+        a.handle_hello(now + 40 * MS, &hello("a", 2, 5)).unwrap();
+        let after = a.key_status(&key("rps", "x")).unwrap();
+        assert!(
+            after.agents.iter().all(|s| &*s.agent != "a"),
+            "old grants dropped"
+        );
+        assert_eq!(
+            after.bound.partitioned_agents, 0,
+            "a restarted agent starts empty"
+        );
+        // Reports from the old incarnation are refused.
+        let err = a
+            .handle_report(now + 50 * MS, &report("a", 1, SEC * 9, vec![]))
+            .unwrap_err();
+        assert!(matches!(
+            err,
+            AllocError::StaleIncarnation {
+                registered: 2,
+                got: 1,
+                ..
+            }
+        ));
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn two_live_agents_claiming_one_id_are_refused() {
+        let now = 5 * SEC;
+        let mut a = warm_allocator(1, now);
+        a.handle_hello(now, &hello("a", 1, 1)).unwrap();
+        a.handle_report(
+            now,
+            &report("a", 1, 2, vec![line(key("rps", "x"), 0, 10, None)]),
+        )
+        .unwrap();
+        let err = a.handle_hello(now + MS, &hello("a", 2, 1)).unwrap_err();
+        assert!(matches!(
+            err,
+            AllocError::DuplicateAgent {
+                registered: 1,
+                got: 2,
+                ..
+            }
+        ));
+        assert_eq!(a.agent_count(), 1);
+        // Once the first has been silent for agent_silence_ms, the claim is a restart.
+        let later = now + (quick_config().agent_silence_ms + 1) * MS;
+        a.handle_hello(later, &hello("a", 2, 1)).unwrap();
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn bad_input_is_refused_with_a_clear_error_and_changes_nothing() {
+        let now = 5 * SEC;
+        let mut a = warm_allocator(3, now);
+        a.handle_hello(now, &hello("a", 1, 1)).unwrap();
+        let k = key("rps", "x");
+        a.handle_report(
+            now,
+            &report("a", 1, 10, vec![line(k.clone(), 100, 0, None)]),
+        )
+        .unwrap();
+        let before = a.key_status(&k).unwrap();
+        let mut t = 10;
+        let mut bad = |a: &mut Allocator, keys: Vec<KeyReport>| {
+            t += 1;
+            a.handle_report(now, &report("a", 1, t, keys)).unwrap_err()
+        };
+        let e = bad(&mut a, vec![line(key("nope", "x"), 0, 0, None)]);
+        assert_eq!(
+            e.to_string(),
+            "unknown rule \"nope\" (not in the allocator's rules)"
+        );
+        let e = bad(&mut a, vec![line(KeyName::new("rps", &[]), 0, 0, None)]);
+        assert!(matches!(e, AllocError::InvalidKey { expected: 1, .. }));
+        let e = bad(&mut a, vec![line(k.clone(), 50, 0, None)]);
+        assert!(matches!(
+            e,
+            AllocError::NegativeDemand {
+                counter: "admitted",
+                was: 100,
+                now: 50,
+                ..
+            }
+        ));
+        let e = bad(&mut a, vec![line(k.clone(), 100 + (1 << 41), 0, None)]);
+        assert!(matches!(e, AllocError::AbsurdDemand { .. }));
+        let e = bad(
+            &mut a,
+            vec![line(k.clone(), 100, 0, None), line(k.clone(), 100, 0, None)],
+        );
+        assert!(matches!(e, AllocError::DuplicateKey(_)));
+        let newer = HeldGrant {
+            epoch: 4,
+            seq: 1,
+            rate: 1,
+            burst: 1,
+        };
+        let e = bad(&mut a, vec![line(k.clone(), 100, 0, Some(newer))]);
+        assert!(matches!(e, AllocError::NewerTerm { ours: 3, theirs: 4 }));
+        let huge = HeldGrant {
+            epoch: 2,
+            seq: 1,
+            rate: 5000,
+            burst: 1,
+        };
+        let e = bad(&mut a, vec![line(k.clone(), 100, 0, Some(huge))]);
+        assert!(matches!(e, AllocError::AbsurdGrant(_)));
+        let never = HeldGrant {
+            epoch: 3,
+            seq: 999,
+            rate: 1,
+            burst: 1,
+        };
+        let e = bad(&mut a, vec![line(k.clone(), 100, 0, Some(never))]);
+        assert!(matches!(e, AllocError::UnknownSeq { seq: 999, .. }));
+        let many: Vec<KeyReport> = (0..a.config().max_keys_per_message + 1)
+            .map(|i| line(key("rps", &format!("k{i}")), 0, 1, None))
+            .collect();
+        let e = bad(&mut a, many);
+        assert!(matches!(e, AllocError::MessageTooLarge { .. }));
+        // Stale report (not newer by the agent's clock), unknown agent, stale term acks.
+        let e = a
+            .handle_report(now, &report("a", 1, 5, vec![]))
+            .unwrap_err();
+        assert!(matches!(e, AllocError::StaleReport { last: 10, got: 5 }));
+        let e = a
+            .handle_report(now, &report("zed", 1, 50, vec![]))
+            .unwrap_err();
+        assert!(matches!(e, AllocError::UnknownAgent(_)));
+        let stale_ack = Ack {
+            agent: "a".into(),
+            incarnation: 1,
+            slices: vec![crate::msg::SliceAck {
+                key: k.clone(),
+                epoch: 2,
+                seq: 1,
+                released_tokens: 0,
+                in_flight: 0,
+            }],
+        };
+        let e = a.handle_ack(now, &stale_ack).unwrap_err();
+        assert!(matches!(e, AllocError::StaleTerm { ours: 3, theirs: 2 }));
+        let e = a.handle_hello(now, &hello("", 1, 1)).unwrap_err();
+        assert!(matches!(e, AllocError::InvalidAgentId { .. }));
+        // Nothing changed.
+        assert_eq!(a.key_status(&k).unwrap(), before);
+        assert_eq!(a.key_count(), 1);
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn tables_refuse_entries_beyond_their_bounds() {
+        let now = 5 * SEC;
+        let cfg = AllocatorConfig {
+            max_agents: 1,
+            max_keys: 2,
+            ..quick_config()
+        };
+        let mut a = Allocator::new(&rules(), cfg, 1, now).unwrap();
+        a.handle_hello(now, &hello("a", 1, 1)).unwrap();
+        let e = a.handle_hello(now, &hello("b", 1, 1)).unwrap_err();
+        assert!(matches!(e, AllocError::AgentTableFull { max: 1 }));
+        let three = (0..3)
+            .map(|i| line(key("rps", &format!("k{i}")), 0, 1, None))
+            .collect();
+        let e = a.handle_report(now, &report("a", 1, 2, three)).unwrap_err();
+        assert!(matches!(e, AllocError::KeyTableFull { max: 2 }));
+        assert_eq!(a.key_count(), 0);
+    }
+
+    #[test]
+    fn a_concurrency_shrink_counts_until_in_flight_work_drains() {
+        let now = 5 * SEC;
+        let mut a = warm_allocator(1, now);
+        let k = key("conc", "x");
+        a.handle_hello(now, &hello("a", 1, 1)).unwrap();
+        a.handle_hello(now, &hello("b", 1, 1)).unwrap();
+        let mut l = line(k.clone(), 0, 0, None);
+        l.in_flight = 0;
+        l.rejected = 20;
+        a.handle_report(now, &report("a", 1, 2, vec![l])).unwrap();
+        let gs = settle(&mut a, now + 20 * MS);
+        let ga = gs[0].clone();
+        assert!(ga.burst >= 7 && ga.rate == 0, "{ga:?}");
+        a.handle_ack(now + 21 * MS, &ack(&ga, 1, 0)).unwrap();
+        settle(&mut a, now + 21 * MS);
+        // b wants slots; a is idle but still has work in flight.
+        let t = now + SEC;
+        let mut la = line(k.clone(), 0, 20, Some(ga.held()));
+        la.in_flight = 1;
+        a.handle_report(t, &report("a", 1, SEC, vec![la])).unwrap();
+        let mut lb = line(k.clone(), 0, 50, None);
+        lb.in_flight = 0;
+        a.handle_report(t, &report("b", 1, SEC, vec![lb])).unwrap();
+        let gs = settle(&mut a, t + 20 * MS);
+        let shrink = last_for(&gs, "a");
+        assert!(shrink.burst < ga.burst);
+        // Acked while still over the new slot count: the old grant keeps counting.
+        let mut drained = ack(&shrink, 1, 0);
+        drained.slices[0].in_flight = shrink.burst + 1;
+        a.handle_ack(t + 30 * MS, &drained).unwrap();
+        settle(&mut a, t + 30 * MS);
+        let st = a.key_status(&k).unwrap();
+        let sa = st.agents.iter().find(|s| &*s.agent == "a").unwrap();
+        assert_eq!(sa.committed.burst, ga.burst);
+        assert!(st.committed.burst <= 10);
+        // Drained: now it counts as applied, and b can grow.
+        drained.slices[0].in_flight = 0;
+        a.handle_ack(t + 40 * MS, &drained).unwrap();
+        let gs = settle(&mut a, t + 40 * MS);
+        assert!(for_agent(&gs, "b").iter().any(|g| g.burst > 10 - ga.burst));
+    }
+
+    #[test]
+    fn only_keys_whose_demand_changed_are_recomputed() {
+        let now = 5 * SEC;
+        let mut a = warm_allocator(1, now);
+        a.handle_hello(now, &hello("a", 1, 1)).unwrap();
+        let keys = |n: u64| -> Vec<KeyReport> {
+            (0..50)
+                .map(|i| line(key("rps", &format!("k{i}")), 0, 100 * n, None))
+                .collect()
+        };
+        a.handle_report(now, &report("a", 1, 250 * MS, keys(1)))
+            .unwrap();
+        assert_eq!(settle(&mut a, now + 20 * MS).len(), 50);
+        // One key's demand changes; the other 49 are steady (and not due for renewal).
+        let t = now + 250 * MS;
+        let mut steady = keys(2);
+        steady[7].rejected = 5000;
+        a.handle_report(t, &report("a", 1, 500 * MS, steady))
+            .unwrap();
+        assert_eq!(a.dirty.len(), 1);
+        let gs = settle(&mut a, t + 20 * MS);
+        assert!(gs.iter().all(|g| g.key.values[0] == "k7"), "{gs:?}");
+    }
+
+    #[test]
+    fn leases_are_renewed_while_the_agent_reports() {
+        let now = 5 * SEC;
+        let mut a = warm_allocator(1, now);
+        a.handle_hello(now, &hello("a", 1, 1)).unwrap();
+        let k = key("rps", "x");
+        let mut held = None;
+        let mut t = now;
+        let mut adm = 0;
+        let mut last_lease = 0;
+        for _ in 0..40 {
+            t += 250 * MS;
+            adm += 100;
+            a.handle_report(t, &report("a", 1, t, vec![line(k.clone(), adm, 0, held)]))
+                .unwrap();
+            for g in settle(&mut a, t + 10 * MS) {
+                held = Some(g.held());
+                last_lease = g.lease_expires_at_ns;
+            }
+        }
+        // 10 s of reports with a 1 s lease: the lease is always in the future.
+        assert!(last_lease > t - SEC, "lease {last_lease} at {t}");
+        assert_eq!(a.overshoot_bound(&k).unwrap().partitioned_agents, 0);
+    }
+}

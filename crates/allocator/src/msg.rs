@@ -1,0 +1,224 @@
+//! The core's own messages: what an agent says (hello, report, ack) and what the
+//! allocator answers (grants).
+//!
+//! These are plain Rust structs, not a wire format: the protocol crate (protobuf over a
+//! gRPC stream, not built here) decodes into them and encodes [`Grant`]s from them.
+//! Every size is bounded by [`crate::AllocatorConfig`] and checked on entry.
+//!
+//! # Times
+//!
+//! Two clocks appear and are never mixed. `agent_time_ns` fields are the agent's own
+//! monotonic clock (the `now` its budget engine runs on); the allocator never compares
+//! them with its own clock, it only echoes them back (invariant 3). The `now` argument
+//! of every `handle_*` call is the allocator's clock.
+
+use std::sync::Arc;
+
+use bursar_agent::SliceUpdate;
+
+/// One limit key by name: a rule and the values of its `*` match entries, in the rule's
+/// match-key order (keys sorted), exactly as `bursar_agent::SliceUpdate` names it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct KeyName {
+    /// The rule's name.
+    pub rule: String,
+    /// Values of the rule's `*` entries.
+    pub values: Vec<String>,
+}
+
+impl KeyName {
+    /// A key name from borrowed parts.
+    pub fn new(rule: &str, values: &[&str]) -> KeyName {
+        KeyName {
+            rule: rule.to_string(),
+            values: values.iter().map(|v| v.to_string()).collect(),
+        }
+    }
+}
+
+impl std::fmt::Display for KeyName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}{{{}}}", self.rule, self.values.join(","))
+    }
+}
+
+/// A grant an agent says it holds (in a hello, and per key in each report).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeldGrant {
+    /// The term of the allocator that issued it.
+    pub epoch: u64,
+    /// Its sequence number.
+    pub seq: u64,
+    /// Its rate (units per the rule's period; 0 for concurrency rules).
+    pub rate: u64,
+    /// Its burst (slots for concurrency rules).
+    pub burst: u64,
+}
+
+/// A held grant for one key (the hello lists every grant an agent holds).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HeldSlice {
+    /// The key.
+    pub key: KeyName,
+    /// The grant.
+    pub grant: HeldGrant,
+}
+
+/// The first message on an agent's stream.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Hello {
+    /// The agent's stable id (1 to [`crate::MAX_AGENT_ID_BYTES`] bytes), e.g. its node
+    /// name.
+    pub agent: String,
+    /// Which run of that agent: a restarted agent sends a higher number (for example its
+    /// start time in wall-clock milliseconds). A higher incarnation releases every grant
+    /// the previous one held, at once: a restarted agent starts empty.
+    pub incarnation: u64,
+    /// The agent's clock when it sent the hello.
+    pub agent_time_ns: u64,
+    /// Weight in weighted max-min (1 for equal shares; 0 is read as 1).
+    pub weight: u32,
+    /// Every grant the agent holds (empty for a new incarnation).
+    pub held: Vec<HeldSlice>,
+}
+
+/// Demand and holdings for one key, in a report.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KeyReport {
+    /// The key.
+    pub key: KeyName,
+    /// Cost admitted on this key since `counting_since_ns`, cumulative (never reset
+    /// while `counting_since_ns` stays the same). Cumulative counters make a lost or
+    /// reordered report cost nothing but resolution.
+    pub admitted: u64,
+    /// Cost rejected on this key since `counting_since_ns`, cumulative. Rejections are
+    /// demand.
+    pub rejected: u64,
+    /// Agent time the two counters started from. A new value restarts them.
+    pub counting_since_ns: u64,
+    /// Requests in flight on the key (concurrency rules; 0 otherwise).
+    pub in_flight: u64,
+    /// The grant the agent has applied for this key, if any.
+    pub held: Option<HeldGrant>,
+}
+
+/// A periodic (every `report_interval`) or out-of-band (a new key) report.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Report {
+    /// The agent's id, as in its hello.
+    pub agent: String,
+    /// The agent's incarnation, as in its hello.
+    pub incarnation: u64,
+    /// The agent's clock when it built the report. Every grant answering it leases
+    /// until this time plus `lease_ms` minus the drift margin (invariant 3). A report
+    /// not newer than the last one accepted is stale and ignored.
+    pub agent_time_ns: u64,
+    /// Keys whose demand or holding the agent reports (a delta report may omit keys that
+    /// did not change).
+    pub keys: Vec<KeyReport>,
+}
+
+/// The agent applied one grant.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SliceAck {
+    /// The key.
+    pub key: KeyName,
+    /// The applied grant's term.
+    pub epoch: u64,
+    /// The applied grant's sequence number.
+    pub seq: u64,
+    /// Whole units the shrink's clamp gave up (`bursar_agent::SliceApplied::
+    /// released_tokens`), handed on to agents that grow (token transfer).
+    pub released_tokens: u64,
+    /// Slots in flight after applying (`bursar_agent::SliceApplied::in_flight`).
+    pub in_flight: u64,
+}
+
+/// Acknowledgements of applied grants.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Ack {
+    /// The agent's id.
+    pub agent: String,
+    /// The agent's incarnation.
+    pub incarnation: u64,
+    /// One entry per applied grant.
+    pub slices: Vec<SliceAck>,
+}
+
+/// A grant for one key to one agent: the allocator's only output.
+///
+/// # Mapping onto `bursar_agent::SliceUpdate`
+///
+/// One to one, field by field ([`Grant::to_slice_update`]):
+///
+/// | `Grant` | `SliceUpdate` | meaning |
+/// |---|---|---|
+/// | `key.rule` | `rule` | the rule's name |
+/// | `key.values` | `values` | the rule's `*` values, in match-key order |
+/// | `rate` | `rate` | units per the rule's period (0 for concurrency) |
+/// | `burst` | `burst` | bucket capacity (slots for concurrency) |
+/// | `epoch` | `epoch` | the allocator's term (invariant 4) |
+/// | `seq` | `seq` | increasing within the term, for every key |
+/// | `lease_expires_at_ns` | `lease_expires_at_ns` | agent clock: report time + lease - drift margin |
+/// | `fleet_size` | `fleet_size` | agents sharing the key (the conservative posture's N) |
+/// | `transfer_tokens` | `transfer_tokens` | level handed over from shrinks |
+///
+/// `agent` and `incarnation` name the stream to send it on and are not part of the
+/// update.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Grant {
+    /// The agent it is for.
+    pub agent: Arc<str>,
+    /// The incarnation it is for. The shell sends a grant only on that incarnation's
+    /// stream (and an agent drops grants for another incarnation): a grant issued to a
+    /// process that has since restarted must never reach its successor, which starts
+    /// empty.
+    pub incarnation: u64,
+    /// The key.
+    pub key: Arc<KeyName>,
+    /// Rate per the rule's period (0 for concurrency rules).
+    pub rate: u64,
+    /// Burst (slots for concurrency rules).
+    pub burst: u64,
+    /// The allocator's term.
+    pub epoch: u64,
+    /// Sequence number: one counter per term for all keys, so it increases for every
+    /// key, and a key forgotten and recreated never reuses one.
+    pub seq: u64,
+    /// When the lease ends, in the agent's clock: the agent's timestamp of the last
+    /// report it sent that this allocator accepted, plus `lease_ms`, minus
+    /// `drift_margin_ms`.
+    pub lease_expires_at_ns: u64,
+    /// Agents sharing the key.
+    pub fleet_size: u32,
+    /// Tokens handed over from other agents' shrinks, to add to the level (the agent
+    /// caps it at the new burst).
+    pub transfer_tokens: u64,
+}
+
+impl Grant {
+    /// The agent engine's update for this grant (field by field, see the table above).
+    pub fn to_slice_update(&self) -> SliceUpdate {
+        SliceUpdate {
+            rule: self.key.rule.clone(),
+            values: self.key.values.clone(),
+            rate: self.rate,
+            burst: self.burst,
+            epoch: self.epoch,
+            seq: self.seq,
+            lease_expires_at_ns: self.lease_expires_at_ns,
+            fleet_size: self.fleet_size,
+            transfer_tokens: self.transfer_tokens,
+        }
+    }
+
+    /// The grant as the agent will describe it once held.
+    pub fn held(&self) -> HeldGrant {
+        HeldGrant {
+            epoch: self.epoch,
+            seq: self.seq,
+            rate: self.rate,
+            burst: self.burst,
+        }
+    }
+}

@@ -1,0 +1,271 @@
+//! Weighted max-min fair shares (water-filling) and their rounding to whole units.
+//!
+//! Pure arithmetic, no state: the core calls it per key with each agent's smoothed
+//! demand. Property tests below check the sum bound, max-min fairness and rounding.
+
+/// One agent's claim on a key.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Claim {
+    /// Smoothed demand (admitted + rejected), in units per the rule's period (slots for
+    /// concurrency). Non-negative and finite.
+    pub demand: f64,
+    /// Weight (> 0).
+    pub weight: f64,
+    /// The agent rejected something in its last report: spare capacity goes to it
+    /// first.
+    pub rejecting: bool,
+}
+
+/// Iterations of the closed-form water level before falling back to a sort.
+const MAX_ITERATIONS: usize = 8;
+
+/// Writes each claim's fair share of `capacity` into `out` (same order), summing to at
+/// most `capacity`.
+///
+/// When demand exceeds capacity, shares are weighted max-min: `min(demand, weight * λ)`
+/// with the water level `λ` chosen so that they sum to `capacity`. Otherwise everyone
+/// gets its demand, and of the spare `capacity - Σ demand` a `reserve` fraction (0..=1)
+/// stays unassigned; the rest goes to rejecting claims by weight, or, if none is
+/// rejecting, to every claim in proportion to its demand (headroom).
+pub fn water_fill(capacity: f64, claims: &[Claim], reserve: f64, out: &mut Vec<f64>) {
+    out.clear();
+    out.extend(claims.iter().map(|c| c.demand));
+    let total: f64 = claims.iter().map(|c| c.demand).sum();
+    if total <= capacity {
+        let spare = (capacity - total) * (1.0 - reserve);
+        if spare <= 0.0 {
+            return;
+        }
+        let w_rej: f64 = claims
+            .iter()
+            .filter(|c| c.rejecting)
+            .map(|c| c.weight)
+            .sum();
+        if w_rej > 0.0 {
+            for (o, c) in out.iter_mut().zip(claims) {
+                if c.rejecting {
+                    *o += spare * c.weight / w_rej;
+                }
+            }
+        } else if total > 0.0 {
+            for (o, c) in out.iter_mut().zip(claims) {
+                *o += spare * c.demand / total;
+            }
+        }
+        return;
+    }
+    // Demand exceeds capacity: find the water level λ.
+    let mut remaining = capacity;
+    let mut weight: f64 = claims.iter().map(|c| c.weight).sum();
+    let mut satisfied = vec![false; claims.len()];
+    let mut level = remaining / weight;
+    let mut settled = false;
+    for _ in 0..MAX_ITERATIONS {
+        let mut changed = false;
+        for (i, c) in claims.iter().enumerate() {
+            if !satisfied[i] && c.demand <= c.weight * level {
+                satisfied[i] = true;
+                remaining -= c.demand;
+                weight -= c.weight;
+                changed = true;
+            }
+        }
+        if !changed || weight <= 0.0 {
+            settled = true;
+            break;
+        }
+        level = remaining / weight;
+    }
+    if !settled {
+        // Slow convergence (widely spread demands): sort by demand per weight.
+        let mut order: Vec<usize> = (0..claims.len()).collect();
+        order.sort_by(|&a, &b| {
+            let ra = claims[a].demand / claims[a].weight;
+            let rb = claims[b].demand / claims[b].weight;
+            ra.total_cmp(&rb)
+        });
+        remaining = capacity;
+        weight = claims.iter().map(|c| c.weight).sum();
+        satisfied.iter_mut().for_each(|s| *s = false);
+        for &i in &order {
+            let c = &claims[i];
+            level = remaining / weight;
+            if c.demand <= c.weight * level {
+                satisfied[i] = true;
+                remaining -= c.demand;
+                weight -= c.weight;
+            } else {
+                break;
+            }
+        }
+        if weight > 0.0 {
+            level = remaining / weight;
+        }
+    }
+    for (i, (o, c)) in out.iter_mut().zip(claims).enumerate() {
+        if !satisfied[i] {
+            *o = (c.weight * level).max(0.0);
+        }
+    }
+}
+
+/// Rounds shares down to whole units summing to at most `capacity`, then hands the
+/// leftover units (at most one each) to claims with demand that rounded to nothing,
+/// then to the largest fractions.
+pub fn to_units(capacity: u64, shares: &[f64], out: &mut Vec<u64>) {
+    out.clear();
+    let mut sum: u64 = 0;
+    for &s in shares {
+        let u = if s.is_finite() && s > 0.0 {
+            (s.floor() as u64).min(capacity)
+        } else {
+            0
+        };
+        sum = sum.saturating_add(u);
+        out.push(u);
+    }
+    // Float error could overshoot by a unit or two: trim from the largest.
+    while sum > capacity {
+        let (i, _) = out
+            .iter()
+            .enumerate()
+            .max_by_key(|(_, u)| **u)
+            .expect("sum > 0 means some share");
+        let cut = (sum - capacity).min(out[i]);
+        out[i] -= cut;
+        sum -= cut;
+    }
+    let mut left = capacity - sum;
+    if left == 0 {
+        return;
+    }
+    for (o, &s) in out.iter_mut().zip(shares) {
+        if left == 0 {
+            return;
+        }
+        if *o == 0 && s > 0.0 {
+            *o = 1;
+            left -= 1;
+        }
+    }
+    for (o, &s) in out.iter_mut().zip(shares) {
+        if left == 0 {
+            return;
+        }
+        if s.is_finite() && s - s.floor() >= 0.5 && (*o as f64) < s {
+            *o += 1;
+            left -= 1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn claim(demand: f64) -> Claim {
+        Claim {
+            demand,
+            weight: 1.0,
+            rejecting: false,
+        }
+    }
+
+    #[test]
+    fn overloaded_capacity_is_split_max_min() {
+        let mut out = Vec::new();
+        water_fill(
+            100.0,
+            &[claim(10.0), claim(60.0), claim(80.0)],
+            0.0,
+            &mut out,
+        );
+        assert_eq!(out, vec![10.0, 45.0, 45.0]);
+    }
+
+    #[test]
+    fn spare_goes_to_rejecting_agents_and_a_reserve_stays_free() {
+        let mut out = Vec::new();
+        let mut rej = claim(10.0);
+        rej.rejecting = true;
+        water_fill(100.0, &[claim(10.0), rej], 0.5, &mut out);
+        // 80 spare, 40 stays free, 40 to the rejecting agent.
+        assert_eq!(out, vec![10.0, 50.0]);
+    }
+
+    #[test]
+    fn weights_scale_shares() {
+        let mut out = Vec::new();
+        let heavy = Claim {
+            demand: 1000.0,
+            weight: 3.0,
+            rejecting: false,
+        };
+        water_fill(100.0, &[claim(1000.0), heavy], 0.0, &mut out);
+        assert_eq!(out, vec![25.0, 75.0]);
+    }
+
+    #[test]
+    fn rounding_gives_a_unit_to_small_demands_before_large_fractions() {
+        let mut out = Vec::new();
+        to_units(10, &[0.3, 4.6, 4.6], &mut out);
+        assert_eq!(out.iter().sum::<u64>(), 10);
+        assert_eq!(out[0], 1);
+    }
+
+    fn claims() -> impl Strategy<Value = Vec<Claim>> {
+        prop::collection::vec(
+            (0.0f64..1e6, 0.1f64..10.0, any::<bool>()).prop_map(|(d, w, r)| Claim {
+                demand: d,
+                weight: w,
+                rejecting: r,
+            }),
+            1..40,
+        )
+    }
+
+    proptest! {
+        #[test]
+        fn shares_never_exceed_capacity_and_are_max_min_fair(
+            cs in claims(), cap in 1u64..2_000_000, reserve in 0.0f64..=1.0,
+        ) {
+            let mut shares = Vec::new();
+            water_fill(cap as f64, &cs, reserve, &mut shares);
+            let total: f64 = shares.iter().sum();
+            prop_assert!(total <= cap as f64 * (1.0 + 1e-9) + 1e-6);
+            let demand: f64 = cs.iter().map(|c| c.demand).sum();
+            if demand > cap as f64 {
+                // Nobody above its demand; the unsatisfied share one water level.
+                let mut level = None::<f64>;
+                for (s, c) in shares.iter().zip(&cs) {
+                    prop_assert!(*s <= c.demand * (1.0 + 1e-9) + 1e-6);
+                    if *s < c.demand * (1.0 - 1e-9) - 1e-6 {
+                        let l = s / c.weight;
+                        if let Some(prev) = level {
+                            prop_assert!((prev - l).abs() <= 1e-6 * prev.max(1.0));
+                        }
+                        level = Some(l);
+                    }
+                }
+                // Satisfied claims sit at or below the level.
+                if let Some(l) = level {
+                    for (s, c) in shares.iter().zip(&cs) {
+                        prop_assert!(s / c.weight <= l * (1.0 + 1e-9) + 1e-6);
+                    }
+                }
+                prop_assert!((total - cap as f64).abs() <= 1e-6 * cap as f64 + 1e-6);
+            } else {
+                for (s, c) in shares.iter().zip(&cs) {
+                    prop_assert!(*s >= c.demand);
+                }
+            }
+            let mut units = Vec::new();
+            to_units(cap, &shares, &mut units);
+            prop_assert!(units.iter().sum::<u64>() <= cap);
+            for (u, s) in units.iter().zip(&shares) {
+                prop_assert!((*u as f64) <= s.floor() + 1.0);
+            }
+        }
+    }
+}

@@ -1,0 +1,413 @@
+//! Property tests: random demand, report orders, message losses and delays, ack loss
+//! and agent restarts never break budget conservation.
+//!
+//! Two checks after every step: the core's own `check_invariants()` (the sum of
+//! commitments per key is within `(R + O, B)`), and an outside view: the grants the
+//! simulated agents actually have in force (or their posture fallback once a lease has
+//! ended by the agent's clock) sum to at most the limit plus the bound the allocator
+//! exports for that key.
+
+use std::collections::HashMap;
+
+use bursar_allocator::testing::{MS, SEC, quick_config, rules};
+use bursar_allocator::{
+    Ack, AllocError, Allocator, Grant, Hello, KeyName, KeyReport, Report, SliceAck,
+};
+use proptest::prelude::*;
+
+const KEYS: [(&str, u64, u64, u8); 3] = [
+    // rule, R, B, posture: 0 conservative, 1 open, 2 concurrency (conservative)
+    ("rps", 1000, 1000, 0),
+    ("open-rps", 1000, 500, 1),
+    ("conc", 0, 10, 2),
+];
+
+#[derive(Clone, Debug)]
+enum Step {
+    /// Agent reports (its demand for each key grows by these amounts).
+    Report {
+        agent: usize,
+        demand: [u16; 3],
+        rejecting: bool,
+    },
+    /// Advance time.
+    Wait { ms: u16 },
+    /// Deliver the oldest in-flight message to agent or allocator, or drop it.
+    Deliver {
+        to_agent: bool,
+        drop: bool,
+        pick: u8,
+    },
+    /// Agent crashes (its grants vanish) and later says hello as a new incarnation.
+    Restart { agent: usize },
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        4 => (0usize..3, prop::array::uniform3(0u16..600), any::<bool>())
+            .prop_map(|(agent, demand, rejecting)| Step::Report { agent, demand, rejecting }),
+        3 => (1u16..700).prop_map(|ms| Step::Wait { ms }),
+        6 => (any::<bool>(), prop::bool::weighted(0.15), any::<u8>())
+            .prop_map(|(to_agent, drop, pick)| Step::Deliver { to_agent, drop, pick }),
+        1 => (0usize..3).prop_map(|agent| Step::Restart { agent }),
+    ]
+}
+
+#[derive(Clone, Debug)]
+struct Held {
+    grant: Grant,
+    /// Lease end in allocator time (agent clock minus the agent's offset).
+    lease_end: u64,
+}
+
+#[derive(Default)]
+struct SimAgent {
+    incarnation: u64,
+    offset: u64,
+    registered: bool,
+    down_until: Option<u64>,
+    held: HashMap<String, Held>,
+    admitted: [u64; 3],
+    rejected: [u64; 3],
+    last_time: u64,
+}
+
+enum ToAlloc {
+    Report(Report),
+    Ack(Ack),
+}
+
+struct World {
+    now: u64,
+    alloc: Allocator,
+    agents: Vec<SimAgent>,
+    to_agents: Vec<Grant>,
+    to_alloc: Vec<ToAlloc>,
+}
+
+fn key(i: usize) -> KeyName {
+    KeyName::new(KEYS[i].0, &["k"])
+}
+
+impl World {
+    fn agent_time(&mut self, i: usize) -> u64 {
+        let a = &mut self.agents[i];
+        let t = (self.now + a.offset).max(a.last_time + 1);
+        a.last_time = t;
+        t
+    }
+
+    fn hello(&mut self, i: usize) {
+        let t = self.agent_time(i);
+        let a = &self.agents[i];
+        let h = Hello {
+            agent: format!("agent-{i}"),
+            incarnation: a.incarnation,
+            agent_time_ns: t,
+            weight: 1,
+            held: vec![],
+        };
+        match self.alloc.handle_hello(self.now, &h) {
+            Ok(()) => self.agents[i].registered = true,
+            Err(AllocError::DuplicateAgent { .. }) => {}
+            Err(e) => panic!("hello refused: {e}"),
+        }
+    }
+
+    fn report(&mut self, i: usize, demand: [u16; 3], rejecting: bool) {
+        if self.agents[i].down_until.is_some() {
+            return;
+        }
+        if !self.agents[i].registered {
+            self.hello(i);
+            if !self.agents[i].registered {
+                return;
+            }
+        }
+        let t = self.agent_time(i);
+        let a = &mut self.agents[i];
+        let mut keys = Vec::new();
+        for (k, d) in demand.iter().enumerate() {
+            a.admitted[k] += *d as u64;
+            if rejecting {
+                a.rejected[k] += *d as u64 / 2;
+            }
+            let held = a.held.get(KEYS[k].0).map(|h| h.grant.held());
+            keys.push(KeyReport {
+                key: key(k),
+                admitted: a.admitted[k],
+                rejected: a.rejected[k],
+                counting_since_ns: 0,
+                in_flight: if k == 2 {
+                    held.map_or(0, |h| h.burst.min(*d as u64 % 4))
+                } else {
+                    0
+                },
+                held,
+            });
+        }
+        self.to_alloc.push(ToAlloc::Report(Report {
+            agent: format!("agent-{i}"),
+            incarnation: a.incarnation,
+            agent_time_ns: t,
+            keys,
+        }));
+    }
+
+    fn deliver_to_agent(&mut self, g: Grant) {
+        let i: usize = g.agent["agent-".len()..].parse().unwrap();
+        let a = &mut self.agents[i];
+        if a.down_until.is_some() || !a.registered || a.incarnation != g.incarnation {
+            return; // the stream is gone
+        }
+        let newer = a
+            .held
+            .get(&g.key.rule)
+            .is_none_or(|h| (g.epoch, g.seq) > (h.grant.epoch, h.grant.seq));
+        if !newer {
+            return;
+        }
+        let old_burst = a.held.get(&g.key.rule).map_or(0, |h| h.grant.burst);
+        let lease_end = g.lease_expires_at_ns.saturating_sub(a.offset);
+        a.held.insert(
+            g.key.rule.clone(),
+            Held {
+                grant: g.clone(),
+                lease_end,
+            },
+        );
+        self.to_alloc.push(ToAlloc::Ack(Ack {
+            agent: g.agent.to_string(),
+            incarnation: a.incarnation,
+            slices: vec![SliceAck {
+                key: (*g.key).clone(),
+                epoch: g.epoch,
+                seq: g.seq,
+                released_tokens: old_burst.saturating_sub(g.burst),
+                in_flight: 0,
+            }],
+        }));
+    }
+
+    fn deliver_to_alloc(&mut self, m: ToAlloc) {
+        let r = match &m {
+            ToAlloc::Report(r) => self.alloc.handle_report(self.now, r),
+            ToAlloc::Ack(a) => self.alloc.handle_ack(self.now, a),
+        };
+        match r {
+            Ok(())
+            | Err(AllocError::StaleReport { .. })
+            | Err(AllocError::StaleIncarnation { .. })
+            | Err(AllocError::UnknownAgent(_)) => {}
+            Err(e) => panic!("allocator refused a well-formed message: {e}"),
+        }
+    }
+
+    fn restart(&mut self, i: usize) {
+        let silence = quick_config().agent_silence_ms * MS;
+        let a = &mut self.agents[i];
+        if a.down_until.is_some() {
+            return;
+        }
+        // The process dies: its buckets (and grants) are gone at once.
+        a.held.clear();
+        a.incarnation += 1;
+        a.registered = false;
+        a.admitted = [0; 3];
+        a.rejected = [0; 3];
+        a.down_until = Some(self.now + silence + MS);
+        let _ = self
+            .alloc
+            .handle_disconnect(self.now, &format!("agent-{i}"));
+    }
+
+    fn wait(&mut self, ms: u64) {
+        let end = self.now + ms * MS;
+        while self.now < end {
+            let next = self.alloc.poll_timeout().min(end).max(self.now);
+            self.now = next;
+            self.alloc.handle_timeout(self.now);
+            self.alloc.check_invariants().unwrap();
+            self.to_agents.extend(self.alloc.drain_grants());
+            for i in 0..self.agents.len() {
+                if self.agents[i].down_until.is_some_and(|t| t <= self.now) {
+                    self.agents[i].down_until = None;
+                    self.hello(i);
+                }
+            }
+            if next == end {
+                break;
+            }
+            if self.alloc.poll_timeout() <= self.now {
+                self.now += 1;
+            }
+        }
+    }
+
+    /// What agents actually have in force, against the limit plus the exported bound.
+    fn check_outside_view(&self) {
+        for (k, (rule, r, b, posture)) in KEYS.iter().enumerate() {
+            let (mut rate, mut burst) = (0u64, 0u64);
+            for a in &self.agents {
+                let Some(h) = a.held.get(*rule) else { continue };
+                let g = &h.grant;
+                let (gr, gb) = if self.now < h.lease_end {
+                    (g.rate, g.burst)
+                } else {
+                    let n = g.fleet_size.max(1) as u64;
+                    match posture {
+                        1 => (g.rate, g.burst),
+                        _ => (g.rate.min(r / n), g.burst.min(b / n)),
+                    }
+                };
+                rate += gr;
+                burst += gb;
+            }
+            let bound = self.alloc.overshoot_bound(&key(k)).unwrap_or_default();
+            assert!(
+                rate <= r + bound.rate && burst <= b + bound.burst,
+                "{rule}: agents hold ({rate}, {burst}) > limit ({r}, {b}) + bound {bound:?}"
+            );
+        }
+    }
+}
+
+fn run(offsets: [u64; 3], steps: Vec<Step>) {
+    let start = 100 * SEC;
+    let mut w = World {
+        now: start,
+        alloc: Allocator::new(&rules(), quick_config(), 1, start).unwrap(),
+        agents: (0..3)
+            .map(|i| SimAgent {
+                incarnation: 1,
+                offset: offsets[i],
+                ..SimAgent::default()
+            })
+            .collect(),
+        to_agents: Vec::new(),
+        to_alloc: Vec::new(),
+    };
+    w.wait(1_200); // past learning
+    for s in steps {
+        match s {
+            Step::Report {
+                agent,
+                demand,
+                rejecting,
+            } => w.report(agent, demand, rejecting),
+            Step::Wait { ms } => w.wait(ms as u64),
+            Step::Deliver {
+                to_agent,
+                drop,
+                pick,
+            } => {
+                // Pick among the oldest few: delays and reorders.
+                if to_agent && !w.to_agents.is_empty() {
+                    let i = pick as usize % w.to_agents.len().min(4);
+                    let g = w.to_agents.remove(i);
+                    if !drop {
+                        w.deliver_to_agent(g);
+                    }
+                } else if !to_agent && !w.to_alloc.is_empty() {
+                    let i = pick as usize % w.to_alloc.len().min(4);
+                    let m = w.to_alloc.remove(i);
+                    if !drop {
+                        w.deliver_to_alloc(m);
+                    }
+                }
+            }
+            Step::Restart { agent } => w.restart(agent),
+        }
+        w.alloc.check_invariants().unwrap();
+        w.check_outside_view();
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+
+    #[test]
+    fn budget_conservation_survives_loss_delay_reordering_and_restarts(
+        offsets in prop::array::uniform3(0u64..50 * SEC),
+        steps in prop::collection::vec(step(), 1..160),
+    ) {
+        run(offsets, steps);
+    }
+}
+
+#[test]
+fn a_steady_fleet_with_no_losses_uses_the_whole_limit_without_a_partition_bound() {
+    let mut steps = Vec::new();
+    for _ in 0..60 {
+        for agent in 0..3 {
+            steps.push(Step::Report {
+                agent,
+                demand: [400, 400, 1],
+                rejecting: true,
+            });
+        }
+        for _ in 0..12 {
+            steps.push(Step::Deliver {
+                to_agent: false,
+                drop: false,
+                pick: 0,
+            });
+            steps.push(Step::Deliver {
+                to_agent: true,
+                drop: false,
+                pick: 0,
+            });
+        }
+        steps.push(Step::Wait { ms: 250 });
+    }
+    let start = 100 * SEC;
+    let mut w = World {
+        now: start,
+        alloc: Allocator::new(&rules(), quick_config(), 1, start).unwrap(),
+        agents: (0..3)
+            .map(|_| SimAgent {
+                incarnation: 1,
+                ..SimAgent::default()
+            })
+            .collect(),
+        to_agents: Vec::new(),
+        to_alloc: Vec::new(),
+    };
+    w.wait(1_200);
+    for s in steps {
+        match s {
+            Step::Report {
+                agent,
+                demand,
+                rejecting,
+            } => w.report(agent, demand, rejecting),
+            Step::Wait { ms } => w.wait(ms as u64),
+            Step::Deliver { to_agent: true, .. } => {
+                if !w.to_agents.is_empty() {
+                    let g = w.to_agents.remove(0);
+                    w.deliver_to_agent(g);
+                }
+            }
+            Step::Deliver { .. } => {
+                if !w.to_alloc.is_empty() {
+                    let m = w.to_alloc.remove(0);
+                    w.deliver_to_alloc(m);
+                }
+            }
+            Step::Restart { .. } => {}
+        }
+        w.alloc.check_invariants().unwrap();
+        w.check_outside_view();
+    }
+    // Demand 3 x 1,600/s against 1,000/s: the whole rate is granted, none partitioned.
+    let st = w.alloc.key_status(&key(0)).unwrap();
+    assert!(st.committed.rate >= 950, "{st:?}");
+    assert_eq!(st.bound.partitioned_agents, 0);
+    let held: u64 = w
+        .agents
+        .iter()
+        .filter_map(|a| a.held.get("rps"))
+        .map(|h| h.grant.rate)
+        .sum();
+    assert!((950..=1000).contains(&held), "held {held}");
+}
