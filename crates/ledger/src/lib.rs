@@ -9,7 +9,8 @@
 //! Built and tested: the sans-IO core ([`event`], [`wire`], [`merge`], [`digest`],
 //! [`totals`]), the [`Store`] trait with the in-memory reference model
 //! ([`MemStore`]) and the redb backend ([`RedbStore`], group commit, fsync before
-//! acknowledgement, refuses a damaged data file).
+//! acknowledgement, refuses a damaged data file), and the single-node HTTP shell
+//! ([`server`], feature `server`, default) behind the `bursar-ledger` binary.
 //!
 //! **Not built:** the cluster (foca membership, quinn sync with mutual TLS, rkyv
 //! messages, push/pull anti-entropy). A ledger node today is a single node; nothing
@@ -30,6 +31,9 @@
 //! - [`store`]: the [`Store`] trait, the merge algorithm every backend shares
 //!   ([`store::apply_batch`]), [`MemStore`], and queries ([`store::usage_totals`]).
 //! - [`redb_store`]: the durable backend.
+//! - `server` (feature `server`): the HTTP JSON shell: one writer thread owns the
+//!   writes and group-commits concurrent requests; reads use MVCC snapshots.
+//! - `main.rs`: the `bursar-ledger` binary (clap, anyhow).
 //! - [`conformance`]: the suite every backend's tests call.
 //! - [`testing`]: seeded fixtures shared by tests and benchmarks.
 #![forbid(unsafe_code)]
@@ -40,6 +44,8 @@ pub mod digest;
 pub mod event;
 pub mod merge;
 pub mod redb_store;
+#[cfg(feature = "server")]
+pub mod server;
 pub mod store;
 pub mod testing;
 pub mod totals;

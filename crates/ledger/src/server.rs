@@ -1,0 +1,735 @@
+//! The HTTP shell of a single ledger node (feature `server`): tokio + axum in front of
+//! a [`RedbStore`].
+//!
+//! One thread owns the writes: HTTP handlers validate a batch, put it on a bounded
+//! queue and wait; the writer drains every batch waiting (up to
+//! [`ServerConfig::commit_events_max`] events), applies them in **one** durable
+//! transaction (group commit), and only then answers each request. An event is
+//! acknowledged only after the commit that holds it. Reads use redb's MVCC read
+//! transactions on the blocking pool and never wait for the writer.
+//!
+//! Bounds: a request body is at most [`ServerConfig::body_max_bytes`] (413 beyond), a
+//! batch at most [`ServerConfig::batch_events_max`] events (413), the ingest queue at
+//! most [`ServerConfig::queue_max`] batches (503 with `Retry-After: 1` when full), an
+//! export page at most [`ServerConfig::export_lines_max`] lines (the rest by cursor),
+//! a query at most [`ServerConfig::range_hours_max`] hours.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::future::Future;
+use std::ops::ControlFlow;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Query, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde_json::{Value, json};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::digest::Bucket;
+use crate::event::{Event, EventKey, HOUR_MS, Limits, hex};
+use crate::merge::ApplyReport;
+use crate::redb_store::RedbStore;
+use crate::store::{QueryError, Store, usage_totals};
+use crate::totals::TotalsLimits;
+use crate::wire::{event_json, parse_event};
+
+/// Configuration of the HTTP shell. Plain data; [`ServerConfig::validate`] at start-up.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    /// This node's id (reported by `/healthz` and `/metrics`).
+    pub node_id: String,
+    /// Bounds on each event.
+    pub limits: Limits,
+    /// Bounds on a totals query.
+    pub totals_limits: TotalsLimits,
+    /// Largest request body, bytes. Default 16 MiB (about 50,000 events).
+    pub body_max_bytes: usize,
+    /// Most events in one `POST /v1/events`. Default 50,000.
+    pub batch_events_max: usize,
+    /// Most events the writer puts in one transaction (group commit). Default
+    /// 100,000. Larger amortises the fsync further but holds answers longer.
+    pub commit_events_max: usize,
+    /// Most batches waiting for the writer. Default 256; beyond, 503.
+    pub queue_max: usize,
+    /// Most lines in one export page. Default 100,000.
+    pub export_lines_max: usize,
+    /// Widest query, hours. Default 24 * 400.
+    pub range_hours_max: u64,
+    /// Most buckets listed by `/v1/digest`. Default 100,000.
+    pub digest_buckets_max: usize,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            node_id: "ledger-1".into(),
+            limits: Limits::default(),
+            totals_limits: TotalsLimits::default(),
+            body_max_bytes: 16 << 20,
+            batch_events_max: 50_000,
+            commit_events_max: 100_000,
+            queue_max: 256,
+            export_lines_max: 100_000,
+            range_hours_max: 24 * 400,
+            digest_buckets_max: 100_000,
+        }
+    }
+}
+
+/// A configuration or start-up error. Nothing was started; the cause is the operator's.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    /// A configuration value is out of range.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// Serving failed (the listener).
+    #[error("HTTP server failed: {0}")]
+    Serve(#[from] std::io::Error),
+}
+
+impl ServerConfig {
+    /// Checks every bound is usable.
+    pub fn validate(&self) -> Result<(), ServerError> {
+        let positive = [
+            ("body_max_bytes", self.body_max_bytes),
+            ("batch_events_max", self.batch_events_max),
+            ("commit_events_max", self.commit_events_max),
+            ("queue_max", self.queue_max),
+            ("export_lines_max", self.export_lines_max),
+            ("digest_buckets_max", self.digest_buckets_max),
+        ];
+        if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
+            return Err(ServerError::Config(format!("{name} must be > 0")));
+        }
+        if self.node_id.is_empty() || self.node_id.len() > self.limits.name_max_bytes {
+            return Err(ServerError::Config("node_id must be 1..=256 bytes".into()));
+        }
+        if self.range_hours_max == 0 {
+            return Err(ServerError::Config("range_hours_max must be > 0".into()));
+        }
+        Ok(())
+    }
+}
+
+/// Counters exported by `/metrics`.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    events_received: AtomicU64,
+    events_new: AtomicU64,
+    events_duplicate: AtomicU64,
+    events_conflict: AtomicU64,
+    commits: AtomicU64,
+    commit_micros: AtomicU64,
+    commit_failures: AtomicU64,
+    rejected_invalid: AtomicU64,
+    rejected_busy: AtomicU64,
+    queued: AtomicU64,
+}
+
+struct Job {
+    events: Vec<Event>,
+    reply: oneshot::Sender<Result<ApplyReport, String>>,
+}
+
+#[derive(Clone)]
+struct AppState {
+    tx: mpsc::Sender<Job>,
+    store: RedbStore,
+    cfg: Arc<ServerConfig>,
+    metrics: Arc<Metrics>,
+    writer_alive: Arc<AtomicBool>,
+}
+
+/// Unix time in ms from the system clock (the shell's clock; the core takes time as
+/// an argument).
+pub fn system_now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Serves the API on `listener` until `shutdown` resolves, then drains the writer
+/// (every accepted batch is committed and answered) and returns.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    store: RedbStore,
+    cfg: ServerConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServerError> {
+    cfg.validate()?;
+    let (tx, rx) = mpsc::channel(cfg.queue_max);
+    let metrics = Arc::new(Metrics::default());
+    let writer_alive = Arc::new(AtomicBool::new(true));
+    let writer = {
+        let store = store.clone();
+        let metrics = metrics.clone();
+        let alive = writer_alive.clone();
+        let max = cfg.commit_events_max;
+        std::thread::Builder::new()
+            .name("ledger-writer".into())
+            .spawn(move || {
+                writer_loop(rx, &store, max, &metrics);
+                alive.store(false, Ordering::Release);
+            })?
+    };
+    let state = AppState {
+        tx,
+        store,
+        cfg: Arc::new(cfg.clone()),
+        metrics,
+        writer_alive,
+    };
+    let app = Router::new()
+        .route("/v1/events", post(post_events))
+        .route("/v1/usage", get(get_usage))
+        .route("/v1/digest", get(get_digest))
+        .route("/v1/export", get(get_export))
+        .route("/v1/conflicts", get(get_conflicts))
+        .route("/healthz", get(healthz))
+        .route("/metrics", get(metrics_text))
+        .layer(DefaultBodyLimit::max(cfg.body_max_bytes))
+        .with_state(state);
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await?;
+    // The router (and every sender) is dropped: the writer drains and stops.
+    let _ = tokio::task::spawn_blocking(move || writer.join()).await;
+    Ok(())
+}
+
+fn writer_loop(mut rx: mpsc::Receiver<Job>, store: &RedbStore, max: usize, m: &Metrics) {
+    while let Some(first) = rx.blocking_recv() {
+        let mut jobs = vec![first];
+        let mut n = jobs[0].events.len();
+        while n < max {
+            match rx.try_recv() {
+                Ok(j) => {
+                    n += j.events.len();
+                    jobs.push(j);
+                }
+                Err(_) => break,
+            }
+        }
+        m.queued.fetch_sub(jobs.len() as u64, Ordering::Relaxed);
+        let lens: Vec<usize> = jobs.iter().map(|j| j.events.len()).collect();
+        let mut all = Vec::with_capacity(n);
+        for j in &mut jobs {
+            all.append(&mut j.events);
+        }
+        let started = Instant::now();
+        let result = store.apply(&all);
+        m.commit_micros
+            .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
+        match result {
+            Ok(report) => {
+                m.commits.fetch_add(1, Ordering::Relaxed);
+                m.events_new.fetch_add(report.new, Ordering::Relaxed);
+                m.events_duplicate
+                    .fetch_add(report.duplicate, Ordering::Relaxed);
+                m.events_conflict
+                    .fetch_add(report.conflict, Ordering::Relaxed);
+                let mut outcomes = report.outcomes.into_iter();
+                for (j, len) in jobs.into_iter().zip(lens) {
+                    let mut r = ApplyReport::default();
+                    for o in outcomes.by_ref().take(len) {
+                        r.push(o);
+                    }
+                    let _ = j.reply.send(Ok(r));
+                }
+            }
+            Err(e) => {
+                m.commit_failures.fetch_add(1, Ordering::Relaxed);
+                let msg = e.to_string();
+                for j in jobs {
+                    let _ = j.reply.send(Err(msg.clone()));
+                }
+            }
+        }
+    }
+}
+
+/// An HTTP error answer: a status and a message, as `{"error": "..."}`.
+#[derive(Debug)]
+struct ApiError {
+    status: StatusCode,
+    msg: String,
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, axum::Json(json!({ "error": self.msg }))).into_response()
+    }
+}
+
+fn error(status: StatusCode, msg: impl Into<String>) -> ApiError {
+    ApiError {
+        status,
+        msg: msg.into(),
+    }
+}
+
+async fn post_events(State(s): State<AppState>, body: Bytes) -> Response {
+    let reject = |status, msg: String| {
+        s.metrics.rejected_invalid.fetch_add(1, Ordering::Relaxed);
+        error(status, msg).into_response()
+    };
+    let v: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => return reject(StatusCode::BAD_REQUEST, format!("malformed JSON: {e}")),
+    };
+    let Value::Array(items) = v else {
+        return reject(
+            StatusCode::BAD_REQUEST,
+            "the body must be a JSON array of events".into(),
+        );
+    };
+    if items.len() > s.cfg.batch_events_max {
+        return reject(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!(
+                "{} events in one request; at most {}",
+                items.len(),
+                s.cfg.batch_events_max
+            ),
+        );
+    }
+    let now = system_now_ms();
+    let mut events = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        match parse_event(item, now, &s.cfg.limits) {
+            Ok(e) => events.push(e),
+            Err(e) => {
+                return reject(
+                    StatusCode::BAD_REQUEST,
+                    format!("event {i}: {e} (nothing in this request was stored)"),
+                );
+            }
+        }
+    }
+    s.metrics
+        .events_received
+        .fetch_add(events.len() as u64, Ordering::Relaxed);
+    let n = events.len();
+    let (reply, rx) = oneshot::channel();
+    match s.tx.try_send(Job { events, reply }) {
+        Ok(()) => {
+            s.metrics.queued.fetch_add(1, Ordering::Relaxed);
+        }
+        Err(mpsc::error::TrySendError::Full(_)) => {
+            s.metrics.rejected_busy.fetch_add(1, Ordering::Relaxed);
+            let mut r = error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "ingest queue full; nothing stored; retry",
+            )
+            .into_response();
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            return r;
+        }
+        Err(mpsc::error::TrySendError::Closed(_)) => {
+            return error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the writer has stopped; nothing stored",
+            )
+            .into_response();
+        }
+    }
+    match rx.await {
+        Ok(Ok(r)) => {
+            debug_assert_eq!(r.outcomes.len(), n);
+            axum::Json(json!({
+                "events": n,
+                "new": r.new,
+                "duplicate": r.duplicate,
+                "conflict": r.conflict,
+            }))
+            .into_response()
+        }
+        Ok(Err(msg)) => error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("{msg}; nothing in this request was stored; retry"),
+        )
+        .into_response(),
+        Err(_) => error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "the writer stopped before committing; nothing acknowledged; retry",
+        )
+        .into_response(),
+    }
+}
+
+type Params = Query<HashMap<String, String>>;
+
+fn param_u64(p: &HashMap<String, String>, name: &str) -> Result<Option<u64>, ApiError> {
+    match p.get(name) {
+        None => Ok(None),
+        Some(v) => v.parse::<u64>().map(Some).map_err(|_| {
+            error(
+                StatusCode::BAD_REQUEST,
+                format!("query parameter {name}={v:?} is not a unix time in ms"),
+            )
+        }),
+    }
+}
+
+/// `from`/`to` (unix ms, whole hours, from < to) as an hour range.
+fn hour_range(
+    p: &HashMap<String, String>,
+    max_hours: u64,
+    required: bool,
+) -> Result<(u64, u64), ApiError> {
+    let from = param_u64(p, "from")?;
+    let to = param_u64(p, "to")?;
+    let (from, to) = match (from, to) {
+        (Some(f), Some(t)) => (f, t),
+        (None, None) if !required => return Ok((0, u64::MAX)),
+        _ => {
+            return Err(error(
+                StatusCode::BAD_REQUEST,
+                "query parameters from and to (unix ms) are required",
+            ));
+        }
+    };
+    if from % HOUR_MS != 0 || to % HOUR_MS != 0 {
+        return Err(error(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "from and to must be whole hours (multiples of {HOUR_MS} ms); digests are per hour"
+            ),
+        ));
+    }
+    if from >= to {
+        return Err(error(StatusCode::BAD_REQUEST, "from must be before to"));
+    }
+    let (fh, th) = (from / HOUR_MS, to / HOUR_MS);
+    if th - fh > max_hours {
+        return Err(error(
+            StatusCode::BAD_REQUEST,
+            format!("the range spans {} hours; at most {max_hours}", th - fh),
+        ));
+    }
+    Ok((fh, th))
+}
+
+fn store_error(e: impl std::fmt::Display) -> ApiError {
+    error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .unwrap_or_else(|e| Err(store_error(format!("query task failed: {e}"))))
+}
+
+async fn get_usage(State(s): State<AppState>, Query(p): Params) -> Response {
+    let run = async {
+        let tenant = p
+            .get("tenant")
+            .filter(|t| !t.is_empty())
+            .cloned()
+            .ok_or_else(|| {
+                error(
+                    StatusCode::BAD_REQUEST,
+                    "query parameter tenant is required",
+                )
+            })?;
+        let (fh, th) = hour_range(&p, s.cfg.range_hours_max, true)?;
+        let group_by_model = match p.get("group_by").map(String::as_str) {
+            None | Some("") => false,
+            Some("model") => true,
+            Some(other) => {
+                return Err(error(
+                    StatusCode::BAD_REQUEST,
+                    format!("group_by={other:?} is not supported; use group_by=model"),
+                ));
+            }
+        };
+        let store = s.store.clone();
+        let limits = s.cfg.totals_limits;
+        let t = tenant.clone();
+        let totals = blocking(move || {
+            usage_totals(&store, &t, fh, th, group_by_model, limits).map_err(|e| match e {
+                QueryError::Totals(e) => error(StatusCode::BAD_REQUEST, e.to_string()),
+                QueryError::Store(e) => store_error(e),
+            })
+        })
+        .await?;
+        let mut v = totals.to_json();
+        v["tenant"] = tenant.into();
+        v["from"] = (fh * HOUR_MS).into();
+        v["to"] = (th * HOUR_MS).into();
+        v["group_by"] = if group_by_model {
+            "model".into()
+        } else {
+            Value::Null
+        };
+        Ok::<_, ApiError>(axum::Json(v).into_response())
+    };
+    run.await.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn get_digest(State(s): State<AppState>, Query(p): Params) -> Response {
+    let run = async {
+        let (fh, th) = hour_range(&p, u64::MAX, false)?;
+        let tenant = p.get("tenant").cloned();
+        let store = s.store.clone();
+        let max = s.cfg.digest_buckets_max;
+        let (root, buckets) = blocking(move || {
+            let root = store.root().map_err(store_error)?;
+            let b = store
+                .digests(fh, th, tenant.as_deref())
+                .map_err(store_error)?;
+            Ok((root, b))
+        })
+        .await?;
+        if buckets.len() > max {
+            return Err(error(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "{} buckets; at most {max} per answer: narrow from/to or name a tenant",
+                    buckets.len()
+                ),
+            ));
+        }
+        let list: Vec<Value> = buckets
+            .iter()
+            .map(|(b, d)| {
+                let mut v = d.to_json();
+                v["hour_start"] = (b.hour * HOUR_MS).into();
+                v["tenant"] = b.tenant.clone().into();
+                v
+            })
+            .collect();
+        Ok::<_, ApiError>(
+            axum::Json(json!({ "root": root.to_json(), "buckets": list })).into_response(),
+        )
+    };
+    run.await.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// Export cursor: `hour.tenant-hex.key-hex` (opaque to clients).
+fn cursor_string(b: &Bucket, k: &EventKey) -> String {
+    format!("{}.{}.{}", b.hour, hex(b.tenant.as_bytes()), k.to_hex())
+}
+
+fn parse_cursor(s: &str) -> Option<(Bucket, EventKey)> {
+    let mut parts = s.split('.');
+    let hour = parts.next()?.parse().ok()?;
+    let th = parts.next()?;
+    let key = EventKey::from_hex(parts.next()?)?;
+    if parts.next().is_some() || th.len() % 2 != 0 {
+        return None;
+    }
+    let bytes: Option<Vec<u8>> = (0..th.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(th.get(i..i + 2)?, 16).ok())
+        .collect();
+    let tenant = String::from_utf8(bytes?).ok()?;
+    Some((Bucket { hour, tenant }, key))
+}
+
+async fn get_export(State(s): State<AppState>, Query(p): Params) -> Response {
+    let run = async {
+        let (fh, th) = hour_range(&p, s.cfg.range_hours_max, true)?;
+        let after = match p.get("after") {
+            None => None,
+            Some(c) => Some(parse_cursor(c).ok_or_else(|| {
+                error(
+                    StatusCode::BAD_REQUEST,
+                    "after= is not a cursor this ledger issued",
+                )
+            })?),
+        };
+        let max = s.cfg.export_lines_max;
+        let limit = match param_u64(&p, "limit")? {
+            None => max,
+            Some(l) if l >= 1 && l as usize <= max => l as usize,
+            Some(l) => {
+                return Err(error(
+                    StatusCode::BAD_REQUEST,
+                    format!("limit={l} is not in 1..={max}"),
+                ));
+            }
+        };
+        let store = s.store.clone();
+        let (body, next) = blocking(move || {
+            let mut body = String::new();
+            let mut n = 0usize;
+            let mut last = None;
+            let mut more = false;
+            store
+                .scan(fh, th, after.as_ref(), &mut |e| {
+                    if n == limit {
+                        more = true;
+                        return ControlFlow::Break(());
+                    }
+                    let _ = writeln!(body, "{}", event_json(e));
+                    n += 1;
+                    last = Some((Bucket::of(e), e.key()));
+                    ControlFlow::Continue(())
+                })
+                .map_err(store_error)?;
+            let next = if more {
+                last.map(|(b, k)| cursor_string(&b, &k))
+            } else {
+                None
+            };
+            Ok((body, next))
+        })
+        .await?;
+        let mut r = ([(header::CONTENT_TYPE, "application/x-ndjson")], body).into_response();
+        if let Some(next) = next.and_then(|n| HeaderValue::from_str(&n).ok()) {
+            r.headers_mut().insert("x-bursar-next-after", next);
+        }
+        Ok::<_, ApiError>(r)
+    };
+    run.await.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn get_conflicts(State(s): State<AppState>, Query(p): Params) -> Response {
+    let limit = match param_u64(&p, "limit") {
+        Ok(l) => l.unwrap_or(1000).min(10_000) as usize,
+        Err(r) => return r.into_response(),
+    };
+    let store = s.store.clone();
+    let res = blocking(move || store.conflicts(limit).map_err(store_error)).await;
+    match res {
+        Ok(list) => axum::Json(json!({
+            "conflicts": list.iter().map(|c| json!({
+                "event_key": c.key.to_hex(),
+                "not_counted": event_json(&c.loser),
+            })).collect::<Vec<_>>()
+        }))
+        .into_response(),
+        Err(r) => r.into_response(),
+    }
+}
+
+async fn healthz(State(s): State<AppState>) -> Response {
+    if s.writer_alive.load(Ordering::Acquire) {
+        axum::Json(json!({ "status": "ok", "node_id": s.cfg.node_id })).into_response()
+    } else {
+        error(StatusCode::SERVICE_UNAVAILABLE, "the writer has stopped").into_response()
+    }
+}
+
+async fn metrics_text(State(s): State<AppState>) -> Response {
+    let store = s.store.clone();
+    let stored = blocking(move || store.root().map_err(store_error))
+        .await
+        .map(|r| r.events)
+        .ok();
+    let m = &s.metrics;
+    let id = &s.cfg.node_id;
+    let mut out = String::new();
+    let mut counter = |name: &str, help: &str, v: u64| {
+        let _ = writeln!(out, "# HELP bursar_ledger_{name} {help}");
+        let _ = writeln!(out, "# TYPE bursar_ledger_{name} counter");
+        let _ = writeln!(out, "bursar_ledger_{name}{{node=\"{id}\"}} {v}");
+    };
+    let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    counter(
+        "events_received_total",
+        "Valid events received.",
+        l(&m.events_received),
+    );
+    counter(
+        "events_new_total",
+        "Events stored for the first time.",
+        l(&m.events_new),
+    );
+    counter(
+        "events_duplicate_total",
+        "Identical events already held.",
+        l(&m.events_duplicate),
+    );
+    counter(
+        "events_conflict_total",
+        "Same key, different payload (recorded).",
+        l(&m.events_conflict),
+    );
+    counter(
+        "commits_total",
+        "Durable write transactions (group commits).",
+        l(&m.commits),
+    );
+    counter(
+        "commit_microseconds_total",
+        "Time spent in apply + commit.",
+        l(&m.commit_micros),
+    );
+    counter(
+        "commit_failures_total",
+        "Failed commits (nothing acknowledged).",
+        l(&m.commit_failures),
+    );
+    counter(
+        "requests_invalid_total",
+        "Ingest requests refused as invalid (4xx).",
+        l(&m.rejected_invalid),
+    );
+    counter(
+        "requests_busy_total",
+        "Ingest requests refused with 503 (queue full).",
+        l(&m.rejected_busy),
+    );
+    let _ = writeln!(
+        out,
+        "# HELP bursar_ledger_queue_batches Batches waiting for the writer."
+    );
+    let _ = writeln!(out, "# TYPE bursar_ledger_queue_batches gauge");
+    let _ = writeln!(
+        out,
+        "bursar_ledger_queue_batches{{node=\"{id}\"}} {}",
+        l(&m.queued)
+    );
+    if let Some(n) = stored {
+        let _ = writeln!(
+            out,
+            "# HELP bursar_ledger_stored_events Events in the store."
+        );
+        let _ = writeln!(out, "# TYPE bursar_ledger_stored_events gauge");
+        let _ = writeln!(out, "bursar_ledger_stored_events{{node=\"{id}\"}} {n}");
+    }
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_export_cursor_survives_a_round_trip() {
+        let b = Bucket {
+            hour: 490_000,
+            tenant: "acme.corp/ü".into(),
+        };
+        let k = EventKey::from_request_id("r");
+        assert_eq!(parse_cursor(&cursor_string(&b, &k)), Some((b, k)));
+        assert_eq!(parse_cursor("1.zz.00"), None);
+    }
+
+    #[test]
+    fn the_default_configuration_is_valid_and_zero_bounds_are_not() {
+        assert!(ServerConfig::default().validate().is_ok());
+        let bad = ServerConfig {
+            queue_max: 0,
+            ..ServerConfig::default()
+        };
+        assert!(
+            bad.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("queue_max")
+        );
+    }
+}
