@@ -22,8 +22,9 @@ pub struct AllocatorConfig {
     /// agent's maintenance period (it applies its posture on its next `maintain`,
     /// ~100 ms) and scheduling delays. Default 1,000 ms.
     pub reclaim_margin_ms: u64,
-    /// Half-life of the demand average. Default 1,000 ms: shorter follows shifts faster
-    /// and flaps more.
+    /// Half-life of the demand average. Default 250 ms (one report interval): a shift
+    /// of demand moves a slice in about a second (tests/conformance.rs); longer halves
+    /// the noise and doubles that time. Hysteresis, not smoothing, is what stops flapping.
     pub demand_half_life_ms: u64,
     /// Shortest interval a demand sample is measured over (a new key's first report
     /// covers one request). Default 250 ms (one report interval).
@@ -73,7 +74,7 @@ impl Default for AllocatorConfig {
             lease_ms: 10_000,
             drift_margin_ms: 200,
             reclaim_margin_ms: 1_000,
-            demand_half_life_ms: 1_000,
+            demand_half_life_ms: 250,
             min_sample_ms: 250,
             recompute_delay_ms: 10,
             hysteresis_permille: 50,

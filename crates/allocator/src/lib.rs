@@ -75,6 +75,8 @@
 //! - [`testing`]: fixtures shared by tests and benchmarks.
 //! - `tests/properties.rs`: random demand, report orders, losses, delays, ack loss and
 //!   restarts against budget conservation (inside and outside view).
+//! - `tests/conformance.rs`: the real agent engines and this core under a virtual
+//!   clock, checked by a verifier token bucket; prints utilization and slice-move time.
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
