@@ -98,44 +98,87 @@ impl Lease {
     }
 }
 
-enum Tomb {
+/// One request id's entry: a live lease (by slab index) or a tombstone.
+///
+/// Keyed by the low 64 bits of the request-id hash: a live entry is verified against
+/// the id stored in its lease; a tombstone is not (a 64-bit collision among the
+/// tombstones, ~2e-9 at 262,144 of them, at worst answers a stranger's completion as
+/// a duplicate: nothing is refunded). Small entries keep the map cache-friendly.
+enum Entry {
+    Live(u32),
     Completed { at_ns: u64 },
-    Expired { at_ns: u64, lease: Box<Lease> },
+    Expired(Box<(u64, Lease)>),
 }
 
-impl Tomb {
-    fn at_ns(&self) -> u64 {
+impl Entry {
+    fn tomb_at(&self) -> Option<u64> {
         match self {
-            Tomb::Completed { at_ns } | Tomb::Expired { at_ns, .. } => *at_ns,
+            Entry::Live(_) => None,
+            Entry::Completed { at_ns } => Some(*at_ns),
+            Entry::Expired(b) => Some(b.0),
         }
     }
 }
 
+/// One shard: a single map from request-id hash to live lease or tombstone (so a
+/// completion is one lookup that turns the entry into a tombstone in place), and a slab
+/// of leases with a free list. All capacity is reserved up front.
 struct Shard {
-    leases: HashMap<u128, Lease, PassThroughState>,
-    tombs: HashMap<u128, Tomb, PassThroughState>,
-    order: VecDeque<(u128, u64)>,
+    map: HashMap<u64, Entry, PassThroughState>,
+    slab: Vec<Option<Lease>>,
+    free: Vec<u32>,
+    /// Tombstones in completion order (stale entries are skipped when popped).
+    order: VecDeque<(u64, u64)>,
+    tombs: usize,
     max_leases: usize,
     max_tombs: usize,
 }
 
 impl Shard {
-    fn tombstone(&mut self, hash: u128, tomb: Tomb) {
-        let at = tomb.at_ns();
-        if self.order.len() >= self.max_tombs {
-            self.forget_oldest();
-        }
-        self.tombs.insert(hash, tomb);
-        self.order.push_back((hash, at));
+    fn live(&self) -> usize {
+        self.slab.len() - self.free.len()
     }
 
-    fn forget_oldest(&mut self) {
-        if let Some((h, at)) = self.order.pop_front()
-            && self.tombs.get(&h).is_some_and(|t| t.at_ns() == at)
-        {
-            self.tombs.remove(&h);
+    /// Records a tombstone for `hash` (the caller has set the entry), forgetting the
+    /// oldest if at the bound.
+    fn note_tomb(&mut self, hash: u64, at_ns: u64, new_tomb: bool) {
+        while self.order.len() >= self.max_tombs || (new_tomb && self.tombs >= self.max_tombs) {
+            if !self.forget_oldest() && self.order.is_empty() {
+                break;
+            }
         }
+        if new_tomb {
+            self.tombs += 1;
+        }
+        self.order.push_back((hash, at_ns));
     }
+
+    /// Pops the oldest tombstone record; returns true if it removed a tombstone.
+    fn forget_oldest(&mut self) -> bool {
+        let Some((h, at)) = self.order.pop_front() else {
+            return false;
+        };
+        if self.map.get(&h).and_then(Entry::tomb_at) == Some(at) {
+            self.map.remove(&h);
+            self.tombs -= 1;
+            return true;
+        }
+        false
+    }
+
+    fn take_live(&mut self, i: u32) -> Lease {
+        let lease = self.slab[i as usize]
+            .take()
+            .expect("live entry has a lease");
+        self.free.push(i);
+        lease
+    }
+}
+
+/// The shard map's key: the low word of the request-id hash (the high word picks the
+/// shard).
+fn key(hash: u128) -> u64 {
+    hash as u64
 }
 
 /// What removing a lease for completion found.
@@ -173,10 +216,16 @@ impl LeaseTable {
         let shards = (0..SHARDS)
             .map(|_| {
                 Mutex::new(Shard {
-                    leases: HashMap::with_capacity_and_hasher(per_shard, Default::default()),
-                    tombs: HashMap::with_capacity_and_hasher(tombs_per_shard, Default::default()),
-                    order: VecDeque::with_capacity(tombs_per_shard),
+                    map: HashMap::with_capacity_and_hasher(
+                        per_shard + tombs_per_shard,
+                        Default::default(),
+                    ),
+                    // Reserved, not initialised: pages are touched as leases arrive.
+                    slab: Vec::with_capacity(per_shard),
+                    free: Vec::with_capacity(per_shard),
                     max_leases: per_shard,
+                    order: VecDeque::with_capacity(tombs_per_shard),
+                    tombs: 0,
                     max_tombs: tombs_per_shard,
                 })
             })
@@ -186,6 +235,7 @@ impl LeaseTable {
 
     fn shard(&self, hash: u128) -> MutexGuard<'_, Shard> {
         let i = (hash >> 64) as usize % SHARDS;
+        // The map below is keyed by the low word (`key`).
         // A poisoned shard means a bug panicked mid-update; the maps are still
         // structurally valid, so keep serving.
         self.shards[i].lock().unwrap_or_else(|e| e.into_inner())
@@ -199,11 +249,13 @@ impl LeaseTable {
         f: impl FnOnce(&Lease) -> R,
     ) -> Option<R> {
         let shard = self.shard(hash);
-        shard
-            .leases
-            .get(&hash)
-            .filter(|l| l.id.as_str() == id)
-            .map(f)
+        match shard.map.get(&key(hash)) {
+            Some(Entry::Live(i)) => shard.slab[*i as usize]
+                .as_ref()
+                .filter(|l| l.id.as_str() == id)
+                .map(f),
+            _ => None,
+        }
     }
 
     // The lease is handed back by value so the caller can roll back without a copy or
@@ -211,44 +263,79 @@ impl LeaseTable {
     #[allow(clippy::result_large_err)]
     pub(crate) fn insert(&self, hash: u128, lease: Lease) -> Result<(), InsertError> {
         let mut shard = self.shard(hash);
-        if shard.leases.contains_key(&hash) {
-            return Err(InsertError::Exists(lease));
+        let hash = key(hash);
+        let was_tomb = match shard.map.get(&hash) {
+            Some(Entry::Live(_)) => return Err(InsertError::Exists(lease)),
+            Some(_) => true,
+            None => false,
+        };
+        let i = match shard.free.pop() {
+            Some(i) => {
+                shard.slab[i as usize] = Some(lease);
+                i
+            }
+            None if shard.slab.len() < shard.max_leases => {
+                // Within the reserved capacity: no reallocation.
+                shard.slab.push(Some(lease));
+                (shard.slab.len() - 1) as u32
+            }
+            None => return Err(InsertError::Full(lease)),
+        };
+        // A finished id admitted again: its tombstone gives way to the new lease (its
+        // order record goes stale and is skipped).
+        if was_tomb {
+            shard.tombs -= 1;
         }
-        if shard.leases.len() >= shard.max_leases {
-            return Err(InsertError::Full(lease));
-        }
-        shard.leases.insert(hash, lease);
+        shard.map.insert(hash, Entry::Live(i));
         Ok(())
     }
 
     pub(crate) fn remove_for_completion(&self, hash: u128, id: &str, now: u64) -> Removed {
         let mut shard = self.shard(hash);
-        if shard.leases.get(&hash).is_some_and(|l| l.id.as_str() == id) {
-            let lease = shard.leases.remove(&hash).expect("checked above");
-            shard.tombstone(hash, Tomb::Completed { at_ns: now });
-            return Removed::Live(lease);
-        }
-        match shard.tombs.get(&hash) {
-            Some(Tomb::Completed { .. }) => Removed::Completed,
-            Some(Tomb::Expired { lease, .. }) if lease.id.as_str() == id => {
-                let Some(Tomb::Expired { lease, .. }) = shard.tombs.remove(&hash) else {
+        let shard = &mut *shard;
+        let hash = key(hash);
+        let Some(entry) = shard.map.get_mut(&hash) else {
+            return Removed::Unknown;
+        };
+        match entry {
+            Entry::Live(i) => {
+                let i = *i;
+                if shard.slab[i as usize]
+                    .as_ref()
+                    .is_none_or(|l| l.id.as_str() != id)
+                {
+                    return Removed::Unknown;
+                }
+                *entry = Entry::Completed { at_ns: now };
+                let lease = shard.take_live(i);
+                shard.note_tomb(hash, now, true);
+                Removed::Live(lease)
+            }
+            Entry::Completed { .. } => Removed::Completed,
+            Entry::Expired(b) if b.1.id.as_str() == id => {
+                let Entry::Expired(b) = std::mem::replace(entry, Entry::Completed { at_ns: now })
+                else {
                     unreachable!("matched above")
                 };
-                shard.tombstone(hash, Tomb::Completed { at_ns: now });
-                Removed::Expired(lease)
+                shard.note_tomb(hash, now, false);
+                Removed::Expired(Box::new(b.1))
             }
-            _ => Removed::Unknown,
+            Entry::Expired(_) => Removed::Unknown,
         }
     }
 
     /// Sets a live lease's expiry; returns false if there is no live lease.
     pub(crate) fn extend(&self, hash: u128, id: &str, expires_at_ns: u64) -> bool {
         let mut shard = self.shard(hash);
-        match shard.leases.get_mut(&hash) {
-            Some(l) if l.id.as_str() == id => {
-                l.expires_at_ns = expires_at_ns;
-                true
-            }
+        let shard = &mut *shard;
+        match shard.map.get(&key(hash)) {
+            Some(Entry::Live(i)) => match shard.slab[*i as usize].as_mut() {
+                Some(l) if l.id.as_str() == id => {
+                    l.expires_at_ns = expires_at_ns;
+                    true
+                }
+                _ => false,
+            },
             _ => false,
         }
     }
@@ -258,21 +345,27 @@ impl LeaseTable {
     pub(crate) fn expire(&self, now: u64, tomb_ttl_ns: u64, out: &mut Vec<Lease>) {
         for shard in self.shards.iter() {
             let mut shard = shard.lock().unwrap_or_else(|e| e.into_inner());
-            let expired: Vec<u128> = shard
-                .leases
+            let expired: Vec<u64> = shard
+                .map
                 .iter()
-                .filter(|(_, l)| l.expires_at_ns <= now)
+                .filter(|(_, e)| match e {
+                    Entry::Live(i) => shard.slab[*i as usize]
+                        .as_ref()
+                        .is_some_and(|l| l.expires_at_ns <= now),
+                    _ => false,
+                })
                 .map(|(h, _)| *h)
                 .collect();
             for h in expired {
-                let lease = shard.leases.remove(&h).expect("collected above");
-                shard.tombstone(
-                    h,
-                    Tomb::Expired {
-                        at_ns: now,
-                        lease: Box::new(lease.clone()),
-                    },
-                );
+                let Some(Entry::Live(i)) = shard.map.get(&h) else {
+                    continue;
+                };
+                let i = *i;
+                let lease = shard.take_live(i);
+                shard
+                    .map
+                    .insert(h, Entry::Expired(Box::new((now, lease.clone()))));
+                shard.note_tomb(h, now, true);
                 out.push(lease);
             }
             while let Some(&(_, at)) = shard.order.front() {
@@ -288,7 +381,7 @@ impl LeaseTable {
     pub(crate) fn len(&self) -> usize {
         self.shards
             .iter()
-            .map(|s| s.lock().unwrap_or_else(|e| e.into_inner()).leases.len())
+            .map(|s| s.lock().unwrap_or_else(|e| e.into_inner()).live())
             .sum()
     }
 
@@ -296,7 +389,7 @@ impl LeaseTable {
     pub(crate) fn for_each(&self, mut f: impl FnMut(&Lease)) {
         for shard in self.shards.iter() {
             let shard = shard.lock().unwrap_or_else(|e| e.into_inner());
-            shard.leases.values().for_each(&mut f);
+            shard.slab.iter().flatten().for_each(&mut f);
         }
     }
 }

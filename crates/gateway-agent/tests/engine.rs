@@ -804,3 +804,43 @@ fn in_flight_work_is_not_revoked_by_a_concurrency_shrink_it_drains() {
     assert_eq!(e.level(0, "conc", &["a"]), Some(1));
     e.check_invariants(0).unwrap();
 }
+
+#[test]
+fn finished_ids_are_remembered_within_their_bound_then_forgotten_oldest_first() {
+    let e = engine(
+        r#"
+        [engine]
+        max_tombstones = 32
+        [[rule]]
+        name = "rpm"
+        match = { org = "*" }
+        dimension = "requests"
+        rate = 1000000
+        per = "second"
+        "#,
+    );
+    for i in 0..200 {
+        let id = format!("r{i}");
+        e.admit(0, &req(&id, &[("org", "a")], Cost::ONE_REQUEST))
+            .unwrap();
+        e.complete(0, &id, Usage::default(), CompletionStatus::Ok)
+            .unwrap();
+    }
+    // The newest is still known (a duplicate), the oldest forgotten (unknown).
+    assert_eq!(
+        e.complete(0, "r199", Usage::default(), CompletionStatus::Ok),
+        Ok(Completion::Duplicate)
+    );
+    assert_eq!(
+        e.complete(0, "r0", Usage::default(), CompletionStatus::Ok),
+        Err(CompleteError::UnknownRequest)
+    );
+    // A finished id may be admitted again as a new request.
+    assert!(
+        e.admit(0, &req("r199", &[("org", "a")], Cost::ONE_REQUEST))
+            .unwrap()
+            .is_admitted()
+    );
+    assert_eq!(e.leases_in_flight(), 1);
+    e.check_invariants(0).unwrap();
+}
