@@ -55,6 +55,26 @@ pub const MAX_DESCRIPTOR_BYTES: usize = 256;
 /// Longest request id, in bytes. Leases store the id inline (no allocation per admit).
 pub const MAX_REQUEST_ID_BYTES: usize = 128;
 
+/// Parses a cost or usage count given as text (a header, a query parameter, a
+/// descriptor value): a whole number from 0 to [`MAX_COST`]. The error names the field
+/// and says what was wrong; front doors answer it with HTTP 400.
+pub fn parse_units(field: &str, text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    if t.is_empty() {
+        return Err(format!("{field}: empty, expected a whole number"));
+    }
+    if t.starts_with('-') {
+        return Err(format!("{field}: {t:?} is negative"));
+    }
+    if !t.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(format!("{field}: {t:?} is not a whole number"));
+    }
+    match t.parse::<u64>() {
+        Ok(v) if v <= MAX_COST => Ok(v),
+        _ => Err(format!("{field}: {t} is above the maximum of {MAX_COST}")),
+    }
+}
+
 /// What a rule limits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Dimension {
@@ -988,6 +1008,37 @@ mod tests {
             rate = 8
             per = "second""#);
         assert!(e.starts_with("rule conc: field `rate`: does not apply"));
+    }
+
+    #[test]
+    fn costs_given_as_text_are_parsed_strictly() {
+        assert_eq!(parse_units("input_tokens", "0"), Ok(0));
+        assert_eq!(parse_units("input_tokens", " 1200 "), Ok(1200));
+        assert_eq!(
+            parse_units("input_tokens", "-5"),
+            Err("input_tokens: \"-5\" is negative".to_string())
+        );
+        assert!(
+            parse_units("input_tokens", "99999999999999999999")
+                .unwrap_err()
+                .contains("above")
+        );
+        assert!(
+            parse_units("input_tokens", "1099511627777")
+                .unwrap_err()
+                .contains("above")
+        );
+        assert!(
+            parse_units("x", "1.5")
+                .unwrap_err()
+                .contains("not a whole number")
+        );
+        assert!(
+            parse_units("x", "NaN")
+                .unwrap_err()
+                .contains("not a whole number")
+        );
+        assert!(parse_units("x", "").unwrap_err().contains("empty"));
     }
 
     #[test]
