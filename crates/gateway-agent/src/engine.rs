@@ -1040,6 +1040,151 @@ impl Engine {
         }
     }
 
+    /// Decides one Envoy RLS descriptor: a single number of `hits` and no lease (Envoy
+    /// never completes). Per matched rule: `requests` rules take `hits` all-or-nothing
+    /// (0: a check); token rules are checked when `hits` is 0 (Envoy's AI gateway asks
+    /// before the request) and otherwise charged *after* the request rules pass, past
+    /// zero if need be (the AI gateway reports tokens already spent, on stream end);
+    /// concurrency rules do not apply (nothing would release the slot).
+    pub fn decide_hits(
+        &self,
+        now: u64,
+        domain: Option<&str>,
+        descriptors: &[(&str, &str)],
+        hits: u64,
+    ) -> Result<Decision, AdmitError> {
+        validate_request(&AdmitRequest {
+            request_id: "rls",
+            domain,
+            descriptors,
+            cost: Cost {
+                requests: hits,
+                input_tokens: 0,
+                max_output_tokens: Some(0),
+            },
+            ttl_ms: None,
+        })?;
+        let table = self.table.load();
+        let mut limits = Limits::EMPTY;
+        let mut taken: [Option<(Arc<Slot>, u64)>; MAX_LIMITS_PER_REQUEST] =
+            [const { None }; MAX_LIMITS_PER_REQUEST];
+        let mut charges: [Option<(u32, Arc<Slot>)>; MAX_LIMITS_PER_REQUEST] =
+            [const { None }; MAX_LIMITS_PER_REQUEST];
+        let (mut n_taken, mut n_charges) = (0, 0);
+        let mut matched = false;
+        let mut values: [&str; MAX_DESCRIPTORS] = [""; MAX_DESCRIPTORS];
+        let undo = |taken: &[Option<(Arc<Slot>, u64)>]| {
+            for (slot, amount) in taken.iter().flatten() {
+                slot.settle(now, *amount, 0);
+            }
+        };
+        for &ri in self.candidates(domain) {
+            let rule = &self.compiled[ri as usize];
+            if rule.dimension == Dimension::Concurrency {
+                continue;
+            }
+            let Some(nv) = rule.matches(descriptors, &mut values) else {
+                continue;
+            };
+            let values = &values[..nv];
+            matched = true;
+            if limits.len == MAX_LIMITS_PER_REQUEST {
+                undo(&taken);
+                return Err(AdmitError::TooManyLimits {
+                    max: MAX_LIMITS_PER_REQUEST,
+                });
+            }
+            let deferred = rule.refundable() && hits > 0;
+            let cost = if deferred { 0 } else { hits };
+            if !deferred && cost > rule.whole_capacity && rule.enforce {
+                undo(&taken);
+                return Ok(Decision::Rejected(Rejected {
+                    rule: ri as usize,
+                    reason: RejectReason::NeverFits {
+                        cost,
+                        burst: rule.whole_capacity,
+                    },
+                    limits,
+                }));
+            }
+            let id = self.hashing.key_id(ri, values.iter().copied());
+            let check = self.hashing.key_check(ri, values.iter().copied());
+            let mut found = table.lookup(id, check).cloned();
+            loop {
+                let slot = match found.take() {
+                    Some(s) => s,
+                    None => match self.resolve_slow(now, id, ri, values) {
+                        Ok(s) => s,
+                        Err(e) => {
+                            undo(&taken);
+                            return Err(e);
+                        }
+                    },
+                };
+                if deferred {
+                    charges[n_charges] = Some((ri, slot));
+                    n_charges += 1;
+                    break;
+                }
+                match slot.try_take(now, cost, false) {
+                    Take::Taken { amount, after } => {
+                        limits.push(status(rule, cost, false, &slot.params, after, now));
+                        taken[n_taken] = Some((slot, amount));
+                        n_taken += 1;
+                        break;
+                    }
+                    Take::Busy {
+                        retry_after_ns,
+                        after,
+                    } => {
+                        slot.rejected.fetch_add(cost.max(1), Ordering::Relaxed);
+                        limits.push(status(rule, cost, !rule.enforce, &slot.params, after, now));
+                        if rule.enforce {
+                            undo(&taken);
+                            return Ok(Decision::Rejected(Rejected {
+                                rule: ri as usize,
+                                reason: RejectReason::RetryLater { retry_after_ns },
+                                limits,
+                            }));
+                        }
+                        break;
+                    }
+                    Take::Sealed => continue,
+                }
+            }
+        }
+        if !matched && self.cfg.unmatched == Unmatched::Reject {
+            return Err(AdmitError::NoMatchingRule);
+        }
+        for (slot, _) in taken.iter().flatten() {
+            slot.admitted.fetch_add(hits, Ordering::Relaxed);
+        }
+        for (ri, slot) in charges.iter().flatten() {
+            let rule = &self.compiled[*ri as usize];
+            let mut slot = Arc::clone(slot);
+            for _ in 0..8 {
+                if slot.charge(now, hits) {
+                    break;
+                }
+                let k = Arc::clone(&slot.key);
+                let vals: Vec<&str> = k.values().collect();
+                match self.resolve_slow(now, k.id, k.rule, &vals) {
+                    Ok(s) => slot = s,
+                    Err(_) => break,
+                }
+            }
+            slot.admitted.fetch_add(hits, Ordering::Relaxed);
+            if limits.len < MAX_LIMITS_PER_REQUEST {
+                limits.push(status(rule, hits, false, &slot.params, slot.load(), now));
+            }
+        }
+        Ok(Decision::Admitted(Admitted {
+            lease_expires_at_ns: None,
+            replayed: false,
+            limits,
+        }))
+    }
+
     /// Charges a cost that was already spent (Envoy's post-hoc `hits_addend`), past zero
     /// if need be: the buckets go into debt and later requests wait. Holds no lease.
     pub fn charge(&self, now: u64, req: &AdmitRequest<'_>) -> Result<usize, AdmitError> {

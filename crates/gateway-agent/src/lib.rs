@@ -43,6 +43,8 @@
 //! - [`usage`]: usage records and the sink trait the ledger consumes.
 //! - [`clock`]: monotonic clocks for the shell (the engine takes `now`).
 //! - [`testing`]: fixtures shared by tests, benches and the demo.
+//! - `shell` (feature `shell`, default): the front doors over the engine: HTTP JSON
+//!   API, Envoy RLS v3 (gRPC), a `tower::Layer`, the maintenance ticker.
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
@@ -53,6 +55,8 @@ pub mod engine;
 mod error;
 mod key;
 mod lease;
+#[cfg(feature = "shell")]
+pub mod shell;
 pub mod testing;
 pub mod usage;
 

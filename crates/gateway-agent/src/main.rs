@@ -1,8 +1,8 @@
 //! `bursar-agent`: the Bursar gateway agent.
 //!
-//! Today the agent runs **standalone** (one node: each key's slice is the rule's whole
-//! limit). The front doors (HTTP API, Envoy RLS, OpenAI proxy) and the allocator sync
-//! client are not built yet; see the README's status table.
+//! Without a subcommand it serves the front doors (HTTP JSON API, Envoy RLS v3) over
+//! one engine, standalone (each key's slice is the rule's whole limit). `demo` drives
+//! the engine with synthetic traffic; `check-config` validates a rules file.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -21,16 +21,43 @@ use clap::{Parser, Subcommand};
 #[command(
     name = "bursar-agent",
     version,
+    args_conflicts_with_subcommands = true,
     about = "Bursar gateway agent: admits or rejects each request against in-memory budget slices",
     long_about = "Bursar gateway agent: admits or rejects each request against in-memory \
-budget slices, with no network hop.\n\nToday it runs standalone (single node: the slice is \
-the whole limit). `demo` drives the real engine with synthetic LLM traffic and prints a live \
-summary; `check-config` validates a rules file. The HTTP API, Envoy RLS service, OpenAI proxy \
-and allocator sync are not built yet."
+budget slices, with no network hop.\n\nWithout a subcommand it serves the HTTP JSON API \
+(/v1/admit, /v1/complete, /v1/extend, /healthz, /metrics; see docs/api.md) and Envoy's rate \
+limit service v3 over gRPC, standalone: each limit key's slice is the rule's whole limit. It \
+prints one line `bursar-agent listening: http=ADDR grpc=ADDR` once bound, and stops on \
+Ctrl-C or SIGTERM.\n\nNot built yet: the allocator sync client (--allocator) and the \
+OpenAI-compatible proxy (--proxy-listen, --proxy-upstream)."
 )]
 struct Cli {
     #[command(subcommand)]
-    command: Command,
+    command: Option<Command>,
+    #[command(flatten)]
+    serve: ServeArgs,
+}
+
+#[derive(Parser)]
+struct ServeArgs {
+    /// Rules file (TOML, docs/configuration.md). Default: the embedded demo rules.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// HTTP JSON API address (port 0 picks a free port).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    http: std::net::SocketAddr,
+    /// Envoy RLS v3 gRPC address (port 0 picks a free port).
+    #[arg(long, default_value = "127.0.0.1:8081")]
+    grpc: std::net::SocketAddr,
+    /// Allocator address. Not built yet: giving it is an error.
+    #[arg(long)]
+    allocator: Option<String>,
+    /// OpenAI-compatible proxy listen address. Not built yet: giving it is an error.
+    #[arg(long)]
+    proxy_listen: Option<std::net::SocketAddr>,
+    /// Upstream base URL for the proxy. Not built yet.
+    #[arg(long)]
+    proxy_upstream: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -68,10 +95,67 @@ struct DemoArgs {
 }
 
 fn main() -> Result<()> {
-    match Cli::parse().command {
-        Command::Demo(args) => demo(args),
-        Command::CheckConfig { file } => check_config(&file),
+    let cli = Cli::parse();
+    match cli.command {
+        Some(Command::Demo(args)) => demo(args),
+        Some(Command::CheckConfig { file }) => check_config(&file),
+        None => serve(cli.serve),
     }
+}
+
+fn serve(args: ServeArgs) -> Result<()> {
+    if args.allocator.is_some() {
+        bail!(
+            "--allocator: the allocator sync client is not built yet; run without it (standalone)"
+        );
+    }
+    if args.proxy_listen.is_some() || args.proxy_upstream.is_some() {
+        bail!("--proxy-listen/--proxy-upstream: the OpenAI-compatible proxy is not built yet");
+    }
+    let config = match &args.config {
+        Some(p) => Config::from_file(p).map_err(|e| anyhow::anyhow!("{e}"))?,
+        None => {
+            eprintln!("bursar-agent: no --config given, using the embedded demo rules");
+            Config::from_toml(DEMO_RULES).context("embedded demo rules")?
+        }
+    };
+    // Usage records go nowhere durable yet (the ledger's outbox is not wired in).
+    let engine = Arc::new(Engine::new(config, Arc::new(bursar_agent::DiscardSink)));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("tokio runtime")?;
+    rt.block_on(async move {
+        let state = bursar_agent::shell::AgentState::new(engine);
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        let bound = bursar_agent::shell::start(
+            state,
+            bursar_agent::shell::Listen {
+                http: Some(args.http),
+                grpc: Some(args.grpc),
+            },
+            rx,
+        )
+        .await
+        .context("binding the front doors")?;
+        println!(
+            "bursar-agent listening: http={} grpc={}",
+            bound.http.map_or("-".into(), |a| a.to_string()),
+            bound.grpc.map_or("-".into(), |a| a.to_string())
+        );
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .context("SIGTERM handler")?;
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        eprintln!("bursar-agent: shutting down");
+        let _ = tx.send(true);
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        Ok(())
+    })
 }
 
 fn check_config(file: &std::path::Path) -> Result<()> {

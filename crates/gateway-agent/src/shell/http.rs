@@ -1,0 +1,406 @@
+//! The agent's HTTP JSON API (docs/api.md, docs/openapi.yaml).
+//!
+//! Every body is read as bytes (bounded by [`MAX_BODY_BYTES`]) and parsed strictly:
+//! unknown fields, wrong types, negative or fractional numbers and invalid UTF-8 are a
+//! 400 with a message that says what was wrong; nothing changes.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::AgentState;
+use super::headers;
+use crate::clock::Clock;
+use crate::engine::{AdmitRequest, Completion, Cost, Decision, RejectReason};
+use crate::{AdmitError, CompleteError, CompletionStatus, ExtendError, Usage};
+
+/// Largest request body accepted (413 above).
+pub const MAX_BODY_BYTES: usize = 64 * 1024;
+
+/// The API's routes.
+pub fn router(state: Arc<AgentState>) -> Router {
+    Router::new()
+        .route("/v1/admit", post(admit))
+        .route("/v1/complete", post(complete))
+        .route("/v1/extend", post(extend))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/metrics", get(metrics))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(state)
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AdmitBody {
+    request_id: String,
+    #[serde(default)]
+    domain: Option<String>,
+    descriptors: BTreeMap<String, String>,
+    #[serde(default)]
+    cost: CostBody,
+    #[serde(default)]
+    ttl_ms: Option<u64>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CostBody {
+    #[serde(default = "one")]
+    requests: u64,
+    #[serde(default)]
+    input_tokens: u64,
+    /// `max_tokens`: output reserved (capped per rule); absent: each rule's default.
+    #[serde(default)]
+    output_tokens: Option<u64>,
+}
+
+impl Default for CostBody {
+    fn default() -> Self {
+        CostBody {
+            requests: 1,
+            input_tokens: 0,
+            output_tokens: None,
+        }
+    }
+}
+
+fn one() -> u64 {
+    1
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CompleteBody {
+    request_id: String,
+    #[serde(default)]
+    usage: UsageBody,
+    #[serde(default = "ok_status")]
+    status: String,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct UsageBody {
+    #[serde(default)]
+    input_tokens: u64,
+    #[serde(default)]
+    cached_input_tokens: u64,
+    #[serde(default)]
+    output_tokens: u64,
+}
+
+fn ok_status() -> String {
+    "ok".into()
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ExtendBody {
+    request_id: String,
+    #[serde(default)]
+    ttl_ms: Option<u64>,
+}
+
+// A Response is the natural error of a handler step; it is built once per bad request.
+#[allow(clippy::result_large_err)]
+fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, Response> {
+    serde_json::from_slice(body).map_err(|e| {
+        error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+            &format!("malformed body: {e}"),
+        )
+    })
+}
+
+fn error(status: StatusCode, code: &str, message: &str) -> Response {
+    (
+        status,
+        [("content-type", "application/json")],
+        json!({ "error": code, "message": message }).to_string(),
+    )
+        .into_response()
+}
+
+fn admit_error(e: &AdmitError) -> Response {
+    let (status, code) = match e {
+        AdmitError::Invalid(_)
+        | AdmitError::CostTooLarge { .. }
+        | AdmitError::InvalidTtl { .. } => (StatusCode::BAD_REQUEST, "invalid_request"),
+        AdmitError::NoMatchingRule => (StatusCode::FORBIDDEN, "no_matching_rule"),
+        AdmitError::TooManyLimits { .. } => (StatusCode::INTERNAL_SERVER_ERROR, "config"),
+        AdmitError::KeyTableFull { .. } | AdmitError::LeaseTableFull { .. } => {
+            (StatusCode::SERVICE_UNAVAILABLE, "overloaded")
+        }
+        AdmitError::RequestIdCollision => (StatusCode::CONFLICT, "request_id_collision"),
+    };
+    let mut r = error(status, code, &e.to_string());
+    if status == StatusCode::SERVICE_UNAVAILABLE {
+        r.headers_mut()
+            .insert("retry-after", HeaderValue::from_static("1"));
+    }
+    r
+}
+
+fn limits_json(state: &AgentState, d: &Decision) -> Vec<Value> {
+    d.limits()
+        .iter()
+        .map(|l| {
+            let rule = &state.engine.rules().rules()[l.rule_index()];
+            json!({
+                "rule": rule.name,
+                "dimension": l.dimension.as_str(),
+                "mode": if l.mode == crate::Mode::Shadow { "shadow" } else { "enforce" },
+                "cost": l.cost,
+                "limit": l.limit(),
+                "remaining": l.remaining(),
+                "reset_ms": l.reset_after_ns().div_ceil(1_000_000),
+                "shadow_rejected": l.shadow_rejected,
+            })
+        })
+        .collect()
+}
+
+fn with_headers(mut r: Response, hs: Vec<(&'static str, String)>) -> Response {
+    let map: &mut HeaderMap = r.headers_mut();
+    for (k, v) in hs {
+        if let Ok(v) = HeaderValue::from_str(&v) {
+            map.insert(HeaderName::from_static(k), v);
+        }
+    }
+    r
+}
+
+async fn admit(State(state): State<Arc<AgentState>>, body: Bytes) -> Response {
+    let b: AdmitBody = match parse(&body) {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    let descriptors: Vec<(&str, &str)> = b
+        .descriptors
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    let now = state.clock.now_ns();
+    let req = AdmitRequest {
+        request_id: &b.request_id,
+        domain: b.domain.as_deref(),
+        descriptors: &descriptors,
+        cost: Cost {
+            requests: b.cost.requests,
+            input_tokens: b.cost.input_tokens,
+            max_output_tokens: b.cost.output_tokens,
+        },
+        ttl_ms: b.ttl_ms,
+    };
+    let d = match state.engine.admit(now, &req) {
+        Ok(d) => d,
+        Err(e) => {
+            state.counters.errors.fetch_add(1, Ordering::Relaxed);
+            return admit_error(&e);
+        }
+    };
+    let hs = headers::for_decision(&state.engine, &d);
+    let limits = limits_json(&state, &d);
+    let r = match &d {
+        Decision::Admitted(a) => {
+            state.counters.admitted.fetch_add(1, Ordering::Relaxed);
+            (
+                StatusCode::OK,
+                [("content-type", "application/json")],
+                json!({
+                    "admitted": true,
+                    "request_id": b.request_id,
+                    "replayed": a.replayed,
+                    "lease_expires_in_ms": a.lease_expires_at_ns
+                        .map(|at| at.saturating_sub(now).div_ceil(1_000_000)),
+                    "limits": limits,
+                })
+                .to_string(),
+            )
+                .into_response()
+        }
+        Decision::Rejected(r) => {
+            state.counters.rejected.fetch_add(1, Ordering::Relaxed);
+            let rule = &state.engine.rules().rules()[r.rule].name;
+            match r.reason {
+                RejectReason::NeverFits { cost, burst } => (
+                    StatusCode::BAD_REQUEST,
+                    [("content-type", "application/json")],
+                    json!({
+                        "admitted": false,
+                        "error": "never_fits",
+                        "message": format!(
+                            "cost {cost} is above the whole burst {burst} of rule {rule}: it can never be admitted"
+                        ),
+                        "rule": rule,
+                        "cost": cost,
+                        "burst": burst,
+                        "limits": limits,
+                    })
+                    .to_string(),
+                )
+                    .into_response(),
+                RejectReason::RetryLater { retry_after_ns } => {
+                    // A key with no budget granted (allocator mode, rate 0) is the
+                    // fleet's condition, not the tenant's: 503.
+                    let no_budget =
+                        headers::tripped(&d).is_some_and(|l| matches!(l.rate(), Some((0, _))));
+                    let status = if no_budget {
+                        StatusCode::SERVICE_UNAVAILABLE
+                    } else {
+                        StatusCode::TOO_MANY_REQUESTS
+                    };
+                    let secs = headers::retry_after_secs(retry_after_ns);
+                    let mut resp = (
+                        status,
+                        [("content-type", "application/json")],
+                        json!({
+                            "admitted": false,
+                            "error": if no_budget { "no_budget" } else { "rate_limited" },
+                            "rule": rule,
+                            "retry_after_ms": retry_after_ns.map_or(secs * 1000, |ns| ns.div_ceil(1_000_000)),
+                            "limits": limits,
+                        })
+                        .to_string(),
+                    )
+                        .into_response();
+                    resp.headers_mut()
+                        .insert("retry-after", HeaderValue::from(secs));
+                    resp
+                }
+            }
+        }
+    };
+    with_headers(r, hs)
+}
+
+async fn complete(State(state): State<Arc<AgentState>>, body: Bytes) -> Response {
+    let b: CompleteBody = match parse(&body) {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    let status = match b.status.as_str() {
+        "ok" => CompletionStatus::Ok,
+        "upstream_error" => CompletionStatus::UpstreamError,
+        "client_gone" => CompletionStatus::ClientGone,
+        other => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                &format!("status {other:?} is not one of ok, upstream_error, client_gone"),
+            );
+        }
+    };
+    let usage = Usage {
+        input_tokens: b.usage.input_tokens,
+        cached_input_tokens: b.usage.cached_input_tokens,
+        output_tokens: b.usage.output_tokens,
+    };
+    match state
+        .engine
+        .complete(state.clock.now_ns(), &b.request_id, usage, status)
+    {
+        Ok(c) => {
+            let result = match c {
+                Completion::Settled => "settled",
+                Completion::Late => "late",
+                Completion::Duplicate => "duplicate",
+            };
+            (
+                StatusCode::OK,
+                [("content-type", "application/json")],
+                json!({ "request_id": b.request_id, "result": result }).to_string(),
+            )
+                .into_response()
+        }
+        Err(e @ CompleteError::UnknownRequest) => {
+            error(StatusCode::NOT_FOUND, "unknown_request", &e.to_string())
+        }
+        Err(e) => error(StatusCode::BAD_REQUEST, "invalid_request", &e.to_string()),
+    }
+}
+
+async fn extend(State(state): State<Arc<AgentState>>, body: Bytes) -> Response {
+    let b: ExtendBody = match parse(&body) {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    let now = state.clock.now_ns();
+    match state.engine.extend(now, &b.request_id, b.ttl_ms) {
+        Ok(at) => (
+            StatusCode::OK,
+            [("content-type", "application/json")],
+            json!({
+                "request_id": b.request_id,
+                "lease_expires_in_ms": at.saturating_sub(now).div_ceil(1_000_000),
+            })
+            .to_string(),
+        )
+            .into_response(),
+        Err(e @ ExtendError::NotLive) => error(StatusCode::NOT_FOUND, "not_live", &e.to_string()),
+        Err(e) => error(StatusCode::BAD_REQUEST, "invalid_request", &e.to_string()),
+    }
+}
+
+async fn metrics(State(state): State<Arc<AgentState>>) -> Response {
+    let mut out = String::with_capacity(2048);
+    out.push_str("# HELP bursar_decisions_total Admission decisions by result.\n");
+    out.push_str("# TYPE bursar_decisions_total counter\n");
+    let c = &state.counters;
+    for (result, v) in [
+        ("admitted", &c.admitted),
+        ("rejected", &c.rejected),
+        ("error", &c.errors),
+    ] {
+        out.push_str(&format!(
+            "bursar_decisions_total{{result=\"{result}\"}} {}\n",
+            v.load(Ordering::Relaxed)
+        ));
+    }
+    let stats = state.engine.stats();
+    out.push_str(
+        "# HELP bursar_admitted_units_total Units admitted per rule (tokens, requests or slots).\n",
+    );
+    out.push_str("# TYPE bursar_admitted_units_total counter\n");
+    for s in &stats {
+        out.push_str(&format!(
+            "bursar_admitted_units_total{{rule=\"{}\"}} {}\n",
+            s.rule, s.admitted
+        ));
+    }
+    out.push_str("# HELP bursar_rejected_units_total Units rejected per rule (shadow rules: would have rejected).\n");
+    out.push_str("# TYPE bursar_rejected_units_total counter\n");
+    for s in &stats {
+        out.push_str(&format!(
+            "bursar_rejected_units_total{{rule=\"{}\"}} {}\n",
+            s.rule, s.rejected
+        ));
+    }
+    out.push_str("# HELP bursar_keys Limit keys held per rule.\n# TYPE bursar_keys gauge\n");
+    for s in &stats {
+        out.push_str(&format!("bursar_keys{{rule=\"{}\"}} {}\n", s.rule, s.keys));
+    }
+    out.push_str(
+        "# HELP bursar_leases_in_flight Reservations held.\n# TYPE bursar_leases_in_flight gauge\n",
+    );
+    out.push_str(&format!(
+        "bursar_leases_in_flight {}\n",
+        state.engine.leases_in_flight()
+    ));
+    (
+        StatusCode::OK,
+        [("content-type", "text/plain; version=0.0.4")],
+        out,
+    )
+        .into_response()
+}

@@ -1,0 +1,132 @@
+//! The agent's shell: the front doors over the engine (HTTP JSON API, Envoy RLS v3 over
+//! gRPC, a `tower::Layer`), the maintenance ticker, and the clock. Feature `shell`
+//! (default); the engine compiles without it (`--no-default-features`).
+//!
+//! One engine serves every front door. The engine is shared (`Arc`), lock-free for
+//! known keys, and every operation takes `now` from one coarse monotonic clock owned
+//! here.
+
+pub mod headers;
+pub mod http;
+pub mod layer;
+pub mod rls;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use crate::Engine;
+use crate::clock::{Clock, CoarseClock, CoarseClockDriver};
+
+/// Decision counters shared by the front doors (for `/metrics`).
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Admitted decisions.
+    pub admitted: AtomicU64,
+    /// Rejected decisions.
+    pub rejected: AtomicU64,
+    /// Requests that could not be decided (bad input, overload).
+    pub errors: AtomicU64,
+}
+
+/// What every front door shares.
+pub struct AgentState {
+    /// The engine.
+    pub engine: Arc<Engine>,
+    /// The clock every engine call reads.
+    pub clock: CoarseClock,
+    /// Decision counters.
+    pub counters: Counters,
+    _driver: CoarseClockDriver,
+}
+
+impl AgentState {
+    /// State over `engine`, with a coarse clock (100 us).
+    pub fn new(engine: Arc<Engine>) -> Arc<AgentState> {
+        let (clock, driver) = CoarseClock::start(Duration::from_micros(100));
+        Arc::new(AgentState {
+            engine,
+            clock,
+            counters: Counters::default(),
+            _driver: driver,
+        })
+    }
+}
+
+/// Where the front doors listen. `None` disables one.
+#[derive(Debug, Clone, Default)]
+pub struct Listen {
+    /// HTTP JSON API.
+    pub http: Option<SocketAddr>,
+    /// Envoy RLS (gRPC).
+    pub grpc: Option<SocketAddr>,
+}
+
+/// Bound addresses of a running agent.
+#[derive(Debug, Clone, Default)]
+pub struct Bound {
+    /// HTTP API.
+    pub http: Option<SocketAddr>,
+    /// gRPC (RLS).
+    pub grpc: Option<SocketAddr>,
+    /// Proxy.
+    pub proxy: Option<SocketAddr>,
+}
+
+/// Binds every configured front door, starts them and the maintenance ticker, and
+/// returns the bound addresses. Everything stops when `shutdown` turns true.
+pub async fn start(
+    state: Arc<AgentState>,
+    listen: Listen,
+    shutdown: watch::Receiver<bool>,
+) -> std::io::Result<Bound> {
+    let mut bound = Bound::default();
+    if let Some(addr) = listen.http {
+        let l = TcpListener::bind(addr).await?;
+        bound.http = Some(l.local_addr()?);
+        let app = http::router(Arc::clone(&state));
+        let mut sd = shutdown.clone();
+        tokio::spawn(async move {
+            let _ = axum::serve(l, app)
+                .with_graceful_shutdown(async move {
+                    let _ = sd.wait_for(|s| *s).await;
+                })
+                .await;
+        });
+    }
+    if let Some(addr) = listen.grpc {
+        let l = TcpListener::bind(addr).await?;
+        bound.grpc = Some(l.local_addr()?);
+        let svc = bursar_proto::rls::rate_limit_service_server::RateLimitServiceServer::new(
+            rls::Rls::new(Arc::clone(&state)),
+        );
+        let mut sd = shutdown.clone();
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(l);
+        tokio::spawn(async move {
+            let _ = tonic::transport::Server::builder()
+                .add_service(svc)
+                .serve_with_incoming_shutdown(incoming, async move {
+                    let _ = sd.wait_for(|s| *s).await;
+                })
+                .await;
+        });
+    }
+    // Maintenance: expire leases, apply postures, evict idle keys, publish new keys.
+    let mut sd = shutdown;
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {
+                    state.engine.maintain(state.clock.now_ns());
+                }
+                _ = sd.wait_for(|s| *s) => break,
+            }
+        }
+    });
+    Ok(bound)
+}
