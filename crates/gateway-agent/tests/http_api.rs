@@ -1,0 +1,245 @@
+//! The HTTP JSON API, against the real `bursar-agent` process on loopback.
+
+mod common;
+
+use common::{Agent, post, request};
+use serde_json::json;
+
+const RULES: &str = r#"
+[[rule]]
+name = "org-rpm"
+match = { org = "*" }
+dimension = "requests"
+rate = 3
+per = "minute"
+
+[[rule]]
+name = "org-itpm"
+match = { org = "*" }
+dimension = "input_tokens"
+rate = 10000
+per = "minute"
+burst = 5000
+
+[[rule]]
+name = "org-otpm"
+match = { org = "*" }
+dimension = "output_tokens"
+rate = 10000
+per = "minute"
+max_output_tokens_default = 100
+max_output_tokens_cap = 1000
+"#;
+
+fn admit(agent: &Agent, id: &str, org: &str, input: u64) -> common::Resp {
+    post(
+        agent.http,
+        "/v1/admit",
+        json!({
+            "request_id": id,
+            "descriptors": { "org": org },
+            "cost": { "requests": 1, "input_tokens": input, "output_tokens": 200 }
+        }),
+    )
+}
+
+#[test]
+fn admit_complete_and_the_rate_limit_headers() {
+    let agent = Agent::start(RULES);
+    let r = admit(&agent, "r1", "acme", 1000);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let j = r.json();
+    assert_eq!(j["admitted"], true);
+    assert_eq!(j["replayed"], false);
+    assert!(j["lease_expires_in_ms"].as_u64().unwrap() > 0);
+    assert_eq!(r.header("x-ratelimit-limit-requests"), Some("3"));
+    assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("2"));
+    assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("4000"));
+    assert!(r.header("x-ratelimit-reset-requests").is_some());
+    let policy = r.header("ratelimit-policy").unwrap();
+    assert!(policy.contains("\"org-rpm\";q=3;w=60"), "{policy}");
+    let state = r.header("ratelimit").unwrap();
+    assert!(state.contains("\"org-rpm\";r=2;"), "{state}");
+
+    let c = post(
+        agent.http,
+        "/v1/complete",
+        json!({"request_id": "r1", "usage": {"input_tokens": 1000, "output_tokens": 20}}),
+    );
+    assert_eq!(c.status, 200, "{}", c.body);
+    assert_eq!(c.json()["result"], "settled");
+    let again = post(
+        agent.http,
+        "/v1/complete",
+        json!({"request_id": "r1", "usage": {"input_tokens": 1000, "output_tokens": 20}}),
+    );
+    assert_eq!(again.json()["result"], "duplicate");
+    assert_eq!(agent.leases_in_flight(), 0);
+}
+
+#[test]
+fn a_tenant_over_its_limit_gets_429_with_retry_after_and_the_rule() {
+    let agent = Agent::start(RULES);
+    for i in 0..3 {
+        let r = admit(&agent, &format!("r{i}"), "acme", 10);
+        assert_eq!(r.status, 200, "{}", r.body);
+        post(
+            agent.http,
+            "/v1/complete",
+            json!({"request_id": format!("r{i}")}),
+        );
+    }
+    let r = admit(&agent, "r3", "acme", 10);
+    assert_eq!(r.status, 429, "{}", r.body);
+    let j = r.json();
+    assert_eq!(j["error"], "rate_limited");
+    assert_eq!(j["rule"], "org-rpm");
+    // 3 per minute: one request every 20 s.
+    let retry_ms = j["retry_after_ms"].as_u64().unwrap();
+    assert!((19_000..=20_000).contains(&retry_ms), "{retry_ms}");
+    assert_eq!(r.header("retry-after"), Some("20"));
+    assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("0"));
+    // Another tenant is unaffected.
+    assert_eq!(admit(&agent, "o1", "other", 10).status, 200);
+    post(agent.http, "/v1/complete", json!({"request_id": "o1"}));
+    assert_eq!(agent.leases_in_flight(), 0);
+}
+
+#[test]
+fn a_request_that_can_never_fit_is_400_not_429() {
+    let agent = Agent::start(RULES);
+    let r = admit(&agent, "big", "acme", 6000);
+    assert_eq!(r.status, 400, "{}", r.body);
+    let j = r.json();
+    assert_eq!(j["error"], "never_fits");
+    assert_eq!(j["rule"], "org-itpm");
+    assert_eq!(j["burst"], 5000);
+    assert_eq!(agent.leases_in_flight(), 0);
+}
+
+#[test]
+fn a_retry_is_answered_from_its_lease_and_extend_moves_the_expiry() {
+    let agent = Agent::start(RULES);
+    assert_eq!(admit(&agent, "same", "acme", 10).status, 200);
+    let again = admit(&agent, "same", "acme", 10);
+    assert_eq!(again.status, 200);
+    assert_eq!(again.json()["replayed"], true);
+    assert_eq!(again.header("x-ratelimit-remaining-requests"), Some("2"));
+    let e = post(
+        agent.http,
+        "/v1/extend",
+        json!({"request_id": "same", "ttl_ms": 600000}),
+    );
+    assert_eq!(e.status, 200, "{}", e.body);
+    assert!(e.json()["lease_expires_in_ms"].as_u64().unwrap() > 500_000);
+    let e = post(agent.http, "/v1/extend", json!({"request_id": "nope"}));
+    assert_eq!(e.status, 404);
+    post(agent.http, "/v1/complete", json!({"request_id": "same"}));
+    assert_eq!(agent.leases_in_flight(), 0);
+}
+
+#[test]
+fn bad_input_is_a_clear_400_and_changes_nothing() {
+    let agent = Agent::start(RULES);
+    let cases: Vec<(&str, Vec<u8>, u16, &str)> = vec![
+        ("malformed JSON", b"{\"request_id\": ".to_vec(), 400, "malformed body"),
+        ("missing field", br#"{"descriptors": {"org": "a"}}"#.to_vec(), 400, "missing field `request_id`"),
+        (
+            "unknown field",
+            br#"{"request_id": "x", "descriptors": {"org": "a"}, "priority": 1}"#.to_vec(),
+            400,
+            "unknown field `priority`",
+        ),
+        (
+            "negative number",
+            br#"{"request_id": "x", "descriptors": {"org": "a"}, "cost": {"input_tokens": -5}}"#.to_vec(),
+            400,
+            "invalid value: integer `-5`",
+        ),
+        (
+            "fractional number",
+            br#"{"request_id": "x", "descriptors": {"org": "a"}, "cost": {"input_tokens": 1.5}}"#.to_vec(),
+            400,
+            "invalid type: floating point",
+        ),
+        (
+            "absurd number",
+            br#"{"request_id": "x", "descriptors": {"org": "a"}, "cost": {"input_tokens": 99999999999999}}"#.to_vec(),
+            400,
+            "cost is absurd",
+        ),
+        (
+            "number past u64",
+            br#"{"request_id": "x", "descriptors": {"org": "a"}, "cost": {"input_tokens": 184467440737095516150}}"#.to_vec(),
+            400,
+            "malformed body",
+        ),
+        (
+            "empty descriptors",
+            br#"{"request_id": "x", "descriptors": {}}"#.to_vec(),
+            400,
+            "descriptors are empty",
+        ),
+        (
+            "non-UTF-8",
+            b"{\"request_id\": \"\xff\xfe\", \"descriptors\": {\"org\": \"a\"}}".to_vec(),
+            400,
+            "malformed body",
+        ),
+        (
+            "unknown tenant",
+            br#"{"request_id": "x", "descriptors": {"team": "a"}}"#.to_vec(),
+            403,
+            "no rule matches",
+        ),
+    ];
+    for (what, body, status, needle) in cases {
+        let r = request(agent.http, "POST", "/v1/admit", &body);
+        assert_eq!(r.status, status, "{what}: {}", r.body);
+        assert!(
+            r.body.contains(needle),
+            "{what}: {:?} lacks {needle:?}",
+            r.body
+        );
+    }
+    // Over the body limit: 413, nothing read into the engine.
+    let huge = vec![b' '; 70 * 1024];
+    assert_eq!(request(agent.http, "POST", "/v1/admit", &huge).status, 413);
+    // Completion input.
+    let r = post(agent.http, "/v1/complete", json!({"request_id": "never"}));
+    assert_eq!(r.status, 404);
+    let r = post(
+        agent.http,
+        "/v1/complete",
+        json!({"request_id": "x", "status": "exploded"}),
+    );
+    assert_eq!(r.status, 400);
+    assert!(r.body.contains("exploded"));
+    // Nothing was admitted or held by any of it.
+    assert_eq!(agent.leases_in_flight(), 0);
+    let m = request(agent.http, "GET", "/metrics", b"");
+    assert!(
+        m.body
+            .contains("bursar_decisions_total{result=\"admitted\"} 0"),
+        "{}",
+        m.body
+    );
+}
+
+#[test]
+fn health_and_metrics_answer() {
+    let agent = Agent::start(RULES);
+    let h = request(agent.http, "GET", "/healthz", b"");
+    assert_eq!((h.status, h.body.as_str()), (200, "ok\n"));
+    admit(&agent, "m1", "acme", 10);
+    let m = request(agent.http, "GET", "/metrics", b"");
+    assert!(
+        m.body
+            .contains("bursar_admitted_units_total{rule=\"org-itpm\"} 10"),
+        "{}",
+        m.body
+    );
+    assert!(m.body.contains("bursar_leases_in_flight 1"));
+    post(agent.http, "/v1/complete", json!({"request_id": "m1"}));
+    assert_eq!(agent.leases_in_flight(), 0);
+}
