@@ -61,6 +61,13 @@ impl AdmissionLayer {
     }
 }
 
+impl AdmissionLayer {
+    /// The layer's clock (engine time of its decisions), e.g. to read levels.
+    pub fn now_ns(&self) -> u64 {
+        self.clock.now_ns()
+    }
+}
+
 impl<S> tower::Layer<S> for AdmissionLayer {
     type Service = Admit<S>;
     fn layer(&self, inner: S) -> Admit<S> {

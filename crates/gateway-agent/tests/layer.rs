@@ -1,0 +1,85 @@
+//! The `tower::Layer`: the engine in-process in front of an axum service.
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::Body;
+use axum::response::IntoResponse;
+use axum::routing::post;
+use bursar_agent::shell::layer::{Admission, AdmissionLayer, UsageReport};
+use bursar_agent::testing::engine;
+use bursar_agent::{Cost, Usage};
+use http::{Request, StatusCode};
+use tower::ServiceExt;
+
+const RULES: &str = r#"
+[[rule]]
+name = "user-rpm"
+match = { user = "*" }
+dimension = "requests"
+rate = 2
+per = "minute"
+
+[[rule]]
+name = "user-otpm"
+match = { user = "*" }
+dimension = "output_tokens"
+rate = 1000
+per = "minute"
+max_output_tokens_default = 500
+"#;
+
+async fn handler() -> impl IntoResponse {
+    let mut r = "generated".into_response();
+    r.extensions_mut().insert(UsageReport(Usage {
+        input_tokens: 0,
+        cached_input_tokens: 0,
+        output_tokens: 40,
+    }));
+    r
+}
+
+#[tokio::test]
+async fn the_layer_admits_settles_and_rejects_in_process() {
+    let e = engine(RULES);
+    let layer = AdmissionLayer::new(Arc::clone(&e), |parts| {
+        let user = parts.headers.get("x-user")?.to_str().ok()?.to_string();
+        Some(Admission {
+            descriptors: vec![("user".into(), user)],
+            cost: Cost {
+                requests: 1,
+                input_tokens: 0,
+                max_output_tokens: None,
+            },
+        })
+    });
+    let app = Router::new()
+        .route("/gen", post(handler))
+        .layer(layer.clone());
+    let req = || {
+        Request::post("/gen")
+            .header("x-user", "u1")
+            .body(Body::empty())
+            .unwrap()
+    };
+    for _ in 0..2 {
+        let r = app.clone().oneshot(req()).await.unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+        assert!(r.headers().contains_key("x-ratelimit-remaining-requests"));
+    }
+    // Each request reserved 500 output tokens and reported 40: the refunds leave
+    // 1000 - 80 = 920 (and a little refill), not 0.
+    let level = e.level(layer.now_ns(), "user-otpm", &["u1"]).unwrap();
+    assert!((920..=1000).contains(&level), "{level}");
+    assert_eq!(
+        e.leases_in_flight(),
+        0,
+        "every admitted request was completed"
+    );
+    let r = app.clone().oneshot(req()).await.unwrap();
+    assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(r.headers().contains_key("retry-after"));
+    // Requests the classifier does not know pass unlimited.
+    let plain = Request::post("/gen").body(Body::empty()).unwrap();
+    assert_eq!(app.oneshot(plain).await.unwrap().status(), StatusCode::OK);
+}
