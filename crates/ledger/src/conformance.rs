@@ -14,9 +14,9 @@
 use std::ops::ControlFlow;
 
 use crate::digest::Bucket;
-use crate::event::{Event, EventKey, HOUR_MS, TokenDeltas};
+use crate::event::{Event, HOUR_MS, TokenDeltas};
 use crate::merge::Outcome;
-use crate::store::{MemStore, Store, usage_totals};
+use crate::store::{Cursor, MemStore, Store, usage_totals};
 use crate::testing::{correction, usage, usage_stream};
 use crate::totals::TotalsLimits;
 
@@ -77,7 +77,7 @@ fn conflicts_resolve_to_the_same_event_in_every_arrival_order<S: Store>(
                     s.apply(std::slice::from_ref(e)).expect("apply");
                 }
             }
-            let kept = s.event(&x.key()).expect("event").expect("present");
+            let kept = s.event(&x.request_id).expect("event").expect("present");
             let digests = s.digests(0, u64::MAX, None).expect("digests");
             let mut losers: Vec<Event> = s
                 .conflicts(10)
@@ -87,7 +87,7 @@ fn conflicts_resolve_to_the_same_event_in_every_arrival_order<S: Store>(
                 .collect();
             losers.sort_by_key(Event::encode);
             let mut scanned = Vec::new();
-            s.scan(0, u64::MAX, None, &mut |e| {
+            s.scan(0, u64::MAX, None, &mut |_, e| {
                 scanned.push(e.clone());
                 ControlFlow::Continue(())
             })
@@ -143,31 +143,41 @@ fn digests_scans_and_conflicts_match_the_reference_model(s: impl Store) {
             .expect("digests"),
         "conformance: digests of one tenant and hour"
     );
-    let collect = |st: &dyn Store, from: u64, to: u64, after: Option<&(Bucket, EventKey)>| {
+    let collect = |st: &dyn Store, from: u64, to: u64, after: Option<&Cursor>| {
         let mut v = Vec::new();
-        st.scan(from, to, after, &mut |e| {
-            v.push(e.clone());
+        st.scan(from, to, after, &mut |c, e| {
+            v.push((c.clone(), e.clone()));
             ControlFlow::Continue(())
         })
         .expect("scan");
         v
     };
     let (from, to) = (NOW / HOUR_MS - 30, NOW / HOUR_MS - 10);
+    // Same arrival order as the model, so the same scan order.
     let got = collect(&s, from, to, None);
+    let events_of = |v: &[(Cursor, Event)]| v.iter().map(|(_, e)| e.clone()).collect::<Vec<_>>();
     assert_eq!(
-        got,
-        collect(&reference, from, to, None),
+        events_of(&got),
+        events_of(&collect(&reference, from, to, None)),
         "conformance: scan"
     );
-    assert!(!got.is_empty());
-    let cursor = (Bucket::of(&got[10]), got[10].key());
+    assert!(got.len() > 20);
+    assert!(
+        got.iter()
+            .all(|(c, e)| c.0 == Bucket::of(e) && (from..to).contains(&e.hour())),
+        "conformance: scan cursors name the event's bucket"
+    );
+    assert!(
+        got.windows(2).all(|w| w[0].0 < w[1].0),
+        "conformance: scan runs in cursor order"
+    );
     assert_eq!(
-        collect(&s, from, to, Some(&cursor)),
-        got[11..].to_vec(),
+        events_of(&collect(&s, from, to, Some(&got[10].0))),
+        events_of(&got[11..]),
         "conformance: scan after a cursor"
     );
     let mut first = Vec::new();
-    s.scan(from, to, None, &mut |e| {
+    s.scan(from, to, None, &mut |_, e| {
         first.push(e.clone());
         if first.len() == 5 {
             ControlFlow::Break(())
@@ -176,7 +186,11 @@ fn digests_scans_and_conflicts_match_the_reference_model(s: impl Store) {
         }
     })
     .expect("scan");
-    assert_eq!(first, got[..5].to_vec(), "conformance: scan stops on Break");
+    assert_eq!(
+        first,
+        events_of(&got[..5]),
+        "conformance: scan stops on Break"
+    );
     let mut in_bucket = Vec::new();
     s.visit_bucket(&some, &mut |e| in_bucket.push(e.clone()))
         .expect("visit");
@@ -287,10 +301,11 @@ fn everything_acknowledged_survives_a_reopen<S: Store>(s: S, reopen: &mut dyn Fn
     assert_eq!(s.digests(0, u64::MAX, None).expect("digests"), digests);
     assert_eq!(s.conflicts(10).expect("conflicts"), conflicts);
     // events[0] lost or won its conflict with x; every other one is as written.
-    assert!(s.event(&events[0].key()).expect("event").is_some());
+    assert!(s.event(&events[0].request_id).expect("event").is_some());
     for e in &events[1..] {
-        assert_eq!(s.event(&e.key()).expect("event").as_ref(), Some(e));
+        assert_eq!(s.event(&e.request_id).expect("event").as_ref(), Some(e));
     }
+    assert_eq!(s.event("never-sent").expect("event"), None);
     let r = s.apply(&events).expect("apply");
     assert_eq!(r.new, 0, "conformance: nothing is new after a reopen");
 }

@@ -159,7 +159,11 @@ impl DigestSet {
     /// Adds `d` to `bucket`.
     pub fn add(&mut self, bucket: &Bucket, d: &Digest) {
         self.root.add(d);
-        let entry = self.buckets.entry(bucket.clone()).or_default();
+        // Look up before cloning the bucket: most adds hit an existing one.
+        let entry = match self.buckets.get_mut(bucket) {
+            Some(e) => e,
+            None => self.buckets.entry(bucket.clone()).or_default(),
+        };
         entry.add(d);
         if entry.is_empty() {
             self.buckets.remove(bucket);

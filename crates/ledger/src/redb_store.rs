@@ -1,21 +1,26 @@
 //! The redb backend: one file, `ledger.redb`, in the data directory.
 //!
 //! Tables:
-//! - `events`: event key (16 bytes) -> canonical encoding;
-//! - `by_bucket`: (hour, tenant, event key) -> () (the bucket index, for queries and
-//!   export);
+//! - `events`: (hour, tenant, arrival sequence number) -> canonical encoding: events
+//!   clustered by bucket, appended within each bucket, read in order by queries and
+//!   export;
+//! - `ids`: request id -> where its event is (hour, sequence number, tenant): the
+//!   dedupe index. Time-ordered request ids (UUIDv7, `node-counter`) insert at a few
+//!   hot spots; random ones (UUIDv4) land all over the tree and cost more per commit
+//!   (both measured in docs/benchmarks-ledger.md);
 //! - `digests`: (hour, tenant) -> digest (80 bytes);
 //! - `conflicts`: (event key, element hash of the loser) -> the loser's encoding;
-//! - `meta`: `format` (a marker naming this layout) and `root` (the root digest).
+//! - `meta`: `format` (a marker naming this layout), `root` (the root digest) and
+//!   `next_seq`.
 //!
 //! [`Store::apply`] is one write transaction with `Durability::Immediate`: every event
-//! of the batch, the index, the digests and the root are committed together with one
-//! fsync, and `apply` returns only after the commit. That is group commit: the shell
-//! batches concurrent requests into one `apply`.
+//! of the batch, the indexes, the digests and the root are committed together with
+//! one fsync, and `apply` returns only after the commit. That is group commit: the
+//! shell batches concurrent requests into one `apply`.
 //!
 //! Opening refuses, with [`StoreError::Open`], a file that is not a redb database, is
-//! damaged, or is a redb database without this ledger's format marker. It never
-//! recreates or truncates an existing file.
+//! damaged (every page checksum is verified at open), or is a redb database without
+//! this ledger's format marker. It never recreates or truncates an existing file.
 
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
@@ -29,16 +34,17 @@ use redb::{
 use crate::digest::{Bucket, Digest, DigestSet};
 use crate::event::{Event, EventKey};
 use crate::merge::{ApplyReport, Conflict};
-use crate::store::{Store, StoreError, TxnOps, apply_batch};
+use crate::store::{Cursor, Store, StoreError, TxnOps, apply_batch};
 
-const EVENTS: TableDefinition<[u8; 16], &[u8]> = TableDefinition::new("events");
-const BY_BUCKET: TableDefinition<(u64, &str, [u8; 16]), ()> = TableDefinition::new("by_bucket");
+// Byte-string keys, not &str: redb would re-validate UTF-8 on every comparison.
+const EVENTS: TableDefinition<(u64, &[u8], u64), &[u8]> = TableDefinition::new("events");
+const IDS: TableDefinition<&[u8], &[u8]> = TableDefinition::new("ids");
 const DIGESTS: TableDefinition<(u64, &str), &[u8]> = TableDefinition::new("digests");
 const CONFLICTS: TableDefinition<([u8; 16], u128), &[u8]> = TableDefinition::new("conflicts");
 const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 
 /// The value of `meta["format"]`.
-pub const FORMAT: &[u8] = b"bursar-ledger/redb/1";
+pub const FORMAT: &[u8] = b"bursar-ledger/redb/3";
 
 /// The data file's name inside the data directory.
 pub const FILE_NAME: &str = "ledger.redb";
@@ -161,12 +167,14 @@ impl RedbStore {
         w.set_durability(Durability::Immediate).map_err(backend)?;
         {
             w.open_table(EVENTS).map_err(backend)?;
-            w.open_table(BY_BUCKET).map_err(backend)?;
+            w.open_table(IDS).map_err(backend)?;
             w.open_table(DIGESTS).map_err(backend)?;
             w.open_table(CONFLICTS).map_err(backend)?;
             let mut meta = w.open_table(META).map_err(backend)?;
             meta.insert("format", FORMAT).map_err(backend)?;
             meta.insert("root", Digest::default().to_bytes().as_slice())
+                .map_err(backend)?;
+            meta.insert("next_seq", 0u64.to_le_bytes().as_slice())
                 .map_err(backend)?;
         }
         w.commit().map_err(backend)
@@ -187,11 +195,43 @@ impl RedbStore {
     }
 }
 
-fn decode(key: &[u8; 16], bytes: &[u8]) -> Result<Event, StoreError> {
+fn decode(seq: u64, bytes: &[u8]) -> Result<Event, StoreError> {
     Event::decode(bytes).map_err(|source| StoreError::Corrupt {
-        what: format!("event {}", EventKey(*key)),
+        what: format!("event at log position {seq}"),
         source,
     })
+}
+
+fn missing(seq: u64) -> StoreError {
+    StoreError::Backend(format!(
+        "the id index names event position {seq}, which is not stored (damaged file?)"
+    ))
+}
+
+/// The `ids` value: hour, sequence number, tenant.
+fn location(hour: u64, seq: u64, tenant: &str) -> Vec<u8> {
+    let mut v = Vec::with_capacity(16 + tenant.len());
+    v.extend_from_slice(&hour.to_le_bytes());
+    v.extend_from_slice(&seq.to_le_bytes());
+    v.extend_from_slice(tenant.as_bytes());
+    v
+}
+
+fn parse_location(v: &[u8]) -> Result<(u64, u64, &[u8]), StoreError> {
+    if v.len() < 16 {
+        return Err(StoreError::Backend(format!(
+            "corrupt id index record ({} bytes)",
+            v.len()
+        )));
+    }
+    let hour = u64::from_le_bytes(v[..8].try_into().expect("8 bytes"));
+    let seq = u64::from_le_bytes(v[8..16].try_into().expect("8 bytes"));
+    Ok((hour, seq, &v[16..]))
+}
+
+fn tenant_str(t: &[u8]) -> Result<String, StoreError> {
+    String::from_utf8(t.to_vec())
+        .map_err(|_| StoreError::Backend("corrupt tenant in the event index".into()))
 }
 
 fn digest_of(what: &str, bytes: &[u8]) -> Result<Digest, StoreError> {
@@ -204,29 +244,49 @@ fn digest_of(what: &str, bytes: &[u8]) -> Result<Digest, StoreError> {
 }
 
 struct Txn<'t> {
-    events: redb::Table<'t, [u8; 16], &'static [u8]>,
-    index: redb::Table<'t, (u64, &'static str, [u8; 16]), ()>,
+    events: redb::Table<'t, (u64, &'static [u8], u64), &'static [u8]>,
+    ids: redb::Table<'t, &'static [u8], &'static [u8]>,
     conflicts: redb::Table<'t, ([u8; 16], u128), &'static [u8]>,
+    next_seq: u64,
 }
 
 impl TxnOps for Txn<'_> {
-    fn get(&mut self, key: &EventKey) -> Result<Option<Vec<u8>>, StoreError> {
-        Ok(self
+    fn get(&mut self, request_id: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        let Some(loc) = self.ids.get(request_id.as_bytes()).map_err(backend)? else {
+            return Ok(None);
+        };
+        let (hour, seq, tenant) = parse_location(loc.value())?;
+        let v = self
             .events
-            .get(key.0)
+            .get((hour, tenant, seq))
             .map_err(backend)?
-            .map(|v| v.value().to_vec()))
+            .ok_or_else(|| missing(seq))?;
+        Ok(Some(v.value().to_vec()))
     }
-    fn put(&mut self, key: &EventKey, bucket: &Bucket, encoded: &[u8]) -> Result<(), StoreError> {
-        self.events.insert(key.0, encoded).map_err(backend)?;
-        self.index
-            .insert((bucket.hour, bucket.tenant.as_str(), key.0), ())
+    fn insert(&mut self, rid: &str, bucket: &Bucket, encoded: &[u8]) -> Result<(), StoreError> {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.events
+            .insert((bucket.hour, bucket.tenant.as_bytes(), seq), encoded)
+            .map_err(backend)?;
+        self.ids
+            .insert(
+                rid.as_bytes(),
+                location(bucket.hour, seq, &bucket.tenant).as_slice(),
+            )
             .map_err(backend)?;
         Ok(())
     }
-    fn unindex(&mut self, key: &EventKey, bucket: &Bucket) -> Result<(), StoreError> {
-        self.index
-            .remove((bucket.hour, bucket.tenant.as_str(), key.0))
+    fn remove(&mut self, rid: &str, bucket: &Bucket) -> Result<(), StoreError> {
+        let loc = self
+            .ids
+            .remove(rid.as_bytes())
+            .map_err(backend)?
+            .ok_or_else(|| StoreError::Backend(format!("remove of {rid:?}, not stored")))?;
+        let (_, seq, _) = parse_location(loc.value())?;
+        drop(loc);
+        self.events
+            .remove((bucket.hour, bucket.tenant.as_bytes(), seq))
             .map_err(backend)?;
         Ok(())
     }
@@ -241,10 +301,20 @@ impl Store for RedbStore {
         let mut w = self.db.begin_write().map_err(backend)?;
         w.set_durability(Durability::Immediate).map_err(backend)?;
         let report = {
+            let mut meta = w.open_table(META).map_err(backend)?;
+            let next_seq = match meta.get("next_seq").map_err(backend)? {
+                Some(v) => u64::from_le_bytes(
+                    v.value()
+                        .try_into()
+                        .map_err(|_| StoreError::Backend("corrupt next_seq record".into()))?,
+                ),
+                None => 0,
+            };
             let mut txn = Txn {
                 events: w.open_table(EVENTS).map_err(backend)?,
-                index: w.open_table(BY_BUCKET).map_err(backend)?,
+                ids: w.open_table(IDS).map_err(backend)?,
                 conflicts: w.open_table(CONFLICTS).map_err(backend)?,
+                next_seq,
             };
             let mut delta = DigestSet::default();
             let report = apply_batch(&mut txn, events, &mut delta)?;
@@ -264,7 +334,8 @@ impl Store for RedbStore {
                         .map_err(backend)?;
                 }
             }
-            let mut meta = w.open_table(META).map_err(backend)?;
+            meta.insert("next_seq", txn.next_seq.to_le_bytes().as_slice())
+                .map_err(backend)?;
             let mut root = match meta.get("root").map_err(backend)? {
                 Some(v) => digest_of("root", v.value())?,
                 None => Digest::default(),
@@ -279,31 +350,31 @@ impl Store for RedbStore {
         Ok(report)
     }
 
-    fn event(&self, key: &EventKey) -> Result<Option<Event>, StoreError> {
+    fn event(&self, request_id: &str) -> Result<Option<Event>, StoreError> {
         let r = self.db.begin_read().map_err(backend)?;
-        let t = r.open_table(EVENTS).map_err(backend)?;
-        let v = t.get(key.0).map_err(backend)?;
-        v.map(|v| decode(&key.0, v.value())).transpose()
+        let ids = r.open_table(IDS).map_err(backend)?;
+        let Some(loc) = ids.get(request_id.as_bytes()).map_err(backend)? else {
+            return Ok(None);
+        };
+        let (hour, seq, tenant) = parse_location(loc.value())?;
+        let events = r.open_table(EVENTS).map_err(backend)?;
+        let v = events
+            .get((hour, tenant, seq))
+            .map_err(backend)?
+            .ok_or_else(|| missing(seq))?;
+        decode(seq, v.value()).map(Some)
     }
 
     fn visit_bucket(&self, bucket: &Bucket, f: &mut dyn FnMut(&Event)) -> Result<(), StoreError> {
         let r = self.db.begin_read().map_err(backend)?;
-        let index = r.open_table(BY_BUCKET).map_err(backend)?;
         let events = r.open_table(EVENTS).map_err(backend)?;
-        let t = bucket.tenant.as_str();
-        for row in index
-            .range((bucket.hour, t, [0u8; 16])..=(bucket.hour, t, [0xffu8; 16]))
+        let t = bucket.tenant.as_bytes();
+        for row in events
+            .range((bucket.hour, t, 0u64)..=(bucket.hour, t, u64::MAX))
             .map_err(backend)?
         {
-            let (k, _) = row.map_err(backend)?;
-            let key = k.value().2;
-            let v = events.get(key).map_err(backend)?.ok_or_else(|| {
-                StoreError::Backend(format!(
-                    "index names event {} that is not stored",
-                    EventKey(key)
-                ))
-            })?;
-            f(&decode(&key, v.value())?);
+            let (k, v) = row.map_err(backend)?;
+            f(&decode(k.value().2, v.value())?);
         }
         Ok(())
     }
@@ -312,38 +383,40 @@ impl Store for RedbStore {
         &self,
         from_hour: u64,
         to_hour: u64,
-        after: Option<&(Bucket, EventKey)>,
-        f: &mut dyn FnMut(&Event) -> ControlFlow<()>,
+        after: Option<&Cursor>,
+        f: &mut dyn FnMut(&Cursor, &Event) -> ControlFlow<()>,
     ) -> Result<(), StoreError> {
         if from_hour >= to_hour {
             return Ok(());
         }
         let r = self.db.begin_read().map_err(backend)?;
-        let index = r.open_table(BY_BUCKET).map_err(backend)?;
         let events = r.open_table(EVENTS).map_err(backend)?;
         let range = match after {
-            Some((b, k)) if b.hour >= from_hour => index.range((b.hour, b.tenant.as_str(), k.0)..),
-            _ => index.range((from_hour, "", [0u8; 16])..),
+            Some((b, seq)) if b.hour >= from_hour => {
+                events.range((b.hour, b.tenant.as_bytes(), *seq)..)
+            }
+            _ => events.range((from_hour, b"".as_slice(), 0u64)..),
         }
         .map_err(backend)?;
         for row in range {
-            let (k, _) = row.map_err(backend)?;
-            let (hour, tenant, key) = k.value();
+            let (k, v) = row.map_err(backend)?;
+            let (hour, tenant, seq) = k.value();
             if hour >= to_hour {
                 break;
             }
-            if let Some((b, ak)) = after
-                && (hour, tenant, key) <= (b.hour, b.tenant.as_str(), ak.0)
+            if let Some((b, aseq)) = after
+                && (hour, tenant, seq) <= (b.hour, b.tenant.as_bytes(), *aseq)
             {
                 continue;
             }
-            let v = events.get(key).map_err(backend)?.ok_or_else(|| {
-                StoreError::Backend(format!(
-                    "index names event {} that is not stored",
-                    EventKey(key)
-                ))
-            })?;
-            if f(&decode(&key, v.value())?).is_break() {
+            let cursor = (
+                Bucket {
+                    hour,
+                    tenant: tenant_str(tenant)?,
+                },
+                seq,
+            );
+            if f(&cursor, &decode(seq, v.value())?).is_break() {
                 break;
             }
         }
@@ -398,10 +471,13 @@ impl Store for RedbStore {
         let mut out = Vec::new();
         for row in t.iter().map_err(backend)?.take(limit) {
             let (k, v) = row.map_err(backend)?;
-            let key = k.value().0;
+            let key = EventKey(k.value().0);
             out.push(Conflict {
-                key: EventKey(key),
-                loser: decode(&key, v.value())?,
+                key,
+                loser: Event::decode(v.value()).map_err(|source| StoreError::Corrupt {
+                    what: format!("conflict {key}"),
+                    source,
+                })?,
             });
         }
         Ok(out)

@@ -32,10 +32,10 @@ use serde_json::{Value, json};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::digest::Bucket;
-use crate::event::{Event, EventKey, HOUR_MS, Limits, hex};
+use crate::event::{Event, HOUR_MS, Limits, hex};
 use crate::merge::ApplyReport;
 use crate::redb_store::RedbStore;
-use crate::store::{QueryError, Store, usage_totals};
+use crate::store::{Cursor, QueryError, Store, usage_totals};
 use crate::totals::TotalsLimits;
 use crate::wire::{event_json, parse_event};
 
@@ -516,16 +516,17 @@ async fn get_digest(State(s): State<AppState>, Query(p): Params) -> Response {
     run.await.unwrap_or_else(IntoResponse::into_response)
 }
 
-/// Export cursor: `hour.tenant-hex.key-hex` (opaque to clients).
-fn cursor_string(b: &Bucket, k: &EventKey) -> String {
-    format!("{}.{}.{}", b.hour, hex(b.tenant.as_bytes()), k.to_hex())
+/// Export cursor: `hour.tenant-hex.position` (opaque to clients; valid on the node
+/// that issued it).
+fn cursor_string(c: &Cursor) -> String {
+    format!("{}.{}.{}", c.0.hour, hex(c.0.tenant.as_bytes()), c.1)
 }
 
-fn parse_cursor(s: &str) -> Option<(Bucket, EventKey)> {
+fn parse_cursor(s: &str) -> Option<Cursor> {
     let mut parts = s.split('.');
     let hour = parts.next()?.parse().ok()?;
     let th = parts.next()?;
-    let key = EventKey::from_hex(parts.next()?)?;
+    let seq = parts.next()?.parse().ok()?;
     if parts.next().is_some() || th.len() % 2 != 0 {
         return None;
     }
@@ -534,7 +535,7 @@ fn parse_cursor(s: &str) -> Option<(Bucket, EventKey)> {
         .map(|i| u8::from_str_radix(th.get(i..i + 2)?, 16).ok())
         .collect();
     let tenant = String::from_utf8(bytes?).ok()?;
-    Some((Bucket { hour, tenant }, key))
+    Some((Bucket { hour, tenant }, seq))
 }
 
 async fn get_export(State(s): State<AppState>, Query(p): Params) -> Response {
@@ -567,19 +568,19 @@ async fn get_export(State(s): State<AppState>, Query(p): Params) -> Response {
             let mut last = None;
             let mut more = false;
             store
-                .scan(fh, th, after.as_ref(), &mut |e| {
+                .scan(fh, th, after.as_ref(), &mut |c, e| {
                     if n == limit {
                         more = true;
                         return ControlFlow::Break(());
                     }
                     let _ = writeln!(body, "{}", event_json(e));
                     n += 1;
-                    last = Some((Bucket::of(e), e.key()));
+                    last = Some(c.clone());
                     ControlFlow::Continue(())
                 })
                 .map_err(store_error)?;
             let next = if more {
-                last.map(|(b, k)| cursor_string(&b, &k))
+                last.as_ref().map(cursor_string)
             } else {
                 None
             };
@@ -713,9 +714,10 @@ mod tests {
             hour: 490_000,
             tenant: "acme.corp/ü".into(),
         };
-        let k = EventKey::from_request_id("r");
-        assert_eq!(parse_cursor(&cursor_string(&b, &k)), Some((b, k)));
+        let c = (b, 12345);
+        assert_eq!(parse_cursor(&cursor_string(&c)), Some(c));
         assert_eq!(parse_cursor("1.zz.00"), None);
+        assert_eq!(parse_cursor("1.61.x"), None);
     }
 
     #[test]

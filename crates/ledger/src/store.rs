@@ -6,7 +6,7 @@
 //! conflict rule and the digests are the same code on every backend. The
 //! conformance suite ([`crate::conformance`]) checks a backend against this contract.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ops::ControlFlow;
 use std::sync::Mutex;
 
@@ -44,6 +44,11 @@ pub enum StoreError {
     Backend(String),
 }
 
+/// Where an event sits in a scan: its bucket and the backend's arrival sequence
+/// number. Within a bucket, scans run in arrival order on that node (so cursors are
+/// per node; digests, not scan order, are what nodes compare).
+pub type Cursor = (Bucket, u64);
+
 /// The narrow storage interface. All methods take `&self`: writes are serialized by
 /// the caller (the shell's single writer task) or by the backend.
 pub trait Store: Send + Sync {
@@ -52,21 +57,22 @@ pub trait Store: Send + Sync {
     /// acknowledged.
     fn apply(&self, events: &[Event]) -> Result<ApplyReport, StoreError>;
 
-    /// The event stored under `key`.
-    fn event(&self, key: &EventKey) -> Result<Option<Event>, StoreError>;
+    /// The event stored for `request_id` (whose key is
+    /// `EventKey::from_request_id(request_id)`).
+    fn event(&self, request_id: &str) -> Result<Option<Event>, StoreError>;
 
-    /// Calls `f` for each event of `bucket`, in key order.
+    /// Calls `f` for each event of `bucket`, in arrival order.
     fn visit_bucket(&self, bucket: &Bucket, f: &mut dyn FnMut(&Event)) -> Result<(), StoreError>;
 
     /// Calls `f` for each event whose hour is in `from_hour..to_hour`, in
-    /// (hour, tenant, key) order, starting strictly after `after` if given, until `f`
-    /// returns `Break`.
+    /// (hour, tenant, arrival) order, starting strictly after `after` if given, until
+    /// `f` returns `Break`.
     fn scan(
         &self,
         from_hour: u64,
         to_hour: u64,
-        after: Option<&(Bucket, EventKey)>,
-        f: &mut dyn FnMut(&Event) -> ControlFlow<()>,
+        after: Option<&Cursor>,
+        f: &mut dyn FnMut(&Cursor, &Event) -> ControlFlow<()>,
     ) -> Result<(), StoreError>;
 
     /// Non-empty bucket digests with hour in `from_hour..to_hour` (and of `tenant`, if
@@ -85,15 +91,22 @@ pub trait Store: Send + Sync {
     fn conflicts(&self, limit: usize) -> Result<Vec<Conflict>, StoreError>;
 }
 
-/// The primitive operations a backend offers inside one write transaction.
+/// The primitive operations a backend offers inside one write transaction. Events are
+/// found by request id (equivalent to their key, which derives from it): an index by
+/// request id keeps time-ordered ids (UUIDv7, `node-counter`) clustered, where an
+/// index by hash would touch pages all over the tree on every commit.
 pub trait TxnOps {
-    /// The stored encoding under `key`.
-    fn get(&mut self, key: &EventKey) -> Result<Option<Vec<u8>>, StoreError>;
-    /// Stores `encoded` under `key` (replacing any) and indexes it under `bucket`.
-    fn put(&mut self, key: &EventKey, bucket: &Bucket, encoded: &[u8]) -> Result<(), StoreError>;
-    /// Removes the index entry of `key` under `bucket` (the event itself is replaced
-    /// by the following `put`).
-    fn unindex(&mut self, key: &EventKey, bucket: &Bucket) -> Result<(), StoreError>;
+    /// The stored encoding for `request_id`.
+    fn get(&mut self, request_id: &str) -> Result<Option<Vec<u8>>, StoreError>;
+    /// Stores a new event for `request_id` (none is stored) under `bucket`.
+    fn insert(
+        &mut self,
+        request_id: &str,
+        bucket: &Bucket,
+        encoded: &[u8],
+    ) -> Result<(), StoreError>;
+    /// Removes the event stored for `request_id`, which sits in `bucket`.
+    fn remove(&mut self, request_id: &str, bucket: &Bucket) -> Result<(), StoreError>;
     /// Records a conflict loser.
     fn put_conflict(
         &mut self,
@@ -105,32 +118,38 @@ pub trait TxnOps {
 
 /// Merges `events` through `ops`, adding the digest changes to `delta`. Shared by
 /// every backend; the backend commits `ops` and `delta` together.
+///
+/// Events are applied in request-id order (stable, so repeats of one id keep their
+/// batch order and get the same outcomes as in batch order); the final state does not
+/// depend on order anyway, and sorted inserts touch fewer pages.
 pub fn apply_batch(
     ops: &mut impl TxnOps,
     events: &[Event],
     delta: &mut DigestSet,
 ) -> Result<ApplyReport, StoreError> {
-    let mut report = ApplyReport::default();
-    report.outcomes.reserve(events.len());
+    let mut order: Vec<usize> = (0..events.len()).collect();
+    order.sort_by(|&a, &b| events[a].request_id.cmp(&events[b].request_id));
+    let mut outcomes = vec![Outcome::Duplicate; events.len()];
     let mut buf = Vec::with_capacity(256);
-    for e in events {
+    for i in order {
+        let e = &events[i];
         buf.clear();
         e.encode_into(&mut buf);
-        let key = e.key();
-        let existing = ops.get(&key)?;
-        match resolve(existing.as_deref(), &buf) {
+        let existing = ops.get(&e.request_id)?;
+        outcomes[i] = match resolve(existing.as_deref(), &buf) {
             Merge::New => {
                 let bucket = Bucket::of(e);
-                ops.put(&key, &bucket, &buf)?;
+                ops.insert(&e.request_id, &bucket, &buf)?;
                 delta.add(&bucket, &Digest::of_event(e, element_hash(&buf)));
-                report.push(Outcome::New);
+                Outcome::New
             }
-            Merge::Duplicate => report.push(Outcome::Duplicate),
+            Merge::Duplicate => Outcome::Duplicate,
             Merge::KeepExisting => {
-                ops.put_conflict(&key, element_hash(&buf), &buf)?;
-                report.push(Outcome::Conflict);
+                ops.put_conflict(&e.key(), element_hash(&buf), &buf)?;
+                Outcome::Conflict
             }
             Merge::Replace => {
+                let key = e.key();
                 let old_bytes = existing.expect("Replace implies an existing event");
                 let old = Event::decode(&old_bytes).map_err(|source| StoreError::Corrupt {
                     what: format!("event {key}"),
@@ -138,15 +157,20 @@ pub fn apply_batch(
                 })?;
                 let old_hash = element_hash(&old_bytes);
                 let old_bucket = Bucket::of(&old);
-                ops.unindex(&key, &old_bucket)?;
+                ops.remove(&e.request_id, &old_bucket)?;
                 delta.sub(&old_bucket, &Digest::of_event(&old, old_hash));
                 ops.put_conflict(&key, old_hash, &old_bytes)?;
                 let bucket = Bucket::of(e);
-                ops.put(&key, &bucket, &buf)?;
+                ops.insert(&e.request_id, &bucket, &buf)?;
                 delta.add(&bucket, &Digest::of_event(e, element_hash(&buf)));
-                report.push(Outcome::Conflict);
+                Outcome::Conflict
             }
-        }
+        };
+    }
+    let mut report = ApplyReport::default();
+    report.outcomes.reserve(events.len());
+    for o in outcomes {
+        report.push(o);
     }
     Ok(report)
 }
@@ -192,23 +216,34 @@ pub struct MemStore {
 
 #[derive(Debug, Default, Clone)]
 struct MemInner {
-    events: BTreeMap<EventKey, Vec<u8>>,
-    index: BTreeSet<(Bucket, EventKey)>,
+    log: BTreeMap<u64, Vec<u8>>,
+    ids: HashMap<String, u64>,
+    index: BTreeSet<Cursor>,
     digests: DigestSet,
     conflicts: BTreeMap<(EventKey, u128), Vec<u8>>,
+    next_seq: u64,
 }
 
 impl TxnOps for MemInner {
-    fn get(&mut self, key: &EventKey) -> Result<Option<Vec<u8>>, StoreError> {
-        Ok(self.events.get(key).cloned())
+    fn get(&mut self, request_id: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        Ok(self.ids.get(request_id).map(|seq| self.log[seq].clone()))
     }
-    fn put(&mut self, key: &EventKey, bucket: &Bucket, encoded: &[u8]) -> Result<(), StoreError> {
-        self.events.insert(*key, encoded.to_vec());
-        self.index.insert((bucket.clone(), *key));
+    fn insert(&mut self, rid: &str, bucket: &Bucket, encoded: &[u8]) -> Result<(), StoreError> {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.log.insert(seq, encoded.to_vec());
+        let previous = self.ids.insert(rid.to_string(), seq);
+        assert!(previous.is_none(), "insert over a stored event");
+        self.index.insert((bucket.clone(), seq));
         Ok(())
     }
-    fn unindex(&mut self, key: &EventKey, bucket: &Bucket) -> Result<(), StoreError> {
-        self.index.remove(&(bucket.clone(), *key));
+    fn remove(&mut self, rid: &str, bucket: &Bucket) -> Result<(), StoreError> {
+        let seq = self.ids.remove(rid).expect("remove of a stored event");
+        self.log.remove(&seq);
+        assert!(
+            self.index.remove(&(bucket.clone(), seq)),
+            "index entry missing"
+        );
         Ok(())
     }
     fn put_conflict(&mut self, key: &EventKey, h: u128, loser: &[u8]) -> Result<(), StoreError> {
@@ -236,19 +271,21 @@ impl MemStore {
     pub fn check_invariants(&self) {
         let g = self.lock();
         g.digests.check_invariants();
-        assert_eq!(
-            g.index.len(),
-            g.events.len(),
-            "index and events differ in size"
-        );
+        assert_eq!(g.index.len(), g.log.len(), "index and log differ in size");
+        assert_eq!(g.ids.len(), g.log.len(), "ids and log differ in size");
         let mut fresh = DigestSet::default();
-        for (bucket, key) in &g.index {
-            let bytes = &g.events[key];
+        for (bucket, seq) in &g.index {
+            let bytes = &g.log[seq];
             let e = Event::decode(bytes).expect("stored events decode");
             assert_eq!(
                 &Bucket::of(&e),
                 bucket,
                 "event indexed under the wrong bucket"
+            );
+            assert_eq!(
+                g.ids.get(&e.request_id),
+                Some(seq),
+                "ids does not point here"
             );
             fresh.add(bucket, &Digest::of_event(&e, element_hash(bytes)));
         }
@@ -259,9 +296,9 @@ impl MemStore {
     }
 }
 
-fn decode(key: &EventKey, bytes: &[u8]) -> Result<Event, StoreError> {
+fn decode(seq: u64, bytes: &[u8]) -> Result<Event, StoreError> {
     Event::decode(bytes).map_err(|source| StoreError::Corrupt {
-        what: format!("event {key}"),
+        what: format!("event at log position {seq}"),
         source,
     })
 }
@@ -277,19 +314,21 @@ impl Store for MemStore {
         Ok(report)
     }
 
-    fn event(&self, key: &EventKey) -> Result<Option<Event>, StoreError> {
+    fn event(&self, request_id: &str) -> Result<Option<Event>, StoreError> {
         let g = self.lock();
-        g.events.get(key).map(|b| decode(key, b)).transpose()
+        g.ids
+            .get(request_id)
+            .map(|seq| decode(*seq, &g.log[seq]))
+            .transpose()
     }
 
     fn visit_bucket(&self, bucket: &Bucket, f: &mut dyn FnMut(&Event)) -> Result<(), StoreError> {
         let g = self.lock();
-        let lo = (bucket.clone(), EventKey([0; 16]));
-        for (b, key) in g.index.range(lo..) {
+        for (b, seq) in g.index.range((bucket.clone(), 0)..) {
             if b != bucket {
                 break;
             }
-            f(&decode(key, &g.events[key])?);
+            f(&decode(*seq, &g.log[seq])?);
         }
         Ok(())
     }
@@ -298,8 +337,8 @@ impl Store for MemStore {
         &self,
         from_hour: u64,
         to_hour: u64,
-        after: Option<&(Bucket, EventKey)>,
-        f: &mut dyn FnMut(&Event) -> ControlFlow<()>,
+        after: Option<&Cursor>,
+        f: &mut dyn FnMut(&Cursor, &Event) -> ControlFlow<()>,
     ) -> Result<(), StoreError> {
         let g = self.lock();
         let lo = (
@@ -307,7 +346,7 @@ impl Store for MemStore {
                 hour: from_hour,
                 tenant: String::new(),
             },
-            EventKey([0; 16]),
+            0,
         );
         for entry in g.index.range(lo..) {
             if entry.0.hour >= to_hour {
@@ -316,7 +355,7 @@ impl Store for MemStore {
             if after.is_some_and(|a| entry <= a) {
                 continue;
             }
-            if f(&decode(&entry.1, &g.events[&entry.1])?).is_break() {
+            if f(entry, &decode(entry.1, &g.log[&entry.1])?).is_break() {
                 break;
             }
         }
@@ -351,7 +390,10 @@ impl Store for MemStore {
             .map(|((key, _), bytes)| {
                 Ok(Conflict {
                     key: *key,
-                    loser: decode(key, bytes)?,
+                    loser: Event::decode(bytes).map_err(|source| StoreError::Corrupt {
+                        what: format!("conflict {key}"),
+                        source,
+                    })?,
                 })
             })
             .collect()
