@@ -251,31 +251,37 @@ struct Txn<'t> {
 }
 
 impl TxnOps for Txn<'_> {
-    fn get(&mut self, request_id: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        let Some(loc) = self.ids.get(request_id.as_bytes()).map_err(backend)? else {
-            return Ok(None);
-        };
-        let (hour, seq, tenant) = parse_location(loc.value())?;
-        let v = self
-            .events
-            .get((hour, tenant, seq))
-            .map_err(backend)?
-            .ok_or_else(|| missing(seq))?;
-        Ok(Some(v.value().to_vec()))
-    }
-    fn insert(&mut self, rid: &str, bucket: &Bucket, encoded: &[u8]) -> Result<(), StoreError> {
+    fn insert_new(
+        &mut self,
+        rid: &str,
+        bucket: &Bucket,
+        encoded: &[u8],
+    ) -> Result<Option<Vec<u8>>, StoreError> {
         let seq = self.next_seq;
+        let loc = location(bucket.hour, seq, &bucket.tenant);
+        let previous = self
+            .ids
+            .insert(rid.as_bytes(), loc.as_slice())
+            .map_err(backend)?
+            .map(|v| v.value().to_vec());
+        if let Some(old) = previous {
+            // Already stored: put the index entry back and return what is stored.
+            self.ids
+                .insert(rid.as_bytes(), old.as_slice())
+                .map_err(backend)?;
+            let (hour, old_seq, tenant) = parse_location(&old)?;
+            let v = self
+                .events
+                .get((hour, tenant, old_seq))
+                .map_err(backend)?
+                .ok_or_else(|| missing(old_seq))?;
+            return Ok(Some(v.value().to_vec()));
+        }
         self.next_seq += 1;
         self.events
             .insert((bucket.hour, bucket.tenant.as_bytes(), seq), encoded)
             .map_err(backend)?;
-        self.ids
-            .insert(
-                rid.as_bytes(),
-                location(bucket.hour, seq, &bucket.tenant).as_slice(),
-            )
-            .map_err(backend)?;
-        Ok(())
+        Ok(None)
     }
     fn remove(&mut self, rid: &str, bucket: &Bucket) -> Result<(), StoreError> {
         let loc = self

@@ -96,15 +96,16 @@ pub trait Store: Send + Sync {
 /// request id keeps time-ordered ids (UUIDv7, `node-counter`) clustered, where an
 /// index by hash would touch pages all over the tree on every commit.
 pub trait TxnOps {
-    /// The stored encoding for `request_id`.
-    fn get(&mut self, request_id: &str) -> Result<Option<Vec<u8>>, StoreError>;
-    /// Stores a new event for `request_id` (none is stored) under `bucket`.
-    fn insert(
+    /// If nothing is stored for `request_id`, stores `encoded` under `bucket` and
+    /// returns `None`; otherwise changes nothing and returns the stored encoding. (One
+    /// index operation for the common case, a new event, instead of a lookup and an
+    /// insert.)
+    fn insert_new(
         &mut self,
         request_id: &str,
         bucket: &Bucket,
         encoded: &[u8],
-    ) -> Result<(), StoreError>;
+    ) -> Result<Option<Vec<u8>>, StoreError>;
     /// Removes the event stored for `request_id`, which sits in `bucket`.
     fn remove(&mut self, request_id: &str, bucket: &Bucket) -> Result<(), StoreError>;
     /// Records a conflict loser.
@@ -135,11 +136,10 @@ pub fn apply_batch(
         let e = &events[i];
         buf.clear();
         e.encode_into(&mut buf);
-        let existing = ops.get(&e.request_id)?;
+        let bucket = Bucket::of(e);
+        let existing = ops.insert_new(&e.request_id, &bucket, &buf)?;
         outcomes[i] = match resolve(existing.as_deref(), &buf) {
             Merge::New => {
-                let bucket = Bucket::of(e);
-                ops.insert(&e.request_id, &bucket, &buf)?;
                 delta.add(&bucket, &Digest::of_event(e, element_hash(&buf)));
                 Outcome::New
             }
@@ -160,8 +160,8 @@ pub fn apply_batch(
                 ops.remove(&e.request_id, &old_bucket)?;
                 delta.sub(&old_bucket, &Digest::of_event(&old, old_hash));
                 ops.put_conflict(&key, old_hash, &old_bytes)?;
-                let bucket = Bucket::of(e);
-                ops.insert(&e.request_id, &bucket, &buf)?;
+                let stored = ops.insert_new(&e.request_id, &bucket, &buf)?;
+                assert!(stored.is_none(), "insert after remove found an event");
                 delta.add(&bucket, &Digest::of_event(e, element_hash(&buf)));
                 Outcome::Conflict
             }
@@ -225,17 +225,21 @@ struct MemInner {
 }
 
 impl TxnOps for MemInner {
-    fn get(&mut self, request_id: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        Ok(self.ids.get(request_id).map(|seq| self.log[seq].clone()))
-    }
-    fn insert(&mut self, rid: &str, bucket: &Bucket, encoded: &[u8]) -> Result<(), StoreError> {
+    fn insert_new(
+        &mut self,
+        rid: &str,
+        bucket: &Bucket,
+        encoded: &[u8],
+    ) -> Result<Option<Vec<u8>>, StoreError> {
+        if let Some(seq) = self.ids.get(rid) {
+            return Ok(Some(self.log[seq].clone()));
+        }
         let seq = self.next_seq;
         self.next_seq += 1;
         self.log.insert(seq, encoded.to_vec());
-        let previous = self.ids.insert(rid.to_string(), seq);
-        assert!(previous.is_none(), "insert over a stored event");
+        self.ids.insert(rid.to_string(), seq);
         self.index.insert((bucket.clone(), seq));
-        Ok(())
+        Ok(None)
     }
     fn remove(&mut self, rid: &str, bucket: &Bucket) -> Result<(), StoreError> {
         let seq = self.ids.remove(rid).expect("remove of a stored event");
