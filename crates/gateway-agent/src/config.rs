@@ -324,6 +324,18 @@ pub struct Config {
     pub engine: EngineConfig,
     /// The rules.
     pub rules: RuleSet,
+    /// API keys the OpenAI-compatible proxy accepts (`[[api_key]]`), by hash.
+    pub api_keys: Vec<ApiKey>,
+}
+
+/// One accepted bearer key of the proxy. Only its SHA-256 is stored; the descriptors
+/// say which tenant (and key) its requests are charged to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ApiKey {
+    /// SHA-256 of the bearer key.
+    pub sha256: [u8; 32],
+    /// Descriptors its requests carry, e.g. `org = "acme", key = "k1"`.
+    pub descriptors: Vec<(String, String)>,
 }
 
 /// Validated rules, addressable by index and by name.
@@ -370,7 +382,7 @@ pub enum ConfigError {
     #[error("config is not valid TOML: {0}")]
     Syntax(String),
     /// A top-level key other than `engine` and `rule` (operator).
-    #[error("unknown top-level key `{0}` (expected `[engine]` or `[[rule]]`)")]
+    #[error("unknown top-level key `{0}`)")]
     UnknownSection(String),
     /// An `[engine]` field is wrong (operator).
     #[error("[engine] field `{field}`: {reason}")]
@@ -409,9 +421,11 @@ impl Config {
             .map_err(|e: toml::de::Error| ConfigError::Syntax(e.to_string()))?;
         let mut engine = EngineConfig::default();
         let mut raw_rules: Vec<Value> = Vec::new();
+        let mut api_keys = Vec::new();
         for (key, value) in table {
             match key.as_str() {
                 "engine" => engine = parse_engine(value)?,
+                "api_key" => api_keys = parse_api_keys(value)?,
                 "rule" => match value {
                     Value::Array(items) => raw_rules = items,
                     _ => {
@@ -422,12 +436,111 @@ impl Config {
                         });
                     }
                 },
-                other => return Err(ConfigError::UnknownSection(other.to_string())),
+                other => {
+                    return Err(ConfigError::UnknownSection(format!(
+                        "{other}` (expected `[engine]`, `[[rule]]` or `[[api_key]]`"
+                    )));
+                }
             }
         }
         let rules = parse_rules(raw_rules)?;
-        Ok(Config { engine, rules })
+        Ok(Config {
+            engine,
+            rules,
+            api_keys,
+        })
     }
+}
+
+fn parse_api_keys(value: Value) -> Result<Vec<ApiKey>, ConfigError> {
+    let err = |i: usize, field: &str, reason: String| ConfigError::Rule {
+        rule: format!("api_key #{}", i + 1),
+        field: field.to_string(),
+        reason,
+    };
+    let Value::Array(items) = value else {
+        return Err(err(
+            0,
+            "api_key",
+            "must be an array of tables, written [[api_key]]".into(),
+        ));
+    };
+    let mut keys: Vec<ApiKey> = Vec::with_capacity(items.len());
+    for (i, item) in items.into_iter().enumerate() {
+        let Value::Table(t) = item else {
+            return Err(err(i, "api_key", "must be a table".into()));
+        };
+        for k in t.keys() {
+            if k != "sha256" && k != "descriptors" {
+                return Err(err(
+                    i,
+                    k,
+                    "unknown field (known: sha256, descriptors)".into(),
+                ));
+            }
+        }
+        let hex = t.get("sha256").and_then(Value::as_str).ok_or_else(|| {
+            err(
+                i,
+                "sha256",
+                "is required: the hex SHA-256 of the key (bursar-agent hash-key)".into(),
+            )
+        })?;
+        let sha256 =
+            parse_hex32(hex).ok_or_else(|| err(i, "sha256", "must be 64 hex digits".into()))?;
+        if keys.iter().any(|k| k.sha256 == sha256) {
+            return Err(err(i, "sha256", "duplicate key".into()));
+        }
+        let Some(Value::Table(d)) = t.get("descriptors") else {
+            return Err(err(
+                i,
+                "descriptors",
+                "is required, e.g. { org = \"acme\" }".into(),
+            ));
+        };
+        if d.is_empty() || d.len() > MAX_DESCRIPTORS {
+            return Err(err(
+                i,
+                "descriptors",
+                format!("1 to {MAX_DESCRIPTORS} entries"),
+            ));
+        }
+        let mut descriptors = Vec::with_capacity(d.len());
+        for (k, v) in d {
+            match v.as_str() {
+                Some(v) if !v.is_empty() && v.len() <= MAX_DESCRIPTOR_BYTES && !k.is_empty() => {
+                    descriptors.push((k.clone(), v.to_string()))
+                }
+                _ => {
+                    return Err(err(
+                        i,
+                        "descriptors",
+                        format!(
+                            "`{k}` must be a non-empty string of at most {MAX_DESCRIPTOR_BYTES} bytes"
+                        ),
+                    ));
+                }
+            }
+        }
+        keys.push(ApiKey {
+            sha256,
+            descriptors,
+        });
+    }
+    Ok(keys)
+}
+
+fn parse_hex32(hex: &str) -> Option<[u8; 32]> {
+    let hex = hex.as_bytes();
+    if hex.len() != 64 {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, pair) in hex.chunks(2).enumerate() {
+        let s = std::str::from_utf8(pair).ok()?;
+        out[i] = u8::from_str_radix(s, 16).ok()?;
+    }
+    Some(out)
 }
 
 fn parse_engine(value: Value) -> Result<EngineConfig, ConfigError> {
@@ -1048,7 +1161,7 @@ mod tests {
         let e = err("[engine]\nfrobnicate = 1\n");
         assert_eq!(e, "[engine] field `frobnicate`: unknown field");
         let e = err("[limits]\n");
-        assert!(e.starts_with("unknown top-level key `limits`"));
+        assert!(e.starts_with("unknown top-level key `limits`"), "{e}");
         let cfg = Config::from_toml("[engine]\nunmatched = \"allow\"\nmax_keys = 10\n").unwrap();
         assert_eq!(cfg.engine.unmatched, Unmatched::Allow);
         assert_eq!(cfg.engine.max_keys, 10);

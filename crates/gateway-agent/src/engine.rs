@@ -483,7 +483,9 @@ impl std::fmt::Debug for Engine {
 impl Engine {
     /// An engine for a validated config, handing usage records to `sink`.
     pub fn new(config: Config, sink: Arc<dyn UsageSink>) -> Engine {
-        let Config { engine: cfg, rules } = config;
+        let Config {
+            engine: cfg, rules, ..
+        } = config;
         let compiled: Box<[CompiledRule]> = rules
             .rules()
             .iter()

@@ -62,8 +62,8 @@ pub mod usage;
 
 pub use bucket::RateLimit;
 pub use config::{
-    Config, ConfigError, Dimension, EngineConfig, MAX_COST, Mode, Period, Posture, Rule, RuleLimit,
-    RuleSet, SliceSource, Unmatched,
+    ApiKey, Config, ConfigError, Dimension, EngineConfig, MAX_COST, Mode, Period, Posture, Rule,
+    RuleLimit, RuleSet, SliceSource, Unmatched,
 };
 pub use engine::{
     AdmitRequest, Admitted, Completion, Cost, Decision, Engine, KeyHandle, LimitStatus, Limits,

@@ -28,8 +28,9 @@ budget slices, with no network hop.\n\nWithout a subcommand it serves the HTTP J
 (/v1/admit, /v1/complete, /v1/extend, /healthz, /metrics; see docs/api.md) and Envoy's rate \
 limit service v3 over gRPC, standalone: each limit key's slice is the rule's whole limit. It \
 prints one line `bursar-agent listening: http=ADDR grpc=ADDR` once bound, and stops on \
-Ctrl-C or SIGTERM.\n\nNot built yet: the allocator sync client (--allocator) and the \
-OpenAI-compatible proxy (--proxy-listen, --proxy-upstream)."
+Ctrl-C or SIGTERM. With --proxy-listen and --proxy-upstream it also runs an \
+OpenAI-compatible proxy (/v1/chat/completions, /v1/completions, /v1/embeddings).\n\nNot \
+built yet: the allocator sync client (--allocator)."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -52,12 +53,19 @@ struct ServeArgs {
     /// Allocator address. Not built yet: giving it is an error.
     #[arg(long)]
     allocator: Option<String>,
-    /// OpenAI-compatible proxy listen address. Not built yet: giving it is an error.
-    #[arg(long)]
+    /// OpenAI-compatible proxy listen address (with --proxy-upstream). Tenants come
+    /// from `[[api_key]]` entries of the config (see `bursar-agent hash-key`).
+    #[arg(long, requires = "proxy_upstream")]
     proxy_listen: Option<std::net::SocketAddr>,
-    /// Upstream base URL for the proxy. Not built yet.
-    #[arg(long)]
+    /// Upstream base URL for the proxy, plain HTTP, e.g. http://127.0.0.1:8000.
+    #[arg(long, requires = "proxy_listen")]
     proxy_upstream: Option<String>,
+    /// Time the proxy allows a client to send its request body (408 after).
+    #[arg(long, default_value_t = 30_000)]
+    proxy_body_timeout_ms: u64,
+    /// Time the proxy allows the upstream to answer with its response head (504 after).
+    #[arg(long, default_value_t = 60_000)]
+    proxy_upstream_timeout_ms: u64,
 }
 
 #[derive(Subcommand)]
@@ -69,6 +77,8 @@ enum Command {
         /// The TOML rules file.
         file: PathBuf,
     },
+    /// Print the SHA-256 of an API key read from stdin, for an `[[api_key]]` entry.
+    HashKey,
 }
 
 #[derive(Parser)]
@@ -99,6 +109,18 @@ fn main() -> Result<()> {
     match cli.command {
         Some(Command::Demo(args)) => demo(args),
         Some(Command::CheckConfig { file }) => check_config(&file),
+        Some(Command::HashKey) => {
+            let mut key = String::new();
+            std::io::stdin()
+                .read_line(&mut key)
+                .context("reading the key from stdin")?;
+            let key = key.trim();
+            if key.is_empty() {
+                bail!("no key on stdin");
+            }
+            println!("{}", bursar_agent::shell::proxy::key_hash_hex(key));
+            Ok(())
+        }
         None => serve(cli.serve),
     }
 }
@@ -109,15 +131,37 @@ fn serve(args: ServeArgs) -> Result<()> {
             "--allocator: the allocator sync client is not built yet; run without it (standalone)"
         );
     }
-    if args.proxy_listen.is_some() || args.proxy_upstream.is_some() {
-        bail!("--proxy-listen/--proxy-upstream: the OpenAI-compatible proxy is not built yet");
-    }
     let config = match &args.config {
         Some(p) => Config::from_file(p).map_err(|e| anyhow::anyhow!("{e}"))?,
         None => {
             eprintln!("bursar-agent: no --config given, using the embedded demo rules");
             Config::from_toml(DEMO_RULES).context("embedded demo rules")?
         }
+    };
+    let proxy = match (args.proxy_listen, args.proxy_upstream) {
+        (Some(listen), Some(upstream)) => {
+            if !upstream.starts_with("http://") {
+                bail!("--proxy-upstream {upstream:?}: only plain http:// upstreams are supported");
+            }
+            if config.api_keys.is_empty() {
+                bail!(
+                    "the proxy needs at least one [[api_key]] in the config (see `bursar-agent hash-key`)"
+                );
+            }
+            Some((
+                listen,
+                upstream,
+                config.api_keys.clone(),
+                bursar_agent::shell::proxy::ProxyConfig {
+                    body_timeout: std::time::Duration::from_millis(args.proxy_body_timeout_ms),
+                    upstream_timeout: std::time::Duration::from_millis(
+                        args.proxy_upstream_timeout_ms,
+                    ),
+                    ..Default::default()
+                },
+            ))
+        }
+        _ => None,
     };
     // Usage records go nowhere durable yet (the ledger's outbox is not wired in).
     let engine = Arc::new(Engine::new(config, Arc::new(bursar_agent::DiscardSink)));
@@ -133,15 +177,17 @@ fn serve(args: ServeArgs) -> Result<()> {
             bursar_agent::shell::Listen {
                 http: Some(args.http),
                 grpc: Some(args.grpc),
+                proxy,
             },
             rx,
         )
         .await
         .context("binding the front doors")?;
         println!(
-            "bursar-agent listening: http={} grpc={}",
+            "bursar-agent listening: http={} grpc={} proxy={}",
             bound.http.map_or("-".into(), |a| a.to_string()),
-            bound.grpc.map_or("-".into(), |a| a.to_string())
+            bound.grpc.map_or("-".into(), |a| a.to_string()),
+            bound.proxy.map_or("-".into(), |a| a.to_string())
         );
         use std::io::Write;
         let _ = std::io::stdout().flush();

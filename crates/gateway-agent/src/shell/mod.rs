@@ -9,6 +9,7 @@
 pub mod headers;
 pub mod http;
 pub mod layer;
+pub mod proxy;
 pub mod rls;
 
 use std::net::SocketAddr;
@@ -64,6 +65,8 @@ pub struct Listen {
     pub http: Option<SocketAddr>,
     /// Envoy RLS (gRPC).
     pub grpc: Option<SocketAddr>,
+    /// OpenAI-compatible proxy: listen address, upstream base URL, accepted keys.
+    pub proxy: Option<(SocketAddr, String, Vec<crate::ApiKey>, proxy::ProxyConfig)>,
 }
 
 /// Bound addresses of a running agent.
@@ -110,6 +113,19 @@ pub async fn start(
             let _ = tonic::transport::Server::builder()
                 .add_service(svc)
                 .serve_with_incoming_shutdown(incoming, async move {
+                    let _ = sd.wait_for(|s| *s).await;
+                })
+                .await;
+        });
+    }
+    if let Some((addr, upstream, keys, cfg)) = listen.proxy {
+        let l = TcpListener::bind(addr).await?;
+        bound.proxy = Some(l.local_addr()?);
+        let app = proxy::router(Arc::clone(&state), upstream, keys, cfg);
+        let mut sd = shutdown.clone();
+        tokio::spawn(async move {
+            let _ = axum::serve(l, app)
+                .with_graceful_shutdown(async move {
                     let _ = sd.wait_for(|s| *s).await;
                 })
                 .await;

@@ -12,6 +12,7 @@ use std::time::Duration;
 pub struct Agent {
     pub http: SocketAddr,
     pub grpc: SocketAddr,
+    pub proxy: Option<SocketAddr>,
     child: Child,
     config: std::path::PathBuf,
 }
@@ -21,6 +22,11 @@ static N: AtomicU64 = AtomicU64::new(0);
 impl Agent {
     /// Starts the agent with `rules` (TOML) on free loopback ports.
     pub fn start(rules: &str) -> Agent {
+        Agent::start_with(rules, &[])
+    }
+
+    /// Starts the agent with extra command-line arguments.
+    pub fn start_with(rules: &str, extra: &[&str]) -> Agent {
         let config = std::env::temp_dir().join(format!(
             "bursar-test-{}-{}.toml",
             std::process::id(),
@@ -31,6 +37,7 @@ impl Agent {
             .arg("--config")
             .arg(&config)
             .args(["--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
+            .args(extra)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
@@ -45,9 +52,14 @@ impl Agent {
                 .and_then(|a| a.parse().ok())
                 .unwrap_or_else(|| panic!("no {name} in {line:?}"))
         };
+        let proxy = line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("proxy="))
+            .and_then(|a| a.parse().ok());
         Agent {
             http: field("http="),
             grpc: field("grpc="),
+            proxy,
             child,
             config,
         }
@@ -55,12 +67,29 @@ impl Agent {
 
     /// `bursar_leases_in_flight` from /metrics.
     pub fn leases_in_flight(&self) -> u64 {
+        self.metric("bursar_leases_in_flight ")
+    }
+
+    /// Waits up to 5 s for the leases in flight to reach zero; returns the last count.
+    pub fn leases_drained(&self) -> u64 {
+        for _ in 0..100 {
+            let n = self.leases_in_flight();
+            if n == 0 {
+                return 0;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        self.leases_in_flight()
+    }
+
+    /// A metric line's value from /metrics (`prefix` includes labels and the space).
+    pub fn metric(&self, prefix: &str) -> u64 {
         let r = request(self.http, "GET", "/metrics", b"");
         r.body
             .lines()
-            .find_map(|l| l.strip_prefix("bursar_leases_in_flight "))
+            .find_map(|l| l.strip_prefix(prefix))
             .and_then(|v| v.trim().parse().ok())
-            .expect("metric present")
+            .unwrap_or_else(|| panic!("metric {prefix:?} missing"))
     }
 }
 
@@ -95,12 +124,24 @@ impl Resp {
 
 /// One request on a new connection (`Connection: close`), raw body bytes.
 pub fn request(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> Resp {
+    request_with(addr, method, path, &[], body)
+}
+
+/// One request with extra header lines (`Name: value`).
+pub fn request_with(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[&str],
+    body: &[u8],
+) -> Resp {
     let mut s = TcpStream::connect(addr).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(10)))
+    s.set_read_timeout(Some(Duration::from_secs(20)))
         .expect("timeout");
+    let extra: String = headers.iter().map(|h| format!("{h}\r\n")).collect();
     let head = format!(
         "{method} {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n",
+         {extra}Content-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
     );
     s.write_all(head.as_bytes()).expect("write head");

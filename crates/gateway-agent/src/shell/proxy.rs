@@ -1,0 +1,680 @@
+//! An OpenAI-compatible reverse proxy: `/v1/chat/completions`, `/v1/completions`,
+//! `/v1/embeddings` in front of an upstream that speaks the same schema.
+//!
+//! Per request: the tenant comes from the bearer key (only its SHA-256 is configured,
+//! `[[api_key]]`); input tokens are counted offline with `tiktoken-rs` (for a model it
+//! does not know, a conservative estimate of one token per two bytes); the engine
+//! reserves input plus `min(max_tokens, cap)` (each rule's default cap when absent); the
+//! request is forwarded, a stream passed through chunk by chunk as it arrives; the lease
+//! is settled from the response's `usage`, from the final chunk of a stream (the proxy
+//! asks for it with `stream_options.include_usage`), or by counting the streamed text
+//! when the upstream reports none. A client that disconnects mid-stream is settled with
+//! what was generated so far; an upstream error settles with zero usage, which releases
+//! the reservation. Every settlement goes to the usage sink.
+//!
+//! Upstreams are plain HTTP (no TLS stack is compiled in): run the proxy beside the
+//! model server or a local gateway. The client's `Authorization` header is forwarded,
+//! unless `BURSAR_UPSTREAM_API_KEY` is set, which replaces it.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use futures_util::StreamExt;
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+
+use super::AgentState;
+use super::headers;
+use crate::clock::Clock;
+use crate::config::ApiKey;
+use crate::engine::{AdmitRequest, Cost, Decision, RejectReason};
+use crate::{AdmitError, CompletionStatus, Usage};
+
+/// Proxy settings.
+#[derive(Clone, Debug)]
+pub struct ProxyConfig {
+    /// Largest request body (413 above). Default 4 MiB.
+    pub max_body_bytes: usize,
+    /// Time allowed to receive the whole request body (408 after). Default 30 s.
+    pub body_timeout: Duration,
+    /// Time allowed to connect to the upstream and receive its response head (504
+    /// after). Default 60 s.
+    pub upstream_timeout: Duration,
+    /// Largest non-streamed upstream response read. Default 32 MiB.
+    pub max_response_bytes: usize,
+}
+
+impl Default for ProxyConfig {
+    fn default() -> Self {
+        ProxyConfig {
+            max_body_bytes: 4 << 20,
+            body_timeout: Duration::from_secs(30),
+            upstream_timeout: Duration::from_secs(60),
+            max_response_bytes: 32 << 20,
+        }
+    }
+}
+
+struct Proxy {
+    agent: Arc<AgentState>,
+    upstream: String,
+    client: reqwest::Client,
+    keys: HashMap<[u8; 32], Vec<(String, String)>>,
+    cfg: ProxyConfig,
+    ids: AtomicU64,
+    upstream_key: Option<String>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Kind {
+    Chat,
+    Completions,
+    Embeddings,
+}
+
+impl Kind {
+    fn path(self) -> &'static str {
+        match self {
+            Kind::Chat => "/v1/chat/completions",
+            Kind::Completions => "/v1/completions",
+            Kind::Embeddings => "/v1/embeddings",
+        }
+    }
+}
+
+/// The proxy's routes.
+pub fn router(
+    agent: Arc<AgentState>,
+    upstream: String,
+    keys: Vec<ApiKey>,
+    cfg: ProxyConfig,
+) -> Router {
+    let client = reqwest::Client::builder()
+        .connect_timeout(Duration::from_secs(5))
+        .build()
+        .expect("an HTTP client with no TLS always builds");
+    let proxy = Arc::new(Proxy {
+        agent,
+        upstream: upstream.trim_end_matches('/').to_string(),
+        client,
+        keys: keys
+            .into_iter()
+            .map(|k| (k.sha256, k.descriptors))
+            .collect(),
+        cfg,
+        ids: AtomicU64::new(0),
+        upstream_key: std::env::var("BURSAR_UPSTREAM_API_KEY").ok(),
+    });
+    Router::new()
+        .route(
+            "/v1/chat/completions",
+            post(|s, r| handle(s, r, Kind::Chat)),
+        )
+        .route(
+            "/v1/completions",
+            post(|s, r| handle(s, r, Kind::Completions)),
+        )
+        .route(
+            "/v1/embeddings",
+            post(|s, r| handle(s, r, Kind::Embeddings)),
+        )
+        .with_state(proxy)
+}
+
+fn openai_error(status: StatusCode, kind: &str, code: &str, message: &str) -> Response {
+    (
+        status,
+        [("content-type", "application/json")],
+        json!({ "error": { "message": message, "type": kind, "code": code } }).to_string(),
+    )
+        .into_response()
+}
+
+/// SHA-256 of a bearer key, as `[[api_key]] sha256` wants it (hex).
+pub fn key_hash_hex(key: &str) -> String {
+    Sha256::digest(key.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Input tokens of a text for `model`.
+pub fn count_tokens(model: &str, text: &str) -> u64 {
+    use tiktoken_rs::tokenizer::{Tokenizer, get_tokenizer};
+    let bpe = match get_tokenizer(model) {
+        Some(Tokenizer::O200kBase) => tiktoken_rs::o200k_base_singleton(),
+        Some(Tokenizer::Cl100kBase) => tiktoken_rs::cl100k_base_singleton(),
+        Some(Tokenizer::P50kBase) => tiktoken_rs::p50k_base_singleton(),
+        Some(Tokenizer::P50kEdit) => tiktoken_rs::p50k_edit_singleton(),
+        Some(Tokenizer::R50kBase | Tokenizer::Gpt2) => tiktoken_rs::r50k_base_singleton(),
+        // Unknown model: a conservative estimate (real vocabularies average ~4 bytes
+        // per token on English text); usage reported by the upstream corrects it.
+        _ => return (text.len() as u64).div_ceil(2),
+    };
+    bpe.encode_with_special_tokens(text).len() as u64
+}
+
+fn text_of(v: &Value, out: &mut String) {
+    match v {
+        Value::String(s) => {
+            out.push_str(s);
+            out.push('\n');
+        }
+        Value::Array(items) => items.iter().for_each(|i| text_of(i, out)),
+        Value::Object(o) => {
+            // Content parts: {"type": "text", "text": "..."}; other parts (images,
+            // audio) are not counted here: the upstream's usage settles them.
+            if let Some(t) = o.get("text") {
+                text_of(t, out);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Input tokens of a request body, per OpenAI's accounting for chat (each message
+/// costs its content, its role and ~4 tokens of framing; the reply is primed with 3).
+fn input_tokens(kind: Kind, model: &str, body: &Value) -> u64 {
+    let mut text = String::new();
+    match kind {
+        Kind::Chat => {
+            let mut framing = 3u64;
+            if let Some(msgs) = body.get("messages").and_then(Value::as_array) {
+                for m in msgs {
+                    framing += 4;
+                    if let Some(role) = m.get("role") {
+                        text_of(role, &mut text);
+                    }
+                    if let Some(c) = m.get("content") {
+                        text_of(c, &mut text);
+                    }
+                    if let Some(n) = m.get("name") {
+                        text_of(n, &mut text);
+                    }
+                }
+            }
+            return count_tokens(model, &text) + framing;
+        }
+        Kind::Completions => {
+            if let Some(p) = body.get("prompt") {
+                text_of(p, &mut text);
+            }
+        }
+        Kind::Embeddings => {
+            if let Some(p) = body.get("input") {
+                text_of(p, &mut text);
+            }
+        }
+    }
+    count_tokens(model, &text)
+}
+
+fn usage_of(v: &Value) -> Option<Usage> {
+    let u = v.get("usage")?;
+    if u.is_null() {
+        return None;
+    }
+    let n = |k: &str| u.get(k).and_then(Value::as_u64);
+    let input = n("prompt_tokens")?;
+    Some(Usage {
+        input_tokens: input,
+        cached_input_tokens: u
+            .get("prompt_tokens_details")
+            .and_then(|d| d.get("cached_tokens"))
+            .and_then(Value::as_u64)
+            .unwrap_or(0)
+            .min(input),
+        output_tokens: n("completion_tokens").unwrap_or(0),
+    })
+}
+
+fn generated_text(v: &Value, out: &mut String) {
+    if let Some(choices) = v.get("choices").and_then(Value::as_array) {
+        for c in choices {
+            for path in [
+                &["delta", "content"][..],
+                &["message", "content"],
+                &["text"],
+            ] {
+                let mut at = c;
+                let mut ok = true;
+                for p in path {
+                    match at.get(p) {
+                        Some(x) => at = x,
+                        None => {
+                            ok = false;
+                            break;
+                        }
+                    }
+                }
+                if ok && let Some(s) = at.as_str() {
+                    out.push_str(s);
+                }
+            }
+        }
+    }
+}
+
+/// Settles a lease exactly once: explicitly at the end of a response, or on drop (the
+/// client went away mid-stream) with what was generated so far.
+struct Settle {
+    agent: Arc<AgentState>,
+    id: String,
+    model: String,
+    input: u64,
+    usage: Option<Usage>,
+    text: String,
+    done: bool,
+}
+
+/// Generated text kept for counting when the upstream reports no usage.
+const MAX_COUNTED_TEXT: usize = 8 << 20;
+
+impl Settle {
+    fn finish(&mut self, status: CompletionStatus) {
+        if self.done {
+            return;
+        }
+        self.done = true;
+        let usage = self.usage.unwrap_or_else(|| Usage {
+            input_tokens: self.input,
+            cached_input_tokens: 0,
+            output_tokens: count_tokens(&self.model, &self.text),
+        });
+        let _ = self
+            .agent
+            .engine
+            .complete(self.agent.clock.now_ns(), &self.id, usage, status);
+    }
+
+    fn release(&mut self) {
+        self.usage = Some(Usage::default());
+        self.finish(CompletionStatus::UpstreamError);
+    }
+}
+
+impl Drop for Settle {
+    fn drop(&mut self) {
+        self.finish(CompletionStatus::ClientGone);
+    }
+}
+
+/// Incremental SSE parsing of a passing stream: lines of `data: {json}`.
+struct SseTap {
+    buf: Vec<u8>,
+}
+
+impl SseTap {
+    fn feed(&mut self, chunk: &[u8], settle: &mut Settle) {
+        self.buf.extend_from_slice(chunk);
+        while let Some(nl) = self.buf.iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = self.buf.drain(..=nl).collect();
+            let line = String::from_utf8_lossy(&line);
+            let Some(data) = line.trim_end().strip_prefix("data:") else {
+                continue;
+            };
+            let data = data.trim();
+            if data == "[DONE]" || data.is_empty() {
+                continue;
+            }
+            if let Ok(v) = serde_json::from_str::<Value>(data) {
+                if let Some(u) = usage_of(&v) {
+                    settle.usage = Some(u);
+                }
+                if settle.text.len() < MAX_COUNTED_TEXT {
+                    generated_text(&v, &mut settle.text);
+                }
+            }
+        }
+        // A line longer than the counting bound is not an SSE event we can use.
+        if self.buf.len() > MAX_COUNTED_TEXT {
+            self.buf.clear();
+        }
+    }
+}
+
+async fn handle(State(p): State<Arc<Proxy>>, req: Request, kind: Kind) -> Response {
+    let (parts, body) = req.into_parts();
+    // Who is calling.
+    let Some(descs) = bearer(&parts.headers).and_then(|k| {
+        let h: [u8; 32] = Sha256::digest(k.as_bytes()).into();
+        p.keys.get(&h)
+    }) else {
+        return openai_error(
+            StatusCode::UNAUTHORIZED,
+            "invalid_request_error",
+            "invalid_api_key",
+            "missing or unknown API key",
+        );
+    };
+    // The body, bounded in size and time.
+    let bytes = match tokio::time::timeout(
+        p.cfg.body_timeout,
+        axum::body::to_bytes(body, p.cfg.max_body_bytes),
+    )
+    .await
+    {
+        Err(_) => {
+            return openai_error(
+                StatusCode::REQUEST_TIMEOUT,
+                "invalid_request_error",
+                "timeout",
+                "the request body did not arrive in time",
+            );
+        }
+        Ok(Err(_)) => {
+            return openai_error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "invalid_request_error",
+                "body_too_large",
+                &format!("request body over {} bytes", p.cfg.max_body_bytes),
+            );
+        }
+        Ok(Ok(b)) => b,
+    };
+    let mut body: Value = match serde_json::from_slice(&bytes) {
+        Ok(v @ Value::Object(_)) => v,
+        Ok(_) => {
+            return openai_error(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                "invalid_body",
+                "the body must be a JSON object",
+            );
+        }
+        Err(e) => {
+            return openai_error(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                "invalid_body",
+                &format!("malformed JSON: {e}"),
+            );
+        }
+    };
+    let Some(model) = body
+        .get("model")
+        .and_then(Value::as_str)
+        .map(str::to_string)
+    else {
+        return openai_error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "missing_model",
+            "`model` (a string) is required",
+        );
+    };
+    let max_out = match kind {
+        Kind::Embeddings => Some(0),
+        _ => match body
+            .get("max_completion_tokens")
+            .or_else(|| body.get("max_tokens"))
+        {
+            None | Some(Value::Null) => None,
+            Some(v) => match v.as_u64() {
+                Some(n) => Some(n),
+                None => {
+                    return openai_error(
+                        StatusCode::BAD_REQUEST,
+                        "invalid_request_error",
+                        "invalid_max_tokens",
+                        &format!("max_tokens must be a whole number, got {v}"),
+                    );
+                }
+            },
+        },
+    };
+    let stream = kind != Kind::Embeddings && body.get("stream") == Some(&Value::Bool(true));
+    let input = input_tokens(kind, &model, &body);
+
+    // Admit.
+    let id = format!(
+        "px-{}-{}",
+        std::process::id(),
+        p.ids.fetch_add(1, Ordering::Relaxed)
+    );
+    let mut desc: Vec<(&str, &str)> = descs
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    if !descs.iter().any(|(k, _)| k == "model") && !model.is_empty() && model.len() <= 256 {
+        desc.push(("model", model.as_str()));
+    }
+    let now = p.agent.clock.now_ns();
+    let decision = p.agent.engine.admit(
+        now,
+        &AdmitRequest {
+            request_id: &id,
+            domain: None,
+            descriptors: &desc,
+            cost: Cost {
+                requests: 1,
+                input_tokens: input,
+                max_output_tokens: max_out,
+            },
+            ttl_ms: None,
+        },
+    );
+    let d = match decision {
+        Ok(d) => d,
+        Err(e) => {
+            p.agent.counters.errors.fetch_add(1, Ordering::Relaxed);
+            let status = match e {
+                AdmitError::KeyTableFull { .. } | AdmitError::LeaseTableFull { .. } => {
+                    StatusCode::SERVICE_UNAVAILABLE
+                }
+                AdmitError::NoMatchingRule => StatusCode::FORBIDDEN,
+                _ => StatusCode::BAD_REQUEST,
+            };
+            return openai_error(
+                status,
+                "invalid_request_error",
+                "not_admitted",
+                &e.to_string(),
+            );
+        }
+    };
+    let hs = headers::for_decision(&p.agent.engine, &d);
+    if let Decision::Rejected(r) = &d {
+        p.agent.counters.rejected.fetch_add(1, Ordering::Relaxed);
+        let rule = &p.agent.engine.rules().rules()[r.rule].name;
+        let resp = match r.reason {
+            RejectReason::NeverFits { cost, burst } => openai_error(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                "context_too_large_for_limit",
+                &format!(
+                    "this request costs {cost}, above the whole burst {burst} of limit {rule}"
+                ),
+            ),
+            RejectReason::RetryLater { retry_after_ns } => {
+                let mut r = openai_error(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "requests",
+                    "rate_limit_exceeded",
+                    &format!(
+                        "rate limit {rule} reached; retry in {}",
+                        headers::go_duration(retry_after_ns.unwrap_or(1_000_000_000))
+                    ),
+                );
+                r.headers_mut().insert(
+                    "retry-after",
+                    HeaderValue::from(headers::retry_after_secs(retry_after_ns)),
+                );
+                r
+            }
+        };
+        return with_headers(resp, &hs);
+    }
+    p.agent.counters.admitted.fetch_add(1, Ordering::Relaxed);
+    let mut settle = Settle {
+        agent: Arc::clone(&p.agent),
+        id,
+        model: model.clone(),
+        input,
+        usage: None,
+        text: String::new(),
+        done: false,
+    };
+
+    // Forward.
+    if stream {
+        let opts = body
+            .as_object_mut()
+            .expect("checked above")
+            .entry("stream_options")
+            .or_insert_with(|| json!({}));
+        if let Some(o) = opts.as_object_mut() {
+            o.insert("include_usage".into(), Value::Bool(true));
+        }
+    }
+    let mut up = p
+        .client
+        .post(format!("{}{}", p.upstream, kind.path()))
+        .header("content-type", "application/json")
+        .body(body.to_string());
+    let auth = p
+        .upstream_key
+        .as_ref()
+        .map(|k| format!("Bearer {k}"))
+        .or_else(|| {
+            parts
+                .headers
+                .get("authorization")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+        });
+    if let Some(a) = auth {
+        up = up.header("authorization", a);
+    }
+    let upstream = match tokio::time::timeout(p.cfg.upstream_timeout, up.send()).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => {
+            settle.release();
+            return with_headers(
+                openai_error(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream_error",
+                    "upstream_unreachable",
+                    &format!("upstream failed: {e}"),
+                ),
+                &hs,
+            );
+        }
+        Err(_) => {
+            settle.release();
+            return with_headers(
+                openai_error(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    "upstream_error",
+                    "upstream_timeout",
+                    "the upstream did not answer in time",
+                ),
+                &hs,
+            );
+        }
+    };
+    let status =
+        StatusCode::from_u16(upstream.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+    let content_type = upstream
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("application/json")
+        .to_string();
+    if !status.is_success() {
+        let text = upstream.bytes().await.unwrap_or_default();
+        settle.release();
+        let r = (status, [("content-type", content_type)], text).into_response();
+        return with_headers(r, &hs);
+    }
+    if !stream {
+        let mut buf = Vec::new();
+        let mut s = upstream.bytes_stream();
+        while let Some(chunk) = s.next().await {
+            match chunk {
+                Ok(c) if buf.len() + c.len() <= p.cfg.max_response_bytes => {
+                    buf.extend_from_slice(&c)
+                }
+                Ok(_) | Err(_) => {
+                    // Too large or broken mid-body: what was generated is unknown.
+                    settle.release();
+                    return with_headers(
+                        openai_error(
+                            StatusCode::BAD_GATEWAY,
+                            "upstream_error",
+                            "upstream_response",
+                            "the upstream response broke off or was too large",
+                        ),
+                        &hs,
+                    );
+                }
+            }
+        }
+        if let Ok(v) = serde_json::from_slice::<Value>(&buf) {
+            settle.usage = usage_of(&v);
+            generated_text(&v, &mut settle.text);
+        }
+        settle.finish(CompletionStatus::Ok);
+        let r = (status, [("content-type", content_type)], Bytes::from(buf)).into_response();
+        return with_headers(r, &hs);
+    }
+    // Stream: pass each chunk through as it arrives; the tap reads usage and text on
+    // the way; the settle guard completes at the end, or on drop if the client goes.
+    let tap = SseTap { buf: Vec::new() };
+    let body_stream = futures_util::stream::unfold(
+        (upstream.bytes_stream(), settle, tap, false),
+        |(mut s, mut settle, mut tap, ended)| async move {
+            if ended {
+                return None;
+            }
+            match s.next().await {
+                Some(Ok(chunk)) => {
+                    tap.feed(&chunk, &mut settle);
+                    Some((Ok::<Bytes, std::io::Error>(chunk), (s, settle, tap, false)))
+                }
+                Some(Err(e)) => {
+                    // The upstream broke off: settle with what was generated.
+                    settle.finish(CompletionStatus::UpstreamError);
+                    Some((Err(std::io::Error::other(e)), (s, settle, tap, true)))
+                }
+                None => {
+                    settle.finish(CompletionStatus::Ok);
+                    None
+                }
+            }
+        },
+    );
+    let r = Response::builder()
+        .status(status)
+        .header("content-type", content_type)
+        .header("cache-control", "no-cache")
+        .body(Body::from_stream(body_stream))
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response());
+    with_headers(r, &hs)
+}
+
+fn bearer(h: &HeaderMap) -> Option<&str> {
+    h.get("authorization")?
+        .to_str()
+        .ok()?
+        .strip_prefix("Bearer ")
+        .map(str::trim)
+        .filter(|k| !k.is_empty())
+}
+
+fn with_headers(mut r: Response, hs: &[(&'static str, String)]) -> Response {
+    for (k, v) in hs {
+        if let Ok(v) = HeaderValue::from_str(v) {
+            r.headers_mut().insert(HeaderName::from_static(k), v);
+        }
+    }
+    r
+}

@@ -1,0 +1,387 @@
+//! The OpenAI-compatible proxy: the real agent process in front of a small test
+//! upstream that speaks the OpenAI schema (streaming and not), with upstream errors,
+//! an upstream that is down, client disconnects and bad input. Leases never leak.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use common::{Agent, request_with};
+use serde_json::{Value, json};
+
+const KEY: &str = "sk-test-acme";
+
+fn rules() -> String {
+    let hash = bursar_agent::shell::proxy::key_hash_hex(KEY);
+    format!(
+        r#"
+[[rule]]
+name = "org-otpm"
+match = {{ org = "*" }}
+dimension = "output_tokens"
+rate = 60000
+per = "minute"
+burst = 1000
+max_output_tokens_default = 300
+max_output_tokens_cap = 800
+
+[[rule]]
+name = "org-rpm"
+match = {{ org = "*" }}
+dimension = "requests"
+rate = 6000
+per = "minute"
+burst = 100
+
+[[api_key]]
+sha256 = "{hash}"
+descriptors = {{ org = "acme" }}
+"#
+    )
+}
+
+type Seen = Arc<Mutex<Vec<Value>>>;
+
+fn json_response(v: Value) -> Response {
+    ([("content-type", "application/json")], v.to_string()).into_response()
+}
+
+/// A test upstream: behaviour by model name.
+fn upstream(seen: Seen) -> SocketAddr {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async move {
+            let seen2 = seen.clone();
+            let app = Router::new()
+                .route(
+                    "/v1/chat/completions",
+                    post(move |body: Bytes| chat(seen.clone(), body)),
+                )
+                .route(
+                    "/v1/embeddings",
+                    post(move |body: Bytes| {
+                        let seen = seen2.clone();
+                        async move {
+                            let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+                            seen.lock().unwrap().push(v);
+                            json_response(json!({
+                                "data": [{"embedding": [0.1, 0.2]}],
+                                "usage": {"prompt_tokens": 4, "total_tokens": 4}
+                            }))
+                        }
+                    }),
+                );
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            tx.send(l.local_addr().unwrap()).unwrap();
+            axum::serve(l, app).await.unwrap();
+        });
+    });
+    rx.recv().expect("upstream address")
+}
+
+async fn chat(seen: Seen, body: Bytes) -> Response {
+    let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    seen.lock().unwrap().push(v.clone());
+    let model = v["model"].as_str().unwrap_or("").to_string();
+    if model == "fail" {
+        return (
+            axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+            json_response(json!({"error": {"message": "boom", "type": "server_error"}})),
+        )
+            .into_response();
+    }
+    let stream = v["stream"] == json!(true);
+    let include_usage = v["stream_options"]["include_usage"] == json!(true);
+    if !stream {
+        let mut out = json!({
+            "id": "c1", "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello world"}}],
+        });
+        if model != "no-usage" {
+            out["usage"] = json!({"prompt_tokens": 12, "completion_tokens": 5, "total_tokens": 17});
+        }
+        return json_response(out).into_response();
+    }
+    let slow = model == "slow-stream";
+    let usage = include_usage && model != "no-usage";
+    let s = futures_util::stream::unfold(0u32, move |i| async move {
+        let chunks = if slow { 100 } else { 3 };
+        if slow && i > 0 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let data = if i < chunks {
+            json!({"choices": [{"index": 0, "delta": {"content": "tok "}}]}).to_string()
+        } else if i == chunks && usage {
+            json!({"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15}})
+                .to_string()
+        } else if i <= chunks + 1 {
+            "[DONE]".to_string()
+        } else {
+            return None;
+        };
+        let next = if i == chunks && !usage {
+            chunks + 1
+        } else {
+            i + 1
+        };
+        Some((
+            Ok::<_, std::io::Error>(Bytes::from(format!("data: {data}\n\n"))),
+            if data == "[DONE]" { u32::MAX - 1 } else { next },
+        ))
+    });
+    Response::builder()
+        .header("content-type", "text/event-stream")
+        .body(Body::from_stream(s))
+        .unwrap()
+}
+
+fn start(seen: &Seen, extra: &[&str]) -> (Agent, SocketAddr) {
+    let up = upstream(seen.clone());
+    let upstream_url = format!("http://{up}");
+    let mut args = vec![
+        "--proxy-listen",
+        "127.0.0.1:0",
+        "--proxy-upstream",
+        upstream_url.as_str(),
+    ];
+    args.extend_from_slice(extra);
+    let agent = Agent::start_with(&rules(), &args);
+    let proxy = agent.proxy.expect("proxy address");
+    (agent, proxy)
+}
+
+fn chat_call(proxy: SocketAddr, body: Value) -> common::Resp {
+    request_with(
+        proxy,
+        "POST",
+        "/v1/chat/completions",
+        &[&format!("Authorization: Bearer {KEY}")],
+        body.to_string().as_bytes(),
+    )
+}
+
+fn remaining_tokens(r: &common::Resp) -> u64 {
+    r.header("x-ratelimit-remaining-tokens")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no token header: {:?}", r.headers))
+}
+
+#[test]
+fn a_plain_completion_is_forwarded_and_settled_from_its_usage() {
+    let seen = Seen::default();
+    let (agent, proxy) = start(&seen, &[]);
+    let r = chat_call(
+        proxy,
+        json!({"model": "gpt-4o", "max_tokens": 500, "messages": [{"role": "user", "content": "hi"}]}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(r.body.contains("hello world"));
+    // Reserved 500 of 1000 while in flight.
+    assert_eq!(remaining_tokens(&r), 500);
+    assert_eq!(agent.leases_drained(), 0);
+    // Settled from usage (5 output tokens): the next reservation of 500 leaves ~495.
+    let r = chat_call(
+        proxy,
+        json!({"model": "gpt-4o", "max_tokens": 500, "messages": [{"role": "user", "content": "hi"}]}),
+    );
+    let left = remaining_tokens(&r);
+    assert!((495..=500).contains(&left), "{left}");
+    assert_eq!(agent.leases_drained(), 0);
+}
+
+#[test]
+fn a_stream_passes_through_and_is_settled_from_its_final_usage_chunk() {
+    let seen = Seen::default();
+    let (agent, proxy) = start(&seen, &[]);
+    let r = chat_call(
+        proxy,
+        json!({"model": "gpt-4o", "stream": true, "max_tokens": 400,
+               "messages": [{"role": "user", "content": "hi"}]}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.body.matches("tok ").count(), 3, "{}", r.body);
+    assert!(r.body.contains("[DONE]"));
+    // The proxy asked the upstream for the usage chunk.
+    let sent = seen.lock().unwrap().last().cloned().unwrap();
+    assert_eq!(sent["stream_options"]["include_usage"], true);
+    assert_eq!(agent.leases_drained(), 0);
+    // 3 output tokens used: the next reservation (default 300) leaves ~697.
+    let r = chat_call(
+        proxy,
+        json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}),
+    );
+    let left = remaining_tokens(&r);
+    assert!((697..=700).contains(&left), "{left}");
+    assert_eq!(agent.leases_drained(), 0);
+}
+
+#[test]
+fn a_stream_without_usage_is_settled_by_counting_the_text() {
+    let seen = Seen::default();
+    let (agent, proxy) = start(&seen, &[]);
+    let r = chat_call(
+        proxy,
+        json!({"model": "no-usage", "stream": true, "max_tokens": 400,
+               "messages": [{"role": "user", "content": "hi"}]}),
+    );
+    assert_eq!(r.status, 200);
+    assert_eq!(agent.leases_drained(), 0);
+    // "tok tok tok " is 12 bytes; an unknown model is estimated at 2 bytes per token.
+    let r = chat_call(
+        proxy,
+        json!({"model": "gpt-4o", "max_tokens": 100, "messages": []}),
+    );
+    let left = remaining_tokens(&r);
+    assert!((894..=900).contains(&left), "{left}");
+    assert_eq!(agent.leases_drained(), 0);
+}
+
+#[test]
+fn upstream_errors_release_the_reservation() {
+    let seen = Seen::default();
+    let (agent, proxy) = start(&seen, &[]);
+    let r = chat_call(
+        proxy,
+        json!({"model": "fail", "max_tokens": 800, "messages": []}),
+    );
+    assert_eq!(r.status, 500);
+    assert!(r.body.contains("boom"));
+    assert_eq!(agent.leases_drained(), 0);
+    let r = chat_call(
+        proxy,
+        json!({"model": "gpt-4o", "max_tokens": 100, "messages": []}),
+    );
+    assert_eq!(
+        remaining_tokens(&r),
+        900,
+        "the failed request's 800 came back"
+    );
+    // An upstream that is down: 502, reservation released.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let down = format!("http://{closed}");
+    let agent2 = Agent::start_with(
+        &rules(),
+        &["--proxy-listen", "127.0.0.1:0", "--proxy-upstream", &down],
+    );
+    let r = chat_call(
+        agent2.proxy.unwrap(),
+        json!({"model": "gpt-4o", "messages": []}),
+    );
+    assert_eq!(r.status, 502, "{}", r.body);
+    assert!(r.body.contains("upstream_unreachable"));
+    assert_eq!(agent2.leases_drained(), 0);
+    assert_eq!(agent.leases_drained(), 0);
+}
+
+#[test]
+fn a_client_that_disconnects_mid_stream_is_settled() {
+    let seen = Seen::default();
+    let (agent, proxy) = start(&seen, &[]);
+    let body = json!({"model": "slow-stream", "stream": true, "max_tokens": 500, "messages": []})
+        .to_string();
+    let mut s = TcpStream::connect(proxy).unwrap();
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {KEY}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut buf = [0u8; 512];
+    let n = s.read(&mut buf).unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).contains("200 OK"));
+    assert_eq!(agent.leases_in_flight(), 1);
+    drop(s);
+    assert_eq!(
+        agent.leases_drained(),
+        0,
+        "the lease must be settled when the client goes"
+    );
+}
+
+#[test]
+fn embeddings_reserve_no_output() {
+    let seen = Seen::default();
+    let (agent, proxy) = start(&seen, &[]);
+    let r = request_with(
+        proxy,
+        "POST",
+        "/v1/embeddings",
+        &[&format!("Authorization: Bearer {KEY}")],
+        json!({"model": "text-embedding-3-small", "input": ["a", "b"]})
+            .to_string()
+            .as_bytes(),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(remaining_tokens(&r), 1000);
+    assert_eq!(agent.leases_drained(), 0);
+}
+
+#[test]
+fn bad_input_unknown_keys_and_stalled_clients_get_clear_errors() {
+    let seen = Seen::default();
+    let (agent, proxy) = start(&seen, &["--proxy-body-timeout-ms", "300"]);
+    let body = json!({"model": "gpt-4o", "messages": []}).to_string();
+    let r = request_with(proxy, "POST", "/v1/chat/completions", &[], body.as_bytes());
+    assert_eq!(r.status, 401);
+    let r = request_with(
+        proxy,
+        "POST",
+        "/v1/chat/completions",
+        &["Authorization: Bearer sk-wrong"],
+        body.as_bytes(),
+    );
+    assert_eq!(r.status, 401);
+    assert!(r.body.contains("invalid_api_key"));
+    let auth = format!("Authorization: Bearer {KEY}");
+    let cases: Vec<(&[u8], u16, &str)> = vec![
+        (b"{not json", 400, "malformed JSON"),
+        (b"[1, 2]", 400, "JSON object"),
+        (br#"{"messages": []}"#, 400, "missing_model"),
+        (
+            br#"{"model": "gpt-4o", "max_tokens": -3, "messages": []}"#,
+            400,
+            "whole number",
+        ),
+        (b"{\"model\": \"\xff\"}", 400, "malformed JSON"),
+    ];
+    for (body, status, needle) in cases {
+        let r = request_with(proxy, "POST", "/v1/chat/completions", &[&auth], body);
+        assert_eq!(r.status, status, "{}", r.body);
+        assert!(r.body.contains(needle), "{:?} lacks {needle:?}", r.body);
+    }
+    let huge = vec![b' '; 5 << 20];
+    let r = request_with(proxy, "POST", "/v1/chat/completions", &[&auth], &huge);
+    assert_eq!(r.status, 413);
+    // A client that sends its headers and then stalls: 408 once the body timeout passes.
+    let mut s = TcpStream::connect(proxy).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\n{auth}\r\nContent-Length: 100\r\n\r\n{{\"model\""
+    )
+    .unwrap();
+    let mut buf = Vec::new();
+    let _ = s.read_to_end(&mut buf);
+    assert!(
+        String::from_utf8_lossy(&buf).contains("408"),
+        "{}",
+        String::from_utf8_lossy(&buf)
+    );
+    assert_eq!(agent.leases_drained(), 0);
+}
