@@ -33,6 +33,13 @@ pub struct AllocatorConfig {
     /// together are allocated together (and many agents reporting a new key at once
     /// split it). Default 10 ms.
     pub recompute_delay_ms: u64,
+    /// Keys with more agents than this are recomputed whole at most every
+    /// `large_key_recompute_ms`; in between, a report re-targets only the reporting
+    /// agent's entry against the key's last water level (growth still only from what is
+    /// free). Default 32.
+    pub large_key_entries: usize,
+    /// See `large_key_entries`. Default 250 ms (one report interval).
+    pub large_key_recompute_ms: u64,
     /// Grants are changed only when the new target differs from the current one by more
     /// than this, in permille of the larger. Shrinks ignore it when another agent's
     /// growth is blocked. Default 50 (5 %).
@@ -51,6 +58,10 @@ pub struct AllocatorConfig {
     /// hello claiming its id with a new incarnation. Until then such a hello is refused
     /// as a duplicate. Default 1,000 ms.
     pub agent_silence_ms: u64,
+    /// Seed of the hashes that identify limit keys (two independent 64-bit hashes of
+    /// rule and values). The shell should pass a random one per process, so that
+    /// descriptor values chosen by clients cannot be crafted to collide.
+    pub hash_seed: u64,
     /// Most agents registered. At the bound, a new agent's hello is refused
     /// (`AgentTableFull`). Default 4,096.
     pub max_agents: usize,
@@ -77,11 +88,14 @@ impl Default for AllocatorConfig {
             demand_half_life_ms: 250,
             min_sample_ms: 250,
             recompute_delay_ms: 10,
+            large_key_entries: 32,
+            large_key_recompute_ms: 250,
             hysteresis_permille: 50,
             demand_change_permille: 20,
             spare_reserve_permille: 250,
             overdraft_permille: 0,
             agent_silence_ms: 1_000,
+            hash_seed: 0x6275_7273_6172,
             max_agents: 4_096,
             max_keys: 1_000_000,
             max_entries: 4_000_000,

@@ -27,7 +27,8 @@
 //! `min(grant, R/N)`; `open`: the grant) until the agent applies a newer grant. The
 //! sum of fallbacks is the key's overshoot bound ([`Allocator::overshoot_bound`]).
 
-use std::collections::HashMap;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
 use std::hash::{BuildHasher, Hash, Hasher};
 use std::sync::Arc;
 
@@ -38,7 +39,8 @@ use foldhash::fast::FixedState;
 use crate::config::{AllocatorConfig, MAX_AGENT_ID_BYTES};
 use crate::error::AllocError;
 use crate::msg::{Ack, Grant, HeldGrant, Hello, KeyName, KeyReport, Report};
-use crate::waterfill::{Claim, to_units, water_fill};
+use crate::waterfill::{Claim, Fill, to_units, water_fill};
+use smallvec::SmallVec;
 
 /// Grants remembered per key and agent before the oldest two are merged (into one
 /// record as large as both, so that accounting stays conservative).
@@ -149,7 +151,7 @@ pub struct AgentSlice {
     pub fallback: Option<Slice>,
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Copy, Debug)]
 struct RuleInfo {
     wildcards: usize,
     /// `R` (0 for concurrency).
@@ -243,7 +245,9 @@ struct Entry {
     sampled: bool,
     in_flight: u64,
     /// Grants that may be in use, oldest first.
-    sent: Vec<Sent>,
+    sent: SmallVec<[Sent; 2]>,
+    /// Componentwise maximum of `sent` (kept in step by [`Key::edit`]).
+    commit: Slice,
     /// Latest grant known applied.
     applied: (u64, u64),
     /// What the agent held from an earlier term (the cap while learning).
@@ -267,7 +271,8 @@ impl Entry {
             since: 0,
             sampled: false,
             in_flight: 0,
-            sent: Vec::new(),
+            sent: SmallVec::new(),
+            commit: Slice::ZERO,
             applied: (0, 0),
             learned: None,
             fallback: None,
@@ -275,6 +280,10 @@ impl Entry {
     }
 
     fn commitment(&self) -> Slice {
+        self.commit
+    }
+
+    fn recount(&self) -> Slice {
         self.sent
             .iter()
             .fold(Slice::ZERO, |acc, s| acc.max(s.slice))
@@ -313,12 +322,32 @@ impl Entry {
 #[derive(Clone, Debug)]
 struct Key {
     name: Arc<KeyName>,
-    hash: u64,
+    fp: Fp,
     rule: u32,
     entries: Vec<Entry>,
     /// Released tokens waiting for a grower (never above the free burst).
     pool: u64,
     dirty: bool,
+    /// When a marked key is due for recomputation.
+    due_ns: u64,
+    /// Sum of entries' commitments.
+    committed: Slice,
+    /// The water level found by the last full recomputation (for one-entry updates).
+    fill: Fill,
+    last_full_ns: u64,
+}
+
+impl Key {
+    /// Runs `f` on one entry and keeps its cached commitment and the key's sum in step.
+    fn edit<R>(&mut self, pos: usize, f: impl FnOnce(&mut Entry) -> R) -> R {
+        let e = &mut self.entries[pos];
+        let before = e.commit;
+        let r = f(e);
+        e.commit = e.recount();
+        self.committed.rate = self.committed.rate - before.rate + e.commit.rate;
+        self.committed.burst = self.committed.burst - before.burst + e.commit.burst;
+        r
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -357,21 +386,32 @@ pub struct Allocator {
     free_keys: Vec<u32>,
     live_keys: usize,
     entry_count: usize,
-    dirty: Vec<u32>,
+    /// Marked keys by due time (stale entries are skipped: a key's own `due_ns` and
+    /// `dirty` say whether an entry is current).
+    dirty: BinaryHeap<Reverse<(u64, u32)>>,
     recompute_at_ns: Option<u64>,
     next_sweep_ns: u64,
     outbox: Vec<Grant>,
     hasher: FixedState,
+    check_hasher: FixedState,
     scratch: Scratch,
 }
 
 #[derive(Clone, Debug, Default)]
 struct Scratch {
     claims: Vec<Claim>,
+    reachable: Vec<bool>,
+    growers: Vec<(bool, u32)>,
     shares: Vec<f64>,
     units: Vec<u64>,
     desired: Vec<Slice>,
-    commit: Vec<Slice>,
+}
+
+/// A key's 128-bit identity (see `Allocator::hash_name`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Fp {
+    hash: u64,
+    check: u64,
 }
 
 /// How a report entry resolved in validation.
@@ -379,7 +419,7 @@ struct Scratch {
 struct Resolved {
     key: Option<u32>,
     rule: u32,
-    hash: u64,
+    hash: Fp,
     entry: Option<u32>,
 }
 
@@ -444,10 +484,11 @@ impl Allocator {
             free_keys: Vec::new(),
             live_keys: 0,
             entry_count: 0,
-            dirty: Vec::new(),
+            dirty: BinaryHeap::new(),
             recompute_at_ns: None,
             outbox: Vec::new(),
-            hasher: FixedState::with_seed(0x6275_7273_6172),
+            hasher: FixedState::with_seed(cfg.hash_seed),
+            check_hasher: FixedState::with_seed(cfg.hash_seed ^ 0x9E37_79B9_7F4A_7C15),
             scratch: Scratch::default(),
             cfg,
         })
@@ -518,19 +559,26 @@ impl Allocator {
         AllocatorConfig::ns(self.cfg.lease_ms + self.cfg.reclaim_margin_ms)
     }
 
-    fn hash_name(&self, rule: &str, values: &[String]) -> u64 {
+    /// A key's identity: two independently seeded 64-bit hashes of (rule, values). The
+    /// first indexes the table, both are compared: a lookup touches no strings.
+    fn hash_name(&self, rule: &str, values: &[String]) -> Fp {
         let mut h = self.hasher.build_hasher();
         rule.hash(&mut h);
         values.hash(&mut h);
-        h.finish()
+        let mut c = self.check_hasher.build_hasher();
+        rule.hash(&mut c);
+        values.hash(&mut c);
+        Fp {
+            hash: h.finish(),
+            check: c.finish(),
+        }
     }
 
-    fn find_key(&self, hash: u64, name: &KeyName) -> Option<u32> {
+    fn find_key(&self, fp: Fp) -> Option<u32> {
         for p in 0..MAX_PROBE {
-            if let Some(&id) = self.key_index.get(&hash.wrapping_add(p))
+            if let Some(&id) = self.key_index.get(&fp.hash.wrapping_add(p))
                 && let Some(k) = &self.keys[id as usize]
-                && k.name.rule == name.rule
-                && k.name.values == name.values
+                && k.fp == fp
             {
                 return Some(id);
             }
@@ -539,9 +587,9 @@ impl Allocator {
     }
 
     /// Resolves a key name: an existing key, or the rule a new one would have.
-    fn resolve(&self, name: &KeyName) -> Result<(Option<u32>, u32, u64), AllocError> {
+    fn resolve(&self, name: &KeyName) -> Result<(Option<u32>, u32, Fp), AllocError> {
         let hash = self.hash_name(&name.rule, &name.values);
-        if let Some(id) = self.find_key(hash, name) {
+        if let Some(id) = self.find_key(hash) {
             let rule = self.keys[id as usize].as_ref().map(|k| k.rule).unwrap_or(0);
             return Ok((Some(id), rule, hash));
         }
@@ -564,14 +612,18 @@ impl Allocator {
         Ok((None, rule, hash))
     }
 
-    fn create_key(&mut self, name: &KeyName, rule: u32, hash: u64) -> u32 {
+    fn create_key(&mut self, name: &KeyName, rule: u32, hash: Fp) -> u32 {
         let key = Key {
             name: Arc::new(name.clone()),
-            hash,
+            fp: hash,
             rule,
             entries: Vec::new(),
             pool: 0,
             dirty: false,
+            due_ns: 0,
+            committed: Slice::ZERO,
+            fill: Fill::default(),
+            last_full_ns: 0,
         };
         let id = match self.free_keys.pop() {
             Some(id) => {
@@ -584,7 +636,7 @@ impl Allocator {
             }
         };
         let slot = (0..MAX_PROBE)
-            .map(|p| hash.wrapping_add(p))
+            .map(|p| hash.hash.wrapping_add(p))
             .find(|h| !self.key_index.contains_key(h))
             .expect("validation checked a probe slot is free");
         self.key_index.insert(slot, id);
@@ -592,8 +644,8 @@ impl Allocator {
         id
     }
 
-    fn key_has_free_probe(&self, hash: u64) -> bool {
-        (0..MAX_PROBE).any(|p| !self.key_index.contains_key(&hash.wrapping_add(p)))
+    fn key_has_free_probe(&self, hash: Fp) -> bool {
+        (0..MAX_PROBE).any(|p| !self.key_index.contains_key(&hash.hash.wrapping_add(p)))
     }
 
     fn remove_key(&mut self, id: u32) {
@@ -601,7 +653,7 @@ impl Allocator {
             return;
         };
         for p in 0..MAX_PROBE {
-            let h = key.hash.wrapping_add(p);
+            let h = key.fp.hash.wrapping_add(p);
             if self.key_index.get(&h) == Some(&id) {
                 self.key_index.remove(&h);
                 break;
@@ -649,6 +701,7 @@ impl Allocator {
 
     fn remove_entry(&mut self, k: u32, pos: u32) {
         let key = self.key_mut(k);
+        key.edit(pos as usize, |e| e.sent.clear());
         let e = key.entries.swap_remove(pos as usize);
         let moved = key.entries.get(pos as usize).map(|m| m.agent);
         self.agent_mut(e.agent).entries.remove(&k);
@@ -659,11 +712,25 @@ impl Allocator {
     }
 
     fn mark_dirty(&mut self, k: u32, at: u64) {
-        let key = self.key_mut(k);
-        if !key.dirty {
+        let large = self.cfg.large_key_entries;
+        let every = AllocatorConfig::ns(self.cfg.large_key_recompute_ms);
+        let key = self.keys[k as usize].as_mut().expect("live key");
+        // A large key is recomputed whole at most every `large_key_recompute_ms` times
+        // the square root of how many times larger than `large_key_entries` it is; in
+        // between, reports re-target single entries.
+        let n = key.entries.len();
+        let at = if n > large {
+            let scale = ((n as f64 / large.max(1) as f64).sqrt().ceil() as u64).max(1);
+            at.max(key.last_full_ns.saturating_add(every.saturating_mul(scale)))
+        } else {
+            at
+        };
+        if !key.dirty || at < key.due_ns {
             key.dirty = true;
-            self.dirty.push(k);
+            key.due_ns = at;
+            self.dirty.push(Reverse((at, k)));
         }
+        let at = key.due_ns;
         self.recompute_at_ns = Some(self.recompute_at_ns.map_or(at, |r| r.min(at)));
     }
 
@@ -694,8 +761,26 @@ impl Allocator {
         let term = self.term;
         let learning = self.learning;
         let learn_until = self.learn_until_ns;
-        let rule = self.rules[self.key(k).rule as usize].clone();
-        let e = &mut self.key_mut(k).entries[pos as usize];
+        let rule = self.rules[self.key(k).rule as usize];
+        self.key_mut(k).edit(pos as usize, |e| {
+            held_into(e, &rule, h, in_flight, fleet, term, learning, learn_until)
+        });
+    }
+}
+
+/// See [`Allocator::apply_held`].
+#[allow(clippy::too_many_arguments)]
+fn held_into(
+    e: &mut Entry,
+    rule: &RuleInfo,
+    h: &HeldGrant,
+    in_flight: u64,
+    fleet: u32,
+    term: u64,
+    learning: bool,
+    learn_until: u64,
+) {
+    {
         let held = Slice {
             rate: h.rate,
             burst: h.burst,
@@ -723,7 +808,7 @@ impl Allocator {
                     expires_ns: learn_until,
                 },
             );
-            e.sent.sort_by_key(|s| s.id());
+            e.sent.sort_unstable_by_key(|s| s.id());
             while e.sent.len() > MAX_SENT {
                 let a = e.sent.remove(0);
                 e.sent[0].slice = e.sent[0].slice.max(a.slice);
@@ -739,7 +824,9 @@ impl Allocator {
             }
         }
     }
+}
 
+impl Allocator {
     /// A hello: registers an agent, reconnects it, or replaces a restarted one.
     ///
     /// A higher incarnation releases every grant of the previous one at once (a
@@ -793,11 +880,8 @@ impl Allocator {
         // Validate held grants before changing anything.
         let mut resolved = Vec::with_capacity(hello.held.len());
         let mut new_keys = 0;
-        for (i, h) in hello.held.iter().enumerate() {
+        for h in hello.held.iter() {
             let (key, rule, hash) = self.resolve(&h.key)?;
-            if hello.held[..i].iter().any(|o| o.key == h.key) {
-                return Err(AllocError::DuplicateKey(h.key.clone()));
-            }
             self.validate_held(&h.key, rule, &h.grant)?;
             if key.is_none() {
                 if !self.key_has_free_probe(hash) {
@@ -808,6 +892,18 @@ impl Allocator {
                 new_keys += 1;
             }
             resolved.push((key, rule, hash));
+        }
+        let mut ids: Vec<(u64, u64, usize)> = resolved
+            .iter()
+            .enumerate()
+            .map(|(i, r)| (r.2.hash, r.2.check, i))
+            .collect();
+        ids.sort_unstable();
+        if let Some(w) = ids
+            .windows(2)
+            .find(|w| (w[0].0, w[0].1) == (w[1].0, w[1].1))
+        {
+            return Err(AllocError::DuplicateKey(hello.held[w[1].2].key.clone()));
         }
         if self.live_keys + new_keys > self.cfg.max_keys {
             return Err(AllocError::KeyTableFull {
@@ -839,7 +935,7 @@ impl Allocator {
         ag.report_recv_ns = now;
         ag.renew_due_ns = now;
         for (h, (key, rule, hash)) in hello.held.iter().zip(resolved) {
-            let k = match key.or_else(|| self.find_key(hash, &h.key)) {
+            let k = match key.or_else(|| self.find_key(hash)) {
                 Some(k) => k,
                 None => self.create_key(&h.key, rule, hash),
             };
@@ -945,16 +1041,8 @@ impl Allocator {
         let mut resolved: Vec<Resolved> = Vec::with_capacity(report.keys.len());
         let mut new_keys = 0usize;
         let mut new_entries = 0usize;
-        let mut seen: std::collections::HashSet<u64, FixedState> =
-            std::collections::HashSet::with_capacity_and_hasher(
-                report.keys.len(),
-                FixedState::with_seed(4),
-            );
         for kr in &report.keys {
             let (key, rule, hash) = self.resolve(&kr.key)?;
-            if !seen.insert(hash) && report.keys.iter().filter(|o| o.key == kr.key).count() > 1 {
-                return Err(AllocError::DuplicateKey(kr.key.clone()));
-            }
             if let Some(h) = &kr.held {
                 self.validate_held(&kr.key, rule, h)?;
             }
@@ -980,6 +1068,18 @@ impl Allocator {
                 entry,
             });
         }
+        let mut ids: Vec<(u64, u64, usize)> = resolved
+            .iter()
+            .enumerate()
+            .map(|(i, r)| (r.hash.hash, r.hash.check, i))
+            .collect();
+        ids.sort_unstable();
+        if let Some(w) = ids
+            .windows(2)
+            .find(|w| (w[0].0, w[0].1) == (w[1].0, w[1].1))
+        {
+            return Err(AllocError::DuplicateKey(report.keys[w[1].2].key.clone()));
+        }
         if self.live_keys + new_keys > self.cfg.max_keys {
             return Err(AllocError::KeyTableFull {
                 max: self.cfg.max_keys,
@@ -998,7 +1098,7 @@ impl Allocator {
         ag.connected = true;
         let soon = now + AllocatorConfig::ns(self.cfg.recompute_delay_ms);
         for (kr, r) in report.keys.iter().zip(resolved) {
-            let k = match r.key.or_else(|| self.find_key(r.hash, &kr.key)) {
+            let k = match r.key.or_else(|| self.find_key(r.hash)) {
                 Some(k) => k,
                 None => self.create_key(&kr.key, r.rule, r.hash),
             };
@@ -1012,6 +1112,16 @@ impl Allocator {
                 self.apply_held(k, pos, h, kr.in_flight, fleet);
             }
             if changed {
+                // Large keys: re-target this entry now against the last water level
+                // (a new entry waits for the whole pass, which knows its peers).
+                let key = self.key(k);
+                if key.entries.len() > self.cfg.large_key_entries
+                    && key.last_full_ns != 0
+                    && r.entry.is_some()
+                    && !self.learning
+                {
+                    self.adjust_entry(now, k, pos);
+                }
                 self.mark_dirty(k, soon);
             }
         }
@@ -1155,16 +1265,18 @@ impl Allocator {
         let term = self.term;
         let key = self.keys[k as usize].as_mut().expect("live key");
         let fleet = key.entries.len().max(1) as u32;
-        let e = &mut key.entries[pos as usize];
-        let ag = self.agents[e.agent as usize].as_mut().expect("live agent");
+        let agent = key.entries[pos as usize].agent;
+        let ag = self.agents[agent as usize].as_mut().expect("live agent");
         let expires_ns = ag.report_recv_ns.saturating_add(hold);
         ag.renew_due_ns = ag.renew_due_ns.min(expires_ns.saturating_sub(hold / 2));
-        e.push_sent(Sent {
-            epoch: term,
-            seq,
-            slice,
-            fleet,
-            expires_ns,
+        key.edit(pos as usize, |e| {
+            e.push_sent(Sent {
+                epoch: term,
+                seq,
+                slice,
+                fleet,
+                expires_ns,
+            })
         });
         self.outbox.push(Grant {
             agent: Arc::clone(&ag.id),
@@ -1240,7 +1352,8 @@ impl Allocator {
                 // Not drained yet: the old, larger grant still counts.
                 continue;
             }
-            let grew_pool = e.mark_applied((s.epoch, s.seq)) && !concurrency;
+            let grew_pool =
+                key.edit(pos as usize, |e| e.mark_applied((s.epoch, s.seq))) && !concurrency;
             if grew_pool {
                 key.pool = key.pool.saturating_add(s.released_tokens);
             }
@@ -1253,14 +1366,9 @@ impl Allocator {
     fn free(&self, k: u32) -> Slice {
         let key = self.key(k);
         let limit = self.rules[key.rule as usize].limit();
-        let used = key
-            .entries
-            .iter()
-            .map(|e| e.commitment())
-            .fold((0u64, 0u64), |(r, b), c| (r + c.rate, b + c.burst));
         Slice {
-            rate: limit.rate.saturating_sub(used.0),
-            burst: limit.burst.saturating_sub(used.1),
+            rate: limit.rate.saturating_sub(key.committed.rate),
+            burst: limit.burst.saturating_sub(key.committed.burst),
         }
     }
 
@@ -1298,10 +1406,13 @@ impl Allocator {
     /// full-pass benchmark).
     pub fn reallocate_all(&mut self, now: u64) {
         for k in 0..self.keys.len() as u32 {
-            if self.keys[k as usize].is_some() {
-                self.mark_dirty(k, now);
+            if let Some(key) = self.keys[k as usize].as_mut() {
+                key.dirty = true;
+                key.due_ns = now;
+                self.dirty.push(Reverse((now, k)));
             }
         }
+        self.outbox.reserve(self.entry_count);
         self.recompute_dirty(now);
     }
 
@@ -1310,28 +1421,31 @@ impl Allocator {
             let Some(key) = self.keys[k as usize].as_mut() else {
                 continue;
             };
-            let rule = &self.rules[key.rule as usize];
+            let rule = self.rules[key.rule as usize];
             let mut changed = false;
-            for e in &mut key.entries {
-                if e.sent.iter().all(|s| s.expires_ns > now) {
+            for pos in 0..key.entries.len() {
+                if key.entries[pos].sent.iter().all(|s| s.expires_ns > now) {
                     continue;
                 }
-                let applied = e.applied;
-                let mut fb = e.fallback;
-                e.sent.retain(|s| {
-                    if s.expires_ns > now {
-                        return true;
-                    }
-                    if s.id() >= applied {
-                        let f = rule.fallback(s.slice, s.fleet);
-                        if !f.is_zero() {
-                            let (prev, at) = fb.unwrap_or((Slice::ZERO, (0, 0)));
-                            fb = Some((prev.max(f), at.max(s.id())));
+                key.edit(pos, |e| {
+                    let applied = e.applied;
+                    let mut fb = e.fallback;
+                    e.sent.retain(|s| {
+                        if s.expires_ns > now {
+                            return true;
                         }
-                    }
-                    false
+                        // It may be the grant in force: the agent now follows its posture.
+                        if s.id() >= applied {
+                            let f = rule.fallback(s.slice, s.fleet);
+                            if !f.is_zero() {
+                                let (prev, at) = fb.unwrap_or((Slice::ZERO, (0, 0)));
+                                fb = Some((prev.max(f), at.max(s.id())));
+                            }
+                        }
+                        false
+                    });
+                    e.fallback = fb;
                 });
-                e.fallback = fb;
                 changed = true;
             }
             if changed {
@@ -1341,36 +1455,129 @@ impl Allocator {
     }
 
     fn recompute_dirty(&mut self, now: u64) {
-        let dirty = std::mem::take(&mut self.dirty);
-        self.recompute_at_ns = None;
-        let mut left = Vec::new();
-        for k in dirty {
-            if self.keys[k as usize].is_none() {
+        while let Some(&Reverse((due, k))) = self.dirty.peek() {
+            if due > now {
+                break;
+            }
+            let current = self.keys[k as usize]
+                .as_ref()
+                .is_some_and(|key| key.dirty && key.due_ns == due);
+            if !current {
+                self.dirty.pop();
                 continue;
             }
-            let n = self.key(k).entries.len();
-            if self.outbox.len() + n > self.cfg.max_outbox {
-                left.push(k);
-                continue;
+            if self.outbox.len() + self.key(k).entries.len() > self.cfg.max_outbox {
+                break; // the shell must drain first; stays due
             }
+            self.dirty.pop();
             self.key_mut(k).dirty = false;
             self.recompute(now, k);
         }
-        for k in left {
-            self.dirty.push(k);
-            self.recompute_at_ns = Some(now);
+        self.recompute_at_ns = self.dirty.peek().map(|Reverse((due, _))| (*due).max(now));
+    }
+
+    /// The whole-key target for `units` of the split dimension for entry `e`, capped
+    /// for learning and unreachable agents.
+    fn target_of(&self, rule: &RuleInfo, units: u64, e: &Entry, reachable: bool) -> Slice {
+        let t = rule.target(units, self.learning, e);
+        if reachable { t } else { t.min(e.current()) }
+    }
+
+    fn reachable(&self, a: u32, now: u64) -> bool {
+        self.agents[a as usize].as_ref().is_some_and(|ag| {
+            ag.connected && ag.report_recv_ns.saturating_add(self.lease_ns()) > now
+        })
+    }
+
+    /// Hysteresis on the dimension being split; never holds back a rejecting agent's
+    /// growth.
+    fn with_hysteresis(&self, rule: &RuleInfo, target: Slice, e: &Entry) -> Slice {
+        let h = self.cfg.hysteresis_permille as u64;
+        let cur = e.current();
+        let (t, c) = if rule.concurrency {
+            (target.burst, cur.burst)
+        } else {
+            (target.rate, cur.rate)
+        };
+        let in_band = t != 0 && c != 0 && t.abs_diff(c) * 1000 <= h * t.max(c);
+        if in_band && !(e.rejecting && t > c) {
+            cur
+        } else {
+            target
         }
+    }
+
+    /// Sends `desired` to entry `pos` as far as revoke-before-grant allows: a shrink (or
+    /// anything within its commitment) at once, growth only out of what is free, with
+    /// transfer tokens from the pool. Returns true if a grant was issued.
+    fn grant_towards(&mut self, k: u32, pos: u32, desired: Slice) -> bool {
+        let rule = self.rules[self.key(k).rule as usize];
+        let free = self.free(k);
+        let key = self.key(k);
+        let e = &key.entries[pos as usize];
+        let commit = e.commitment();
+        let cur = e.current();
+        let new = if desired.le(commit) {
+            desired
+        } else {
+            Slice {
+                rate: desired.rate.min(commit.rate + free.rate),
+                burst: desired.burst.min(commit.burst + free.burst),
+            }
+        };
+        if new == cur {
+            return false;
+        }
+        let grow_burst = new.burst.saturating_sub(commit.burst);
+        let transfer = if rule.concurrency {
+            0
+        } else {
+            key.pool.min(grow_burst)
+        };
+        self.key_mut(k).pool -= transfer;
+        self.issue(k, pos, new, transfer);
+        self.clamp_pool(k);
+        true
+    }
+
+    /// One entry's demand changed on a large key: re-target just that entry with the
+    /// key's last water level (the whole key is recomputed on its own schedule).
+    fn adjust_entry(&mut self, now: u64, k: u32, pos: u32) {
+        let key = self.key(k);
+        let rule = self.rules[key.rule as usize];
+        let e = &key.entries[pos as usize];
+        let weight = self.agent(e.agent).weight;
+        let reachable = self.reachable(e.agent, now);
+        let claim = Claim {
+            demand: if reachable && e.demand.is_finite() {
+                e.demand.max(0.0)
+            } else {
+                0.0
+            },
+            weight,
+            rejecting: e.rejecting,
+        };
+        let share = key.fill.share(&claim);
+        let units = if share.is_finite() && share > 0.0 {
+            (share as u64).min(rule.capacity())
+        } else {
+            0
+        };
+        let target = self.target_of(&rule, units, e, reachable);
+        let desired = self.with_hysteresis(&rule, target, e);
+        self.grant_towards(k, pos, desired);
+        let e = &mut self.key_mut(k).entries[pos as usize];
+        e.demand_used = e.demand;
+        e.rejecting_used = e.rejecting;
     }
 
     /// Allocates one key: targets by water-filling, hysteresis, then shrinks at once and
     /// growth only out of what is free (revoke before grant), with transfer tokens.
     fn recompute(&mut self, now: u64, k: u32) {
         let mut sc = std::mem::take(&mut self.scratch);
-        let learning = self.learning;
-        let h = self.cfg.hysteresis_permille as u64;
         let reserve = self.cfg.spare_reserve_permille as f64 / 1000.0;
         let key = self.keys[k as usize].as_ref().expect("live key");
-        let rule = self.rules[key.rule as usize].clone();
+        let rule = self.rules[key.rule as usize];
         let cap = rule.capacity();
         let limit = rule.limit();
 
@@ -1379,6 +1586,7 @@ impl Allocator {
         for (i, e) in key.entries.iter().enumerate() {
             if e.demand * 1e6 < cap as f64
                 && e.commitment().is_zero()
+                && e.current().is_zero()
                 && e.fallback.is_none()
                 && e.in_flight == 0
                 && e.learned.is_none()
@@ -1397,118 +1605,65 @@ impl Allocator {
         }
 
         sc.claims.clear();
-        let lease = self.lease_ns();
+        sc.reachable.clear();
         for e in &key.entries {
-            let ag = self.agents[e.agent as usize].as_ref().expect("live agent");
-            // An agent not heard from for a lease gets no share: its grants would carry
-            // leases already over, and its share would sit unused.
-            let reachable = ag.connected && ag.report_recv_ns.saturating_add(lease) > now;
+            let reachable = self.reachable(e.agent, now);
+            sc.reachable.push(reachable);
             sc.claims.push(Claim {
+                // An agent not heard from for a lease gets no share: its grants would
+                // carry leases already over, and its share would sit unused.
                 demand: if e.demand.is_finite() && reachable {
                     e.demand.max(0.0)
                 } else {
                     0.0
                 },
-                weight: ag.weight,
+                weight: self.agent(e.agent).weight,
                 rejecting: e.rejecting,
             });
         }
-        water_fill(cap as f64, &sc.claims, reserve, &mut sc.shares);
+        let fill = water_fill(cap as f64, &sc.claims, reserve, &mut sc.shares);
         to_units(cap, &sc.shares, &mut sc.units);
 
         sc.desired.clear();
-        sc.commit.clear();
         let (mut sum_r, mut sum_b) = (0u128, 0u128);
         for (i, e) in key.entries.iter().enumerate() {
-            let target = rule.target(sc.units[i], learning, e);
-            let cur = e.current();
-            let reachable = self.agents[e.agent as usize]
-                .as_ref()
-                .is_some_and(|a| a.connected && a.report_recv_ns.saturating_add(lease) > now);
-            let target = if reachable { target } else { target.min(cur) };
-            // Hysteresis on the dimension being split; never holds back a rejecting
-            // agent's growth.
-            let (t, c) = if rule.concurrency {
-                (target.burst, cur.burst)
-            } else {
-                (target.rate, cur.rate)
-            };
-            let in_band = t != 0 && c != 0 && t.abs_diff(c) * 1000 <= h * t.max(c);
-            let desired = if in_band && !(e.rejecting && t > c) {
-                cur
-            } else {
-                target
-            };
+            let target = self.target_of(&rule, sc.units[i], e, sc.reachable[i]);
+            let desired = self.with_hysteresis(&rule, target, e);
             sum_r += desired.rate as u128;
             sum_b += desired.burst as u128;
             sc.desired.push(desired);
-            sc.commit.push(e.commitment());
         }
         if sum_r > limit.rate as u128 || sum_b > limit.burst as u128 {
             // Shrinks held back by hysteresis would block growth: shrink exactly.
             for (i, e) in key.entries.iter().enumerate() {
-                let target = rule.target(sc.units[i], learning, e);
+                let target = self.target_of(&rule, sc.units[i], e, sc.reachable[i]);
                 let d = &mut sc.desired[i];
                 if target.le(*d) {
                     *d = target;
                 }
             }
         }
-        let used = sc
-            .commit
-            .iter()
-            .fold((0u64, 0u64), |(r, b), c| (r + c.rate, b + c.burst));
-        let mut free = Slice {
-            rate: limit.rate.saturating_sub(used.0),
-            burst: limit.burst.saturating_sub(used.1),
-        };
-        let n = key.entries.len();
-        let mut pool = key.pool;
-        // Pass 0: shrinks and unchanged (need nothing free). Pass 1: rejecting growers.
-        // Pass 2: other growers.
-        for pass in 0..3 {
-            for i in 0..n {
-                let key = self.keys[k as usize].as_ref().expect("live key");
-                let e = &key.entries[i];
-                let desired = sc.desired[i];
-                let commit = sc.commit[i];
-                let shrink = desired.le(commit);
-                match pass {
-                    0 if !shrink => continue,
-                    1 if shrink || !e.rejecting => continue,
-                    2 if shrink || e.rejecting => continue,
-                    _ => {}
-                }
-                let cur = e.current();
-                let new = if shrink {
-                    desired
-                } else {
-                    Slice {
-                        rate: desired.rate.min(commit.rate + free.rate),
-                        burst: desired.burst.min(commit.burst + free.burst),
-                    }
-                };
-                if new == cur {
-                    continue;
-                }
-                let grow = Slice {
-                    rate: new.rate.saturating_sub(commit.rate),
-                    burst: new.burst.saturating_sub(commit.burst),
-                };
-                free.rate -= grow.rate;
-                free.burst -= grow.burst;
-                let transfer = if rule.concurrency {
-                    0
-                } else {
-                    pool.min(grow.burst)
-                };
-                pool -= transfer;
-                sc.commit[i] = commit.max(new);
-                self.issue(k, i as u32, new, transfer);
+        // Shrinks (and anything within a commitment) first, then rejecting growers, then
+        // the others.
+        sc.growers.clear();
+        for i in 0..key.entries.len() {
+            let e = &self.key(k).entries[i];
+            if sc.desired[i] == e.current() {
+                continue;
+            }
+            if sc.desired[i].le(e.commitment()) {
+                self.grant_towards(k, i as u32, sc.desired[i]);
+            } else {
+                sc.growers.push((!e.rejecting, i as u32));
             }
         }
+        sc.growers.sort_unstable();
+        for &(_, i) in &sc.growers {
+            self.grant_towards(k, i, sc.desired[i as usize]);
+        }
         let key = self.keys[k as usize].as_mut().expect("live key");
-        key.pool = pool.min(free.burst);
+        key.fill = fill;
+        key.last_full_ns = now;
         for e in &mut key.entries {
             e.demand_used = e.demand;
             e.rejecting_used = e.rejecting;
@@ -1520,7 +1675,7 @@ impl Allocator {
     /// partition (plus the overdraft), else the sum of partitioned agents' fallbacks.
     pub fn overshoot_bound(&self, key: &KeyName) -> Option<OvershootBound> {
         let hash = self.hash_name(&key.rule, &key.values);
-        let k = self.find_key(hash, key)?;
+        let k = self.find_key(hash)?;
         Some(self.bound_of(k))
     }
 
@@ -1545,7 +1700,7 @@ impl Allocator {
     /// A key's allocation state (the admin endpoint's per-key view).
     pub fn key_status(&self, key: &KeyName) -> Option<KeyStatus> {
         let hash = self.hash_name(&key.rule, &key.values);
-        let k = self.find_key(hash, key)?;
+        let k = self.find_key(hash)?;
         let kk = self.key(k);
         let rule = &self.rules[kk.rule as usize];
         let mut committed = Slice::ZERO;
@@ -1614,6 +1769,9 @@ impl Allocator {
                     return Err(format!("{}: grants out of order", key.name));
                 }
                 let c = e.commitment();
+                if c != e.recount() {
+                    return Err(format!("{}: cached commitment out of step", key.name));
+                }
                 if rule.concurrency && c.rate != 0 {
                     return Err(format!("{}: a concurrency grant with a rate", key.name));
                 }
@@ -1621,6 +1779,9 @@ impl Allocator {
                 b += c.burst as u128;
             }
             entries += key.entries.len();
+            if (key.committed.rate as u128, key.committed.burst as u128) != (r, b) {
+                return Err(format!("{}: cached committed sum out of step", key.name));
+            }
             if r > limit.rate as u128 || b > limit.burst as u128 {
                 return Err(format!(
                     "{}: committed ({r}, {b}) exceeds (R + O, B) = ({}, {})",
@@ -2267,7 +2428,7 @@ mod tests {
         steady[7].rejected = 5000;
         a.handle_report(t, &report("a", 1, 500 * MS, steady))
             .unwrap();
-        assert_eq!(a.dirty.len(), 1);
+        assert_eq!(a.dirty.iter().filter(|d| a.key((d.0).1).dirty).count(), 1);
         let gs = settle(&mut a, t + 20 * MS);
         assert!(gs.iter().all(|g| g.key.values[0] == "k7"), "{gs:?}");
     }
@@ -2295,5 +2456,39 @@ mod tests {
         // 10 s of reports with a 1 s lease: the lease is always in the future.
         assert!(last_lease > t - SEC, "lease {last_lease} at {t}");
         assert_eq!(a.overshoot_bound(&k).unwrap().partitioned_agents, 0);
+    }
+
+    #[test]
+    fn a_large_key_retargets_the_reporting_agent_at_once_and_recomputes_on_schedule() {
+        let now = 5 * SEC;
+        let mut a = warm_allocator(1, now);
+        let k = key("rps", "hot");
+        let n = 40u64; // above large_key_entries (32)
+        for i in 0..n {
+            let id = format!("a{i}");
+            a.handle_hello(now, &hello(&id, 1, 1)).unwrap();
+            a.handle_report(
+                now,
+                &report(&id, 1, 250 * MS, vec![line(k.clone(), 10, 0, None)]),
+            )
+            .unwrap();
+        }
+        let gs = settle(&mut a, now + 20 * MS);
+        // Demand is 40/s each, 1,600/s in all: overloaded, 25/s each.
+        assert_eq!(gs.len(), n as usize, "the first pass grants everyone");
+        assert!(gs.iter().all(|g| g.rate == 25), "{:?}", gs[0]);
+        // One agent's demand drops: its entry is re-targeted inside handle_report.
+        let t = now + 100 * MS;
+        a.handle_report(
+            t,
+            &report("a0", 1, 500 * MS, vec![line(k.clone(), 11, 0, None)]),
+        )
+        .unwrap();
+        let at_once: Vec<Grant> = a.drain_grants().collect();
+        assert_eq!(at_once.len(), 1);
+        assert!(at_once[0].rate < 25, "{:?}", at_once[0]);
+        a.check_invariants().unwrap();
+        // The whole key waits for its schedule (last full pass + 250 ms).
+        assert!(a.recompute_at_ns.unwrap() >= now + 20 * MS + 250 * MS);
     }
 }

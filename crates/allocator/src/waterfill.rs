@@ -19,22 +19,50 @@ pub struct Claim {
 /// Iterations of the closed-form water level before falling back to a sort.
 const MAX_ITERATIONS: usize = 8;
 
+/// The shape of one water-filling: enough to compute one claim's share again without
+/// the others (the core re-targets single entries of large keys with it).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Fill {
+    /// Demand exceeded capacity: shares are `min(demand, weight * level)`.
+    pub overloaded: bool,
+    /// The water level (overloaded only).
+    pub level: f64,
+    /// Spare per unit of weight given to each rejecting claim (underloaded only).
+    pub spare_per_weight: f64,
+    /// Spare as a fraction of demand given to every claim when none was rejecting.
+    pub headroom: f64,
+}
+
+impl Fill {
+    /// The share `claim` gets under this fill.
+    pub fn share(&self, c: &Claim) -> f64 {
+        if self.overloaded {
+            c.demand.min(c.weight * self.level)
+        } else if c.rejecting {
+            c.demand + self.spare_per_weight * c.weight
+        } else {
+            c.demand * (1.0 + self.headroom)
+        }
+    }
+}
+
 /// Writes each claim's fair share of `capacity` into `out` (same order), summing to at
-/// most `capacity`.
+/// most `capacity`, and returns the fill's shape.
 ///
 /// When demand exceeds capacity, shares are weighted max-min: `min(demand, weight * λ)`
 /// with the water level `λ` chosen so that they sum to `capacity`. Otherwise everyone
 /// gets its demand, and of the spare `capacity - Σ demand` a `reserve` fraction (0..=1)
 /// stays unassigned; the rest goes to rejecting claims by weight, or, if none is
 /// rejecting, to every claim in proportion to its demand (headroom).
-pub fn water_fill(capacity: f64, claims: &[Claim], reserve: f64, out: &mut Vec<f64>) {
+pub fn water_fill(capacity: f64, claims: &[Claim], reserve: f64, out: &mut Vec<f64>) -> Fill {
     out.clear();
-    out.extend(claims.iter().map(|c| c.demand));
     let total: f64 = claims.iter().map(|c| c.demand).sum();
     if total <= capacity {
+        out.extend(claims.iter().map(|c| c.demand));
+        let mut fill = Fill::default();
         let spare = (capacity - total) * (1.0 - reserve);
         if spare <= 0.0 {
-            return;
+            return fill;
         }
         let w_rej: f64 = claims
             .iter()
@@ -42,29 +70,27 @@ pub fn water_fill(capacity: f64, claims: &[Claim], reserve: f64, out: &mut Vec<f
             .map(|c| c.weight)
             .sum();
         if w_rej > 0.0 {
-            for (o, c) in out.iter_mut().zip(claims) {
-                if c.rejecting {
-                    *o += spare * c.weight / w_rej;
-                }
-            }
+            fill.spare_per_weight = spare / w_rej;
         } else if total > 0.0 {
-            for (o, c) in out.iter_mut().zip(claims) {
-                *o += spare * c.demand / total;
-            }
+            fill.headroom = spare / total;
         }
-        return;
+        for (o, c) in out.iter_mut().zip(claims) {
+            *o = fill.share(c);
+        }
+        return fill;
     }
-    // Demand exceeds capacity: find the water level λ.
+    // Demand exceeds capacity: find the water level λ. Unsatisfied claims are marked
+    // with a negative share until the level is known.
+    out.extend(claims.iter().map(|_| -1.0));
     let mut remaining = capacity;
     let mut weight: f64 = claims.iter().map(|c| c.weight).sum();
-    let mut satisfied = vec![false; claims.len()];
     let mut level = remaining / weight;
     let mut settled = false;
     for _ in 0..MAX_ITERATIONS {
         let mut changed = false;
-        for (i, c) in claims.iter().enumerate() {
-            if !satisfied[i] && c.demand <= c.weight * level {
-                satisfied[i] = true;
+        for (o, c) in out.iter_mut().zip(claims) {
+            if *o < 0.0 && c.demand <= c.weight * level {
+                *o = c.demand;
                 remaining -= c.demand;
                 weight -= c.weight;
                 changed = true;
@@ -86,12 +112,12 @@ pub fn water_fill(capacity: f64, claims: &[Claim], reserve: f64, out: &mut Vec<f
         });
         remaining = capacity;
         weight = claims.iter().map(|c| c.weight).sum();
-        satisfied.iter_mut().for_each(|s| *s = false);
+        out.iter_mut().for_each(|o| *o = -1.0);
         for &i in &order {
             let c = &claims[i];
             level = remaining / weight;
             if c.demand <= c.weight * level {
-                satisfied[i] = true;
+                out[i] = c.demand;
                 remaining -= c.demand;
                 weight -= c.weight;
             } else {
@@ -102,10 +128,15 @@ pub fn water_fill(capacity: f64, claims: &[Claim], reserve: f64, out: &mut Vec<f
             level = remaining / weight;
         }
     }
-    for (i, (o, c)) in out.iter_mut().zip(claims).enumerate() {
-        if !satisfied[i] {
+    for (o, c) in out.iter_mut().zip(claims) {
+        if *o < 0.0 {
             *o = (c.weight * level).max(0.0);
         }
+    }
+    Fill {
+        overloaded: true,
+        level,
+        ..Fill::default()
     }
 }
 
@@ -231,7 +262,10 @@ mod tests {
             cs in claims(), cap in 1u64..2_000_000, reserve in 0.0f64..=1.0,
         ) {
             let mut shares = Vec::new();
-            water_fill(cap as f64, &cs, reserve, &mut shares);
+            let fill = water_fill(cap as f64, &cs, reserve, &mut shares);
+            for (s, c) in shares.iter().zip(&cs) {
+                prop_assert!((fill.share(c) - s).abs() <= 1e-6 * s.max(1.0), "fill shape");
+            }
             let total: f64 = shares.iter().sum();
             prop_assert!(total <= cap as f64 * (1.0 + 1e-9) + 1e-6);
             let demand: f64 = cs.iter().map(|c| c.demand).sum();

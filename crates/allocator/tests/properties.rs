@@ -11,7 +11,7 @@ use std::collections::HashMap;
 
 use bursar_allocator::testing::{MS, SEC, quick_config, rules};
 use bursar_allocator::{
-    Ack, AllocError, Allocator, Grant, Hello, KeyName, KeyReport, Report, SliceAck,
+    Ack, AllocError, Allocator, AllocatorConfig, Grant, Hello, KeyName, KeyReport, Report, SliceAck,
 };
 use proptest::prelude::*;
 
@@ -272,11 +272,15 @@ impl World {
     }
 }
 
-fn run(offsets: [u64; 3], steps: Vec<Step>) {
+fn run(offsets: [u64; 3], steps: Vec<Step>, large_key_entries: usize) {
     let start = 100 * SEC;
+    let cfg = AllocatorConfig {
+        large_key_entries,
+        ..quick_config()
+    };
     let mut w = World {
         now: start,
-        alloc: Allocator::new(&rules(), quick_config(), 1, start).unwrap(),
+        alloc: Allocator::new(&rules(), cfg, 1, start).unwrap(),
         agents: (0..3)
             .map(|i| SimAgent {
                 incarnation: 1,
@@ -331,7 +335,17 @@ proptest! {
         offsets in prop::array::uniform3(0u64..50 * SEC),
         steps in prop::collection::vec(step(), 1..160),
     ) {
-        run(offsets, steps);
+        run(offsets, steps, 32);
+    }
+
+    /// The same with every key treated as large: reports re-target single entries
+    /// between whole recomputations.
+    #[test]
+    fn budget_conservation_survives_the_same_with_single_entry_updates(
+        offsets in prop::array::uniform3(0u64..50 * SEC),
+        steps in prop::collection::vec(step(), 1..160),
+    ) {
+        run(offsets, steps, 0);
     }
 }
 

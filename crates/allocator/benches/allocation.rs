@@ -1,0 +1,314 @@
+//! Allocation benchmarks at the design's scale: 1,000 agents x 100,000 active keys,
+//! 1,000,000 key-agent demand entries with Zipf-spread popularity (the hottest keys are
+//! held by every agent, the tail by one).
+//!
+//! - `full_pass/1000_agents_100k_keys_1M_entries`: one allocation of every key from
+//!   reported demand, issuing every grant (about a million).
+//! - `full_pass/..._regrant`: every key recomputed again once granted (few grants
+//!   change).
+//! - `report/100_keys`: one agent's report of 100 keys (demand changed on each), as the
+//!   shell would feed it: `handle_report`, then `handle_timeout` recomputing the keys it
+//!   marked (with `recompute_delay_ms = 0`), at the real rate of 4,000 reports per
+//!   virtual second (each agent every 250 ms), agents carrying the grants they last
+//!   received; it includes lease renewals, whole-key passes of large keys on their
+//!   schedule and the amortised expiry sweep. Only the allocator's calls are timed.
+//! - `report/100_keys_handle_report_only`: the same without the recomputation.
+//!
+//! Run: `cargo bench -p bursar-allocator --bench allocation`. Figures:
+//! docs/benchmarks-allocator.md.
+// `criterion_group!` generates a public function without docs.
+#![allow(missing_docs)]
+
+use std::collections::HashMap;
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use bursar_agent::Config;
+use bursar_allocator::{Allocator, AllocatorConfig, Hello, KeyName, KeyReport, Report};
+use criterion::{BatchSize, Criterion, criterion_group, criterion_main};
+
+const AGENTS: usize = 1_000;
+const KEYS: usize = 100_000;
+const ENTRIES: usize = 1_000_000;
+const MS: u64 = 1_000_000;
+const SEC: u64 = 1_000 * MS;
+
+const RULES: &str = r#"
+[[rule]]
+name = "key-tpm"
+match = { key = "*" }
+dimension = "input_tokens"
+rate = 100_000
+per = "second"
+burst = 100_000
+"#;
+
+/// Agents per key: Zipf (s = 1) capped at every agent, at least one, summing to about
+/// `ENTRIES`.
+fn zipf_counts() -> Vec<usize> {
+    let count = |c: f64| -> Vec<usize> {
+        (1..=KEYS)
+            .map(|k| ((c / k as f64) as usize).clamp(1, AGENTS))
+            .collect()
+    };
+    let (mut lo, mut hi) = (1.0f64, 1e7f64);
+    for _ in 0..60 {
+        let mid = (lo + hi) / 2.0;
+        if count(mid).iter().sum::<usize>() < ENTRIES {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    count(hi)
+}
+
+struct Fleet {
+    alloc: Allocator,
+    /// Per agent, the keys it reports.
+    keys_of: Vec<Vec<u32>>,
+    now: u64,
+}
+
+fn name(k: u32) -> KeyName {
+    KeyName::new("key-tpm", &[&format!("k{k:06}")])
+}
+
+/// Cumulative admitted cost after `round` reports: 50-1,050 tokens per 250 ms,
+/// depending on the pair.
+fn demand(agent: usize, key: u32, round: u64) -> u64 {
+    let x = (agent as u64 * 2_654_435_761 + key as u64 * 40_503) % 1_000;
+    (round + 1) * (50 + x)
+}
+
+/// Every agent has said hello and reported all its keys once; nothing is allocated yet.
+fn fleet(recompute_delay_ms: u64) -> Fleet {
+    let rules = Config::from_toml(RULES).unwrap();
+    let cfg = AllocatorConfig {
+        recompute_delay_ms,
+        ..AllocatorConfig::default()
+    };
+    let mut alloc = Allocator::new(&rules, cfg, 1, 0).unwrap();
+    let now = 20 * SEC;
+    alloc.handle_timeout(now); // past the learning period
+    let counts = zipf_counts();
+    let mut keys_of = vec![Vec::new(); AGENTS];
+    for (k, &n) in counts.iter().enumerate() {
+        let start = (k * 7_919) % AGENTS;
+        for j in 0..n {
+            keys_of[(start + j) % AGENTS].push(k as u32);
+        }
+    }
+    for (i, keys) in keys_of.iter().enumerate() {
+        let agent = format!("agent-{i:04}");
+        alloc
+            .handle_hello(
+                now,
+                &Hello {
+                    agent: agent.clone(),
+                    incarnation: 1,
+                    agent_time_ns: SEC,
+                    weight: 1,
+                    held: vec![],
+                },
+            )
+            .unwrap();
+        let report = Report {
+            agent,
+            incarnation: 1,
+            agent_time_ns: SEC + 250 * MS,
+            keys: keys
+                .iter()
+                .map(|&k| KeyReport {
+                    key: name(k),
+                    admitted: demand(i, k, 0),
+                    rejected: 0,
+                    counting_since_ns: SEC,
+                    in_flight: 0,
+                    held: None,
+                })
+                .collect(),
+        };
+        alloc.handle_report(now, &report).unwrap();
+    }
+    assert_eq!(alloc.key_count(), KEYS);
+    assert!(alloc.entry_count() >= ENTRIES - 1_000 && alloc.entry_count() <= ENTRIES + 1_000);
+    Fleet {
+        alloc,
+        keys_of,
+        now,
+    }
+}
+
+fn full_pass(c: &mut Criterion) {
+    let f = fleet(10);
+    println!(
+        "fleet: {} agents, {} keys, {} key-agent entries; hottest key on {} agents",
+        f.alloc.agent_count(),
+        f.alloc.key_count(),
+        f.alloc.entry_count(),
+        zipf_counts()[0]
+    );
+    let mut g = c.benchmark_group("full_pass");
+    g.sample_size(10);
+    // From reported demand to a grant for every entry (about a million grants).
+    g.bench_function("1000_agents_100k_keys_1M_entries", |b| {
+        b.iter_batched(
+            || f.alloc.clone(),
+            |mut a| {
+                a.reallocate_all(f.now + 20 * MS);
+                let n = a.pending_grants();
+                assert!(n >= ENTRIES / 2, "{n} grants");
+                a
+            },
+            BatchSize::LargeInput,
+        )
+    });
+    // Every key recomputed again once all are granted (the pass after a config reload
+    // or the end of a term's learning): the arithmetic without a million new grants.
+    let mut granted = f.alloc.clone();
+    granted.reallocate_all(f.now + 20 * MS);
+    granted.drain_grants().for_each(drop);
+    g.bench_function("1000_agents_100k_keys_1M_entries_regrant", |b| {
+        b.iter_batched(
+            || granted.clone(),
+            |mut a| {
+                a.reallocate_all(f.now + 40 * MS);
+                a
+            },
+            BatchSize::LargeInput,
+        )
+    });
+    g.finish();
+}
+
+/// Agents reporting 100 keys each in turn, 4,000 reports per virtual second (each
+/// agent every 250 ms); each report carries the grants the agent last received (as an
+/// agent that applies and acknowledges does).
+struct Reporter {
+    f: Fleet,
+    reports: Vec<Report>,
+    /// Per agent: position in its report of each reported key.
+    slot: Vec<HashMap<u32, usize>>,
+    round: Vec<u64>,
+    n: usize,
+}
+
+impl Reporter {
+    fn new() -> Reporter {
+        let mut f = fleet(0);
+        f.alloc.reallocate_all(f.now);
+        let grants: Vec<_> = f.alloc.drain_grants().collect();
+        let mut slot = vec![HashMap::new(); AGENTS];
+        let reports: Vec<Report> = f
+            .keys_of
+            .iter()
+            .enumerate()
+            .map(|(i, keys)| {
+                let step = (keys.len() / 100).max(1);
+                let keys: Vec<KeyReport> = keys
+                    .iter()
+                    .step_by(step)
+                    .take(100)
+                    .enumerate()
+                    .map(|(j, &k)| {
+                        slot[i].insert(k, j);
+                        KeyReport {
+                            key: name(k),
+                            admitted: demand(i, k, 0),
+                            rejected: 0,
+                            counting_since_ns: SEC,
+                            in_flight: 0,
+                            held: None,
+                        }
+                    })
+                    .collect();
+                Report {
+                    agent: format!("agent-{i:04}"),
+                    incarnation: 1,
+                    agent_time_ns: SEC + 250 * MS,
+                    keys,
+                }
+            })
+            .collect();
+        let mut r = Reporter {
+            f,
+            reports,
+            slot,
+            round: vec![0; AGENTS],
+            n: 0,
+        };
+        r.deliver(&grants);
+        r
+    }
+
+    fn deliver(&mut self, grants: &[bursar_allocator::Grant]) {
+        for g in grants {
+            let i: usize = g.agent["agent-".len()..].parse().unwrap();
+            let k: u32 = g.key.values[0][1..].parse().unwrap();
+            if let Some(&j) = self.slot[i].get(&k) {
+                self.reports[i].keys[j].held = Some(g.held());
+            }
+        }
+    }
+
+    /// Prepares the next report (outside the timing); returns its agent.
+    fn next(&mut self) -> usize {
+        let i = self.n % AGENTS;
+        self.n += 1;
+        self.round[i] += 1;
+        let round = self.round[i];
+        let r = &mut self.reports[i];
+        r.agent_time_ns += 250 * MS;
+        for kr in r.keys.iter_mut() {
+            let k: u32 = kr.key.values[0][1..].parse().unwrap();
+            kr.admitted = demand(i, k, round);
+            // Demand steps every other round: every key in the report changes.
+            if round.is_multiple_of(2) {
+                kr.rejected += 300;
+            }
+        }
+        self.f.now += 250 * MS / AGENTS as u64;
+        i
+    }
+}
+
+fn report(c: &mut Criterion) {
+    let mut r = Reporter::new();
+    let mut g = c.benchmark_group("report");
+    let mut out = Vec::new();
+    for recompute in [true, false] {
+        let label = if recompute {
+            "100_keys"
+        } else {
+            "100_keys_handle_report_only"
+        };
+        g.bench_function(label, |b| {
+            b.iter_custom(|iters| {
+                let mut spent = Duration::ZERO;
+                for _ in 0..iters {
+                    let i = r.next();
+                    let t = Instant::now();
+                    r.f.alloc.handle_report(r.f.now, &r.reports[i]).unwrap();
+                    if recompute {
+                        r.f.alloc.handle_timeout(r.f.now);
+                    }
+                    out.extend(r.f.alloc.drain_grants());
+                    spent += t.elapsed();
+                    black_box(out.len());
+                    r.deliver(&out);
+                    out.clear();
+                }
+                spent
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(
+    name = benches;
+    config = Criterion::default();
+    targets = full_pass, report
+);
+criterion_main!(benches);
