@@ -2,7 +2,10 @@
 //! generates prost messages and tonic services with `tonic-prost-build`.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let files = ["proto/envoy/service/ratelimit/v3/rls.proto"];
+    let files = [
+        "proto/envoy/service/ratelimit/v3/rls.proto",
+        "proto/bursar/allocator/v1/allocator.proto",
+    ];
     for f in files {
         println!("cargo:rerun-if-changed={f}");
     }

@@ -8,16 +8,23 @@
 //!   from the published field list in `proto/`. Messages are prost types; the service
 //!   has a tonic server and client.
 //!
-//! Not built yet: the agent <-> allocator stream (hello, delta reports, grants, acks,
-//! leader redirect) and the ledger's rkyv gossip envelope. See DESIGN.md, "Protocols".
+//! - **The agent <-> allocator stream** (`bursar.allocator.v1`): one bidirectional
+//!   gRPC stream per agent carrying hello, delta reports and acks one way, and welcome,
+//!   grants, leader redirects and config versions the other. Versioned
+//!   ([`allocator::PROTOCOL_VERSION`], checked on hello) and bounded
+//!   ([`allocator::MAX_MESSAGE_BYTES`], [`allocator::MAX_KEYS_PER_MESSAGE`]).
+//!
+//! Not built yet: the ledger's rkyv gossip envelope. See DESIGN.md, "Protocols".
 //!
 //! Protobuf is compiled at build time by `protox` (pure Rust) and `tonic-prost-build`:
 //! no system `protoc` is needed.
 //!
 //! # Layout
 //!
-//! - `proto/envoy/...`: the `.proto` sources.
+//! - `proto/envoy/...`, `proto/bursar/...`: the `.proto` sources.
 //! - [`envoy`]: generated modules, nested by protobuf package.
+//! - [`bursar`]: Bursar's own packages (generated); [`allocator`] re-exports
+//!   `bursar.allocator.v1` with its version and size bounds.
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
@@ -70,3 +77,99 @@ pub mod envoy {
 }
 
 pub use envoy::service::ratelimit::v3 as rls;
+
+/// Bursar's own API packages (generated).
+pub mod bursar {
+    /// `bursar.allocator`
+    pub mod allocator {
+        /// `bursar.allocator.v1`: the agent <-> allocator stream.
+        #[allow(missing_docs, clippy::all)]
+        pub mod v1 {
+            tonic::include_proto!("bursar.allocator.v1");
+        }
+    }
+}
+
+/// The agent <-> allocator protocol (`bursar.allocator.v1`) and its bounds.
+pub mod allocator {
+    pub use crate::bursar::allocator::v1::*;
+
+    /// The protocol version this crate speaks; a hello with another one is refused.
+    pub const PROTOCOL_VERSION: u32 = ProtocolVersion::ProtocolVersion1 as u32;
+
+    /// Largest encoded message either side sends or accepts (set on the tonic server
+    /// and client as the maximum encoding and decoding size). A report of
+    /// [`MAX_KEYS_PER_MESSAGE`] keys with 256-byte values fits.
+    pub const MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
+
+    /// Most keys one report, hello or ack names, and most grants in one `Grants`
+    /// message. Senders split larger sets; receivers refuse larger messages whole.
+    pub const MAX_KEYS_PER_MESSAGE: usize = 10_000;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::allocator::*;
+    use prost::Message;
+
+    #[test]
+    fn a_hello_round_trips_and_carries_the_protocol_version() {
+        let hello = AgentMessage {
+            msg: Some(agent_message::Msg::Hello(Hello {
+                protocol_version: PROTOCOL_VERSION,
+                agent: "node-a".into(),
+                incarnation: 7,
+                weight: 1,
+                agent_time_ns: 123,
+                held: vec![HeldSlice {
+                    key: Some(Key {
+                        rule: "org-rpm".into(),
+                        values: vec!["acme".into()],
+                    }),
+                    grant: Some(HeldGrant {
+                        epoch: 3,
+                        seq: 9,
+                        rate: 100,
+                        burst: 10,
+                    }),
+                }],
+                config_version: "abc".into(),
+            })),
+        };
+        let bytes = hello.encode_to_vec();
+        assert!(bytes.len() < MAX_MESSAGE_BYTES);
+        let back = AgentMessage::decode(bytes.as_slice()).unwrap();
+        assert_eq!(back, hello);
+        assert_eq!(PROTOCOL_VERSION, 1);
+    }
+
+    #[test]
+    fn a_full_report_of_the_largest_allowed_size_fits_in_one_message() {
+        let keys = (0..MAX_KEYS_PER_MESSAGE)
+            .map(|i| KeyReport {
+                key: Some(Key {
+                    rule: "key-input-tpm-with-a-long-name".into(),
+                    values: vec![format!("{i:0>200}")],
+                }),
+                admitted: u64::MAX,
+                rejected: u64::MAX,
+                counting_since_ns: u64::MAX,
+                in_flight: u64::MAX,
+                held: Some(HeldGrant {
+                    epoch: u64::MAX,
+                    seq: u64::MAX,
+                    rate: u64::MAX,
+                    burst: u64::MAX,
+                }),
+            })
+            .collect();
+        let m = AgentMessage {
+            msg: Some(agent_message::Msg::Report(Report {
+                agent_time_ns: u64::MAX,
+                keys,
+            })),
+        };
+        let len = m.encoded_len();
+        assert!(len <= MAX_MESSAGE_BYTES, "{len} bytes");
+    }
+}
