@@ -17,6 +17,10 @@
 //! is replicated between nodes. The agent does not yet embed the ledger as its
 //! outbox.
 //!
+//! The API, the guarantees and the evidence for each are in `docs/ledger.md`;
+//! ingest figures in `docs/benchmarks-ledger.md`. The core builds without the shell:
+//! `cargo check -p bursar-ledger --no-default-features`.
+//!
 //! # Layout
 //!
 //! - [`event`]: [`Event`], [`EventKey`] (from the request id), validation

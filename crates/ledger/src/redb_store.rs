@@ -90,10 +90,15 @@ impl RedbStore {
                     .into(),
             ));
         }
-        let mut db = Database::create(path).map_err(|e| {
-            open_err(format!(
+        let mut db = Database::create(path).map_err(|e| match e {
+            redb::DatabaseError::DatabaseAlreadyOpen => open_err(
+                "another process holds it open (is another bursar-ledger running on this \
+                 data dir?); nothing was changed"
+                    .into(),
+            ),
+            e => open_err(format!(
                 "{e}; the file is corrupt or not a redb database; nothing was changed"
-            ))
+            )),
         })?;
         if existed {
             // Verify every page checksum before serving anything: a damaged page must

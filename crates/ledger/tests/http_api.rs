@@ -342,3 +342,31 @@ fn help_says_clustering_is_not_built_and_gossip_flags_are_accepted() {
     );
     assert_eq!(node.get("/healthz").status, 200);
 }
+
+#[test]
+fn sigterm_stops_the_node_cleanly_and_a_second_node_cannot_share_its_data_dir() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut node = Node::start(dir.path(), &[]);
+    let e = usage_json("r1", "acme", "m", now_ms(), 1, 1);
+    assert_eq!(node.post_json("/v1/events", &json!([e])).status, 200);
+    let second = std::process::Command::new(env!("CARGO_BIN_EXE_bursar-ledger"))
+        .arg("--data-dir")
+        .arg(dir.path())
+        .args(["--node-id", "n2", "--http", "127.0.0.1:0"])
+        .output()
+        .unwrap();
+    assert!(!second.status.success());
+    let err = String::from_utf8_lossy(&second.stderr);
+    assert!(err.contains("another process holds it open"), "{err}");
+    let pid = node.child.id().to_string();
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let status = node.child.wait().unwrap();
+    assert!(status.success(), "exit status {status}");
+    // A clean stop leaves a data dir the next start opens with the event in it.
+    let again = Node::start(dir.path(), &[]);
+    assert_eq!(again.get("/v1/digest").json()["root"]["events"], json!(1));
+}
