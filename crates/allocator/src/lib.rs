@@ -84,6 +84,8 @@ pub mod config;
 pub mod core;
 mod error;
 pub mod msg;
+#[cfg(feature = "shell")]
+pub mod shell;
 pub mod testing;
 pub mod waterfill;
 

@@ -105,6 +105,19 @@ pub mod allocator {
     /// Most keys one report, hello or ack names, and most grants in one `Grants`
     /// message. Senders split larger sets; receivers refuse larger messages whole.
     pub const MAX_KEYS_PER_MESSAGE: usize = 10_000;
+
+    /// The rules version both ends put in `Hello.config_version` and
+    /// `Welcome.config_version`: FNV-1a (64 bit, hex) of a canonical rendering of the
+    /// rules (both ends pass the `Debug` text of `bursar_agent::RuleSet`, so one build
+    /// of agent and allocator agrees on equal rules).
+    pub fn config_version(canonical_rules: &str) -> String {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in canonical_rules.bytes() {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        format!("{h:016x}")
+    }
 }
 
 #[cfg(test)]

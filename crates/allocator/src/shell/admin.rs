@@ -1,0 +1,137 @@
+//! The read-only JSON admin endpoint.
+//!
+//! - `GET /v1/keys`: per key, the limit, summed demand, committed budget, each agent's
+//!   grant (demand, granted, committed, partition fallback) and the overshoot bound.
+//! - `GET /v1/status`: term, learning, agents, keys, shell counters.
+//! - `GET /healthz`: `ok`.
+//!
+//! Every request asks the core task for a snapshot over the bounded input channel
+//! (it never reads the core directly); at most `admin_max_keys` keys are listed.
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use serde_json::{Value, json};
+use tokio::sync::{mpsc, oneshot};
+
+use super::driver::{Input, Snapshot};
+use crate::{KeyStatus, Slice};
+
+/// Shared state of the admin endpoint.
+pub struct Admin {
+    inputs: mpsc::Sender<Input>,
+}
+
+impl Admin {
+    /// Admin over the core task's input channel.
+    pub fn new(inputs: mpsc::Sender<Input>) -> Admin {
+        Admin { inputs }
+    }
+
+    async fn snapshot(&self) -> Option<Snapshot> {
+        let (reply, answer) = oneshot::channel();
+        self.inputs.send(Input::Snapshot { reply }).await.ok()?;
+        answer.await.ok()
+    }
+}
+
+/// The admin router.
+pub fn router(admin: Arc<Admin>) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/v1/keys", get(keys))
+        .route("/v1/status", get(status))
+        .with_state(admin)
+}
+
+fn json_response(v: Value) -> Response {
+    (
+        StatusCode::OK,
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        v.to_string(),
+    )
+        .into_response()
+}
+
+fn unavailable() -> Response {
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the allocator is shutting down",
+    )
+        .into_response()
+}
+
+fn slice(s: Slice) -> Value {
+    json!({ "rate": s.rate, "burst": s.burst })
+}
+
+/// One key as JSON.
+pub fn key_json(k: &KeyStatus) -> Value {
+    json!({
+        "key": k.key.to_string(),
+        "rule": k.key.rule,
+        "values": k.key.values,
+        "limit": slice(k.limit),
+        "rate_capacity": k.rate_capacity,
+        "demand": k.demand,
+        "committed": slice(k.committed),
+        "transfer_pool": k.transfer_pool,
+        "bound": {
+            "rate": k.bound.rate,
+            "burst": k.bound.burst,
+            "overdraft_rate": k.bound.overdraft_rate,
+            "partitioned_agents": k.bound.partitioned_agents,
+            "period_ns": k.bound.period_ns,
+        },
+        "agents": k.agents.iter().map(|a| json!({
+            "agent": &*a.agent,
+            "demand": a.demand,
+            "granted": slice(a.granted),
+            "committed": slice(a.committed),
+            "fallback": a.fallback.map(slice),
+        })).collect::<Vec<_>>(),
+    })
+}
+
+fn status_json(s: &Snapshot) -> Value {
+    let c = &s.counters;
+    json!({
+        "term": s.term,
+        "learning": s.learning,
+        "agents": s.agents,
+        "connected": s.connected,
+        "keys": s.key_count,
+        "counters": {
+            "hellos": c.hellos,
+            "hellos_refused": c.hellos_refused,
+            "reports": c.reports,
+            "acks": c.acks,
+            "refused": c.refused,
+            "grants_sent": c.grants_sent,
+            "grants_dropped": c.grants_dropped,
+        },
+        "last_error": s.last_error,
+    })
+}
+
+async fn keys(State(admin): State<Arc<Admin>>) -> Response {
+    let Some(s) = admin.snapshot().await else {
+        return unavailable();
+    };
+    let mut v = status_json(&s);
+    v["truncated"] = json!(s.truncated);
+    v["keys"] = json!(s.keys.iter().map(key_json).collect::<Vec<_>>());
+    v["key_count"] = json!(s.key_count);
+    json_response(v)
+}
+
+async fn status(State(admin): State<Arc<Admin>>) -> Response {
+    match admin.snapshot().await {
+        Some(s) => json_response(status_json(&s)),
+        None => unavailable(),
+    }
+}

@@ -1,0 +1,354 @@
+//! The one task that owns the allocation core.
+//!
+//! It drains a bounded channel of [`Input`]s, calls the core with the shell clock's
+//! `now`, sleeps until the core's `poll_timeout()`, and after every batch of inputs
+//! routes the grants it drains to each agent's bounded outbound channel (only to the
+//! stream of the incarnation a grant is for).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use bursar_proto::allocator as pb;
+use tokio::sync::{mpsc, oneshot, watch};
+
+use super::ShellClock;
+use crate::{Ack, AllocError, Allocator, Grant, Hello, KeyStatus, Report};
+
+/// What the response stream of one agent carries.
+pub type Outbound = mpsc::Sender<Result<pb::AllocatorMessage, tonic::Status>>;
+
+/// Inputs of the core task.
+#[derive(Debug)]
+pub enum Input {
+    /// An agent's hello on a new stream `conn`. On success the welcome is queued on
+    /// `tx` first and the stream becomes the agent's route for grants.
+    Hello {
+        /// The stream.
+        conn: u64,
+        /// The hello.
+        hello: Hello,
+        /// The agent's outbound channel.
+        tx: Outbound,
+        /// Accepted or refused.
+        reply: oneshot::Sender<Result<(), AllocError>>,
+    },
+    /// A report from stream `conn`.
+    Report {
+        /// The stream.
+        conn: u64,
+        /// The report.
+        report: Report,
+    },
+    /// Acks from stream `conn`.
+    Ack {
+        /// The stream.
+        conn: u64,
+        /// The acks.
+        ack: Ack,
+    },
+    /// Stream `conn` of `agent` ended.
+    Disconnect {
+        /// The stream.
+        conn: u64,
+        /// The agent.
+        agent: String,
+    },
+    /// The admin endpoint asks for a snapshot.
+    Snapshot {
+        /// The answer.
+        reply: oneshot::Sender<Snapshot>,
+    },
+}
+
+/// Counters of the shell, for the admin endpoint.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ShellCounters {
+    /// Hellos accepted.
+    pub hellos: u64,
+    /// Hellos refused.
+    pub hellos_refused: u64,
+    /// Reports accepted.
+    pub reports: u64,
+    /// Acks accepted.
+    pub acks: u64,
+    /// Reports and acks the core refused (stale reports included).
+    pub refused: u64,
+    /// Grants queued on agent streams.
+    pub grants_sent: u64,
+    /// Grants dropped: no stream for that incarnation, or its queue was full.
+    pub grants_dropped: u64,
+}
+
+/// What the admin endpoint shows.
+#[derive(Clone, Debug)]
+pub struct Snapshot {
+    /// The term.
+    pub term: u64,
+    /// Still learning what agents hold.
+    pub learning: bool,
+    /// Registered agents.
+    pub agents: usize,
+    /// Agents with a live stream.
+    pub connected: usize,
+    /// Tracked keys.
+    pub key_count: usize,
+    /// Up to `admin_max_keys` keys, sorted by name.
+    pub keys: Vec<KeyStatus>,
+    /// More keys exist than listed.
+    pub truncated: bool,
+    /// Shell counters.
+    pub counters: ShellCounters,
+    /// The last error the core reported for a message, if any.
+    pub last_error: Option<String>,
+}
+
+struct Route {
+    conn: u64,
+    incarnation: u64,
+    tx: Outbound,
+}
+
+/// The core task's state.
+pub struct Driver {
+    core: Allocator,
+    clock: ShellClock,
+    config_version: String,
+    admin_max_keys: usize,
+    routes: HashMap<Arc<str>, Route>,
+    /// Agent of each live stream.
+    conns: HashMap<u64, (String, u64)>,
+    counters: ShellCounters,
+    last_error: Option<String>,
+    batch: HashMap<Arc<str>, Vec<pb::Grant>>,
+}
+
+/// Inputs handled before grants are routed, at most.
+const INPUT_BATCH_MAX: usize = 256;
+
+impl Driver {
+    /// A driver for `core`.
+    pub fn new(
+        core: Allocator,
+        clock: ShellClock,
+        config_version: String,
+        admin_max_keys: usize,
+    ) -> Driver {
+        Driver {
+            core,
+            clock,
+            config_version,
+            admin_max_keys,
+            routes: HashMap::new(),
+            conns: HashMap::new(),
+            counters: ShellCounters::default(),
+            last_error: None,
+            batch: HashMap::new(),
+        }
+    }
+
+    /// Runs until `shutdown` turns true or every input sender is gone.
+    pub async fn run(mut self, mut rx: mpsc::Receiver<Input>, mut shutdown: watch::Receiver<bool>) {
+        loop {
+            let deadline = self.clock.instant_of(self.core.poll_timeout());
+            tokio::select! {
+                biased;
+                _ = shutdown.wait_for(|s| *s) => break,
+                input = rx.recv() => {
+                    let Some(input) = input else { break };
+                    self.handle(input);
+                    for _ in 1..INPUT_BATCH_MAX {
+                        match rx.try_recv() {
+                            Ok(i) => self.handle(i),
+                            Err(_) => break,
+                        }
+                    }
+                }
+                _ = tokio::time::sleep_until(deadline) => {}
+            }
+            let now = self.clock.now_ns();
+            if self.core.poll_timeout() <= now {
+                self.core.handle_timeout(now);
+            }
+            debug_assert!(self.core.check_invariants().is_ok());
+            self.route();
+        }
+    }
+
+    fn note(&mut self, what: &str, agent: &str, e: &AllocError) {
+        self.counters.refused += 1;
+        if !matches!(
+            e,
+            AllocError::StaleReport { .. } | AllocError::StaleTerm { .. }
+        ) {
+            let msg = format!("{what} from {agent:?}: {e}");
+            eprintln!("bursar-allocator: {msg}");
+            self.last_error = Some(msg);
+        }
+    }
+
+    fn handle(&mut self, input: Input) {
+        let now = self.clock.now_ns();
+        match input {
+            Input::Hello {
+                conn,
+                hello,
+                tx,
+                reply,
+            } => match self.core.handle_hello(now, &hello) {
+                Ok(()) => {
+                    self.counters.hellos += 1;
+                    let cfg = self.core.config();
+                    let welcome = pb::AllocatorMessage {
+                        msg: Some(pb::allocator_message::Msg::Welcome(pb::Welcome {
+                            protocol_version: pb::PROTOCOL_VERSION,
+                            term: self.core.term(),
+                            config_version: self.config_version.clone(),
+                            max_keys_per_message: cfg.max_keys_per_message.min(u32::MAX as usize)
+                                as u32,
+                            max_message_bytes: pb::MAX_MESSAGE_BYTES as u32,
+                            lease_ms: cfg.lease_ms,
+                        })),
+                    };
+                    // A fresh channel: the welcome always fits.
+                    let _ = tx.try_send(Ok(welcome));
+                    let agent: Arc<str> = hello.agent.as_str().into();
+                    self.conns
+                        .insert(conn, (hello.agent.clone(), hello.incarnation));
+                    // A newer stream replaces the old route (the old stream ends when its
+                    // last sender is dropped).
+                    self.routes.insert(
+                        agent,
+                        Route {
+                            conn,
+                            incarnation: hello.incarnation,
+                            tx,
+                        },
+                    );
+                    let _ = reply.send(Ok(()));
+                }
+                Err(e) => {
+                    self.counters.hellos_refused += 1;
+                    self.note("hello", &hello.agent, &e);
+                    let _ = reply.send(Err(e));
+                }
+            },
+            Input::Report { conn, report } => {
+                if !self.conns.contains_key(&conn) {
+                    return;
+                }
+                match self.core.handle_report(now, &report) {
+                    Ok(()) => self.counters.reports += 1,
+                    Err(e) => self.note("report", &report.agent, &e),
+                }
+            }
+            Input::Ack { conn, ack } => {
+                if !self.conns.contains_key(&conn) {
+                    return;
+                }
+                match self.core.handle_ack(now, &ack) {
+                    Ok(()) => self.counters.acks += 1,
+                    Err(e) => self.note("ack", &ack.agent, &e),
+                }
+            }
+            Input::Disconnect { conn, agent } => {
+                self.conns.remove(&conn);
+                if self
+                    .routes
+                    .get(agent.as_str())
+                    .is_some_and(|r| r.conn == conn)
+                {
+                    self.routes.remove(agent.as_str());
+                    let _ = self.core.handle_disconnect(now, &agent);
+                }
+            }
+            Input::Snapshot { reply } => {
+                let _ = reply.send(self.snapshot());
+            }
+        }
+    }
+
+    fn snapshot(&self) -> Snapshot {
+        let mut names: Vec<_> = self.core.key_names().cloned().collect();
+        names.sort();
+        let truncated = names.len() > self.admin_max_keys;
+        names.truncate(self.admin_max_keys);
+        Snapshot {
+            term: self.core.term(),
+            learning: self.core.is_learning(),
+            agents: self.core.agent_count(),
+            connected: self.routes.len(),
+            key_count: self.core.key_count(),
+            keys: names
+                .iter()
+                .filter_map(|k| self.core.key_status(k))
+                .collect(),
+            truncated,
+            counters: self.counters,
+            last_error: self.last_error.clone(),
+        }
+    }
+
+    /// Sends drained grants, batched per agent, on the right incarnation's stream.
+    fn route(&mut self) {
+        if self.core.pending_grants() == 0 {
+            return;
+        }
+        let grants: Vec<Grant> = self.core.drain_grants().collect();
+        for g in grants {
+            match self.routes.get(&g.agent) {
+                Some(r) if r.incarnation == g.incarnation => {
+                    self.batch
+                        .entry(Arc::clone(&g.agent))
+                        .or_default()
+                        .push(grant_to_pb(&g));
+                }
+                _ => self.counters.grants_dropped += 1,
+            }
+        }
+        let max = self.core.config().max_keys_per_message.max(1);
+        for (agent, grants) in self.batch.drain() {
+            let Some(r) = self.routes.get(&agent) else {
+                continue;
+            };
+            let mut closed = false;
+            for chunk in grants.chunks(max) {
+                let n = chunk.len() as u64;
+                let msg = pb::AllocatorMessage {
+                    msg: Some(pb::allocator_message::Msg::Grants(pb::Grants {
+                        grants: chunk.to_vec(),
+                    })),
+                };
+                match r.tx.try_send(Ok(msg)) {
+                    Ok(()) => self.counters.grants_sent += n,
+                    Err(mpsc::error::TrySendError::Full(_)) => {
+                        self.counters.grants_dropped += n;
+                    }
+                    Err(mpsc::error::TrySendError::Closed(_)) => {
+                        self.counters.grants_dropped += n;
+                        closed = true;
+                    }
+                }
+            }
+            if closed {
+                self.routes.remove(&agent);
+            }
+        }
+    }
+}
+
+/// A core grant as a wire grant.
+pub fn grant_to_pb(g: &Grant) -> pb::Grant {
+    pb::Grant {
+        key: Some(pb::Key {
+            rule: g.key.rule.clone(),
+            values: g.key.values.clone(),
+        }),
+        rate: g.rate,
+        burst: g.burst,
+        epoch: g.epoch,
+        seq: g.seq,
+        lease_expires_at_ns: g.lease_expires_at_ns,
+        fleet_size: g.fleet_size,
+        transfer_tokens: g.transfer_tokens,
+    }
+}
