@@ -169,7 +169,15 @@ impl Redis {
         let sha = self.sha.clone();
         let r = self
             .command(&[
-                "EVALSHA", &sha, "3", &keys[0], &keys[1], &keys[2], "1", "1000000000", "1",
+                "EVALSHA",
+                &sha,
+                "3",
+                &keys[0],
+                &keys[1],
+                &keys[2],
+                "1",
+                "1000000000",
+                "1",
             ])
             .await?;
         Ok(r == "1")
@@ -262,7 +270,13 @@ struct Outcome {
     hist: Histogram<u64>,
 }
 
-async fn caller(target: Target, keys: u32, seed: u64, until: Instant, warm: Instant) -> Result<Outcome> {
+async fn caller(
+    target: Target,
+    keys: u32,
+    seed: u64,
+    until: Instant,
+    warm: Instant,
+) -> Result<Outcome> {
     let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)?;
     let (mut decisions, mut admitted) = (0u64, 0u64);
     let mut x = seed | 1;
@@ -299,7 +313,9 @@ async fn caller(target: Target, keys: u32, seed: u64, until: Instant, warm: Inst
             }
         }
         Target::Http(addr) => {
-            let client = reqwest::Client::builder().pool_max_idle_per_host(1).build()?;
+            let client = reqwest::Client::builder()
+                .pool_max_idle_per_host(1)
+                .build()?;
             let url = format!("http://{addr}/v1/admit");
             let mut n = 0u64;
             while Instant::now() < until {
@@ -350,11 +366,24 @@ async fn caller(target: Target, keys: u32, seed: u64, until: Instant, warm: Inst
     })
 }
 
-async fn measure(target: Target, callers: usize, keys: u32, seconds: u64) -> Result<(f64, f64, f64, f64)> {
+async fn measure(
+    target: Target,
+    callers: usize,
+    keys: u32,
+    seconds: u64,
+) -> Result<(f64, f64, f64, f64)> {
     let warm = Instant::now() + Duration::from_secs(1);
     let until = warm + Duration::from_secs(seconds);
     let tasks: Vec<_> = (0..callers)
-        .map(|i| tokio::spawn(caller(target, keys, 0x9E37_79B9 + i as u64 * 7919, until, warm)))
+        .map(|i| {
+            tokio::spawn(caller(
+                target,
+                keys,
+                0x9E37_79B9 + i as u64 * 7919,
+                until,
+                warm,
+            ))
+        })
         .collect();
     let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)?;
     let (mut decisions, mut admitted) = (0u64, 0u64);
@@ -383,11 +412,18 @@ async fn wait_port(addr: SocketAddr) -> Result<()> {
     bail!("nothing listens on {addr}")
 }
 
-async fn run(agent: String, redis: SocketAddr, seconds: u64, callers: String, keys: u32) -> Result<()> {
+async fn run(
+    agent: String,
+    redis: SocketAddr,
+    seconds: u64,
+    callers: String,
+    keys: u32,
+) -> Result<()> {
     let me = std::env::current_exe()?;
     let rules = std::env::temp_dir().join(format!("bursar-bench-{}.toml", std::process::id()));
     std::fs::write(&rules, RULES)?;
-    let (a_http, a_grpc, nowork, redis_rls) = (free_addr()?, free_addr()?, free_addr()?, free_addr()?);
+    let (a_http, a_grpc, nowork, redis_rls) =
+        (free_addr()?, free_addr()?, free_addr()?, free_addr()?);
     let _agent = Proc(
         Command::new(&agent)
             .arg("--config")
@@ -395,7 +431,9 @@ async fn run(agent: String, redis: SocketAddr, seconds: u64, callers: String, ke
             .args(["--http", &a_http.to_string(), "--grpc", &a_grpc.to_string()])
             .stdout(Stdio::null())
             .spawn()
-            .with_context(|| format!("starting {agent} (build it: cargo build --release -p bursar-agent)"))?,
+            .with_context(|| {
+                format!("starting {agent} (build it: cargo build --release -p bursar-agent)")
+            })?,
     );
     let _nowork = Proc(
         Command::new(&me)
@@ -404,7 +442,13 @@ async fn run(agent: String, redis: SocketAddr, seconds: u64, callers: String, ke
     );
     let _redis_rls = Proc(
         Command::new(&me)
-            .args(["serve-redis", "--addr", &redis_rls.to_string(), "--redis", &redis.to_string()])
+            .args([
+                "serve-redis",
+                "--addr",
+                &redis_rls.to_string(),
+                "--redis",
+                &redis.to_string(),
+            ])
             .spawn()?,
     );
     for a in [a_http, a_grpc, nowork, redis_rls, redis] {

@@ -303,6 +303,71 @@ pub struct MaintainReport {
     pub slices_expired: usize,
 }
 
+/// One live limit key as the allocator sync client reads it ([`Engine::key_demand`]).
+#[derive(Clone, Debug)]
+pub struct KeyDemand {
+    /// The rule's name.
+    pub rule: String,
+    /// The rule's `*` values, in match-key order.
+    pub values: Vec<String>,
+    /// The live slot's counters. A slice change (or eviction at rest) replaces the
+    /// slot and its counters start again from 0: compare slots with
+    /// [`SlotCounters::same_slot`] and read the old one's final counts.
+    pub counters: SlotCounters,
+    /// Slots in flight (concurrency rules; 0 otherwise).
+    pub in_flight: u64,
+    /// The allocator slice applied to the key, if any.
+    pub slice: Option<AppliedSlice>,
+}
+
+/// An allocator slice as the engine holds it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AppliedSlice {
+    /// The grant's term.
+    pub epoch: u64,
+    /// The grant's sequence number.
+    pub seq: u64,
+    /// Rate the key can use now (the posture's fallback once the lease ended; 0 when
+    /// closed or for concurrency rules).
+    pub rate: u64,
+    /// Burst (slots for concurrency rules) the key can use now.
+    pub burst: u64,
+    /// The grant's lease end, engine ns.
+    pub lease_expires_at_ns: u64,
+    /// The lease ended and the rule's posture applies.
+    pub expired: bool,
+}
+
+/// Read-only view of one slot's demand counters.
+#[derive(Clone)]
+pub struct SlotCounters(Arc<Slot>);
+
+impl SlotCounters {
+    /// Cost admitted through this slot.
+    pub fn admitted(&self) -> u64 {
+        self.0.admitted.load(Ordering::Relaxed)
+    }
+
+    /// Cost rejected by this slot.
+    pub fn rejected(&self) -> u64 {
+        self.0.rejected.load(Ordering::Relaxed)
+    }
+
+    /// Both views read the same slot (not a replacement).
+    pub fn same_slot(&self, other: &SlotCounters) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl std::fmt::Debug for SlotCounters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SlotCounters")
+            .field("admitted", &self.admitted())
+            .field("rejected", &self.rejected())
+            .finish()
+    }
+}
+
 /// Per-rule totals, for summaries and metrics. Approximate under concurrent slice
 /// changes (a count landing on a slot being retired can be missed); never used for
 /// billing.
@@ -1491,6 +1556,49 @@ impl Engine {
             r.keys += 1;
         }
         out
+    }
+
+    /// Every live key with its demand counters, in-flight count and applied allocator
+    /// slice, appended to `out`: what the allocator sync client reports
+    /// (`shell::sync`). Changes nothing.
+    pub fn key_demand(&self, out: &mut Vec<KeyDemand>) {
+        let slow = self.slow();
+        let table = self.table.load();
+        let mut seen = std::collections::HashSet::new();
+        for (id, s) in slow.pending.iter().chain(table.map.iter()) {
+            if s.is_sealed() || !seen.insert(*id) {
+                continue;
+            }
+            let c = &self.compiled[s.key.rule as usize];
+            let slice = slow
+                .slices
+                .get(&(s.key.rule, s.key.values.clone()))
+                .map(|st| {
+                    let (rate, burst) = match st.grant {
+                        Params::Rate(p) => (p.limit.rate, p.limit.burst),
+                        Params::Closed(_) => (0, 0),
+                        Params::Slots(n) => (0, n),
+                    };
+                    AppliedSlice {
+                        epoch: st.epoch,
+                        seq: st.seq,
+                        rate,
+                        burst,
+                        lease_expires_at_ns: st.lease_expires_at_ns,
+                        expired: st.expired,
+                    }
+                });
+            out.push(KeyDemand {
+                rule: c.rule.name.clone(),
+                values: s.key.values.iter().map(|v| v.to_string()).collect(),
+                in_flight: match s.params {
+                    Params::Slots(_) => s.load().tat,
+                    _ => 0,
+                },
+                counters: SlotCounters(Arc::clone(s)),
+                slice,
+            });
+        }
     }
 
     /// Level of one limit key at `now`, in whole units (negative: debt), or `None` if
