@@ -12,10 +12,14 @@
 //! acknowledgement, refuses a damaged data file), and the single-node HTTP shell
 //! ([`server`], feature `server`, default) behind the `bursar-ledger` binary.
 //!
-//! **Not built:** the cluster (foca membership, quinn sync with mutual TLS, rkyv
-//! messages, push/pull anti-entropy). A ledger node today is a single node; nothing
-//! is replicated between nodes. The agent does not yet embed the ledger as its
-//! outbox.
+//! Also built, without a transport: [`reconcile`], the digest-driven reconciliation
+//! round the cluster's anti-entropy will run, property-tested in memory (any two
+//! ledgers end with the state of their union).
+//!
+//! **Not built:** the cluster itself (foca membership, quinn with mutual TLS, rkyv
+//! envelopes, push of new batches, version vectors). A ledger node today is a single
+//! node; nothing is replicated between nodes. The agent does not yet embed the ledger
+//! as its outbox.
 //!
 //! The API, the guarantees and the evidence for each are in `docs/ledger.md`;
 //! ingest figures in `docs/benchmarks-ledger.md`. The core builds without the shell:
@@ -34,6 +38,8 @@
 //! - [`totals`]: exact per-bucket totals with `void` and `adjust` applied.
 //! - [`store`]: the [`Store`] trait, the merge algorithm every backend shares
 //!   ([`store::apply_batch`]), [`MemStore`], and queries ([`store::usage_totals`]).
+//! - [`reconcile`]: digest-driven reconciliation between two stores, sans-IO (the
+//!   core the cluster's anti-entropy will run; no transport yet).
 //! - [`redb_store`]: the durable backend.
 //! - `server` (feature `server`): the HTTP JSON shell: one writer thread owns the
 //!   writes and group-commits concurrent requests; reads use MVCC snapshots.
@@ -47,6 +53,7 @@ pub mod conformance;
 pub mod digest;
 pub mod event;
 pub mod merge;
+pub mod reconcile;
 pub mod redb_store;
 #[cfg(feature = "server")]
 pub mod server;

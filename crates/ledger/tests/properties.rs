@@ -1,10 +1,12 @@
-//! Property tests of merge and digests: the ledger's totals and digests are a function
-//! of the *set* of events, never of arrival order, duplication or batching.
+//! Property tests of merge, digests and reconciliation: the ledger's totals and digests
+//! are a function of the *set* of events, never of arrival order, duplication or
+//! batching, and reconciling two ledgers gives both the state of their union.
 
 use std::ops::ControlFlow;
 
 use bursar_ledger::digest::{Bucket, Digest};
 use bursar_ledger::event::{Body, Event, HOUR_MS, Status, TokenDeltas, Tokens};
+use bursar_ledger::reconcile::{ReconcileLimits, reconcile_in_memory};
 use bursar_ledger::store::{MemStore, Store, usage_totals};
 use bursar_ledger::totals::{TotalsLimits, UsageTotals};
 use bursar_ledger::{EventKey, RedbStore};
@@ -187,5 +189,37 @@ proptest! {
         let m = MemStore::new();
         m.apply(&events).unwrap();
         prop_assert_eq!(observe(&r), observe(&m));
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    #[test]
+    fn reconciling_any_two_ledgers_gives_both_the_state_of_the_union(
+        a_events in prop::collection::vec(event(), 0..60),
+        b_events in prop::collection::vec(event(), 0..60),
+        buckets_max in 1usize..20,
+    ) {
+        let a = MemStore::new();
+        a.apply(&a_events).unwrap();
+        let b = MemStore::new();
+        b.apply(&b_events).unwrap();
+        // events_max above any bucket's size: whole-bucket transfer (see reconcile docs).
+        let limits = ReconcileLimits { buckets_max, events_max: 200 };
+        let (rounds, _) = reconcile_in_memory(&a, &b, &limits, 100).unwrap();
+        prop_assert!(rounds < 100, "did not converge");
+        let union = MemStore::new();
+        union.apply(&a_events).unwrap();
+        union.apply(&b_events).unwrap();
+        let (mut oa, mut ob, mut ou) = (observe(&a), observe(&b), observe(&union));
+        // Conflict records stay where the conflict was seen; compare the rest.
+        oa.conflicts.clear();
+        ob.conflicts.clear();
+        ou.conflicts.clear();
+        prop_assert_eq!(&oa, &ou);
+        prop_assert_eq!(&ob, &ou);
+        a.check_invariants();
+        b.check_invariants();
     }
 }
