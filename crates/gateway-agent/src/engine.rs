@@ -709,32 +709,26 @@ impl Engine {
                 && cost > rule.whole_capacity
                 && rule.enforce
             {
-                {
-                    self.rollback(now, &held);
-                    return Ok(Decision::Rejected(Rejected {
-                        rule: ri as usize,
-                        reason: RejectReason::NeverFits {
-                            cost,
-                            burst: rule.whole_capacity,
-                        },
-                        limits,
-                    }));
-                }
-            }
-            let id = self.hashing.key_id(ri, values.iter().copied());
-            let check = self.hashing.key_check(ri, values.iter().copied());
-            let mut found = table.lookup(id, check).cloned();
-            loop {
-                let slot = match found.take() {
-                    Some(s) => s,
-                    None => match self.resolve_slow(now, id, ri, values) {
-                        Ok(s) => s,
-                        Err(e) => {
-                            self.rollback(now, &held);
-                            return Err(e);
-                        }
+                self.rollback(now, &held);
+                return Ok(Decision::Rejected(Rejected {
+                    rule: ri as usize,
+                    reason: RejectReason::NeverFits {
+                        cost,
+                        burst: rule.whole_capacity,
                     },
+                    limits,
+                }));
+            }
+            let mut first = true;
+            loop {
+                let slot = match self.slot_for(table, now, ri, values, first) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        self.rollback(now, &held);
+                        return Err(e);
+                    }
                 };
+                first = false;
                 let hold = rule.refundable();
                 match slot.try_take(now, cost, hold) {
                     Take::Taken { amount, after } => {
@@ -826,6 +820,27 @@ impl Engine {
             replayed: false,
             limits,
         }))
+    }
+
+    /// The key's live slot: from the table snapshot when `first` (the decision path:
+    /// no lock, no allocation), else, after meeting a sealed slot, from the slow path.
+    #[inline]
+    fn slot_for(
+        &self,
+        table: &KeyTable,
+        now: u64,
+        rule: u32,
+        values: &[&str],
+        first: bool,
+    ) -> Result<Arc<Slot>, AdmitError> {
+        let id = self.hashing.key_id(rule, values.iter().copied());
+        if first {
+            let check = self.hashing.key_check(rule, values.iter().copied());
+            if let Some(s) = table.lookup(id, check) {
+                return Ok(Arc::clone(s));
+            }
+        }
+        self.resolve_slow(now, id, rule, values)
     }
 
     /// Undoes every debit in `held` (a rejection or a failed insert).
@@ -1174,20 +1189,16 @@ impl Engine {
                     limits,
                 }));
             }
-            let id = self.hashing.key_id(ri, values.iter().copied());
-            let check = self.hashing.key_check(ri, values.iter().copied());
-            let mut found = table.lookup(id, check).cloned();
+            let mut first = true;
             loop {
-                let slot = match found.take() {
-                    Some(s) => s,
-                    None => match self.resolve_slow(now, id, ri, values) {
-                        Ok(s) => s,
-                        Err(e) => {
-                            undo(&taken);
-                            return Err(e);
-                        }
-                    },
+                let slot = match self.slot_for(&table, now, ri, values, first) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        undo(&taken);
+                        return Err(e);
+                    }
                 };
+                first = false;
                 if deferred {
                     charges[n_charges] = Some((ri, slot));
                     n_charges += 1;
@@ -1269,14 +1280,8 @@ impl Engine {
             }
             let values = &values[..nv];
             let cost = rule.cost(&req.cost);
-            let id = self.hashing.key_id(ri, values.iter().copied());
-            let check = self.hashing.key_check(ri, values.iter().copied());
-            let mut found = table.lookup(id, check).cloned();
-            for _ in 0..8 {
-                let slot = match found.take() {
-                    Some(s) => s,
-                    None => self.resolve_slow(now, id, ri, values)?,
-                };
+            for attempt in 0..8 {
+                let slot = self.slot_for(&table, now, ri, values, attempt == 0)?;
                 if slot.charge(now, cost) {
                     slot.admitted.fetch_add(cost, Ordering::Relaxed);
                     charged += 1;

@@ -11,6 +11,7 @@ pub mod http;
 pub mod layer;
 pub mod proxy;
 pub mod rls;
+pub mod sync;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -1,0 +1,697 @@
+//! The allocator sync client: the agent's side of `bursar.allocator.v1`.
+//!
+//! One task per agent keeps one gRPC stream to the allocator:
+//!
+//! - **Hello** first: agent id, incarnation, weight, every grant the engine holds
+//!   (a new allocator term learns them: invariant 4), the agent's clock, the rules
+//!   version. The allocator answers with a welcome (its term and bounds).
+//! - **Reports** every `report_interval` (default 250 ms), and out of band within
+//!   `new_key_poll` (default 20 ms) when the engine has a key the allocator has not
+//!   heard of (a cold key waits for its first grant). Per key: admitted and rejected
+//!   cost (cumulative since `counting_since_ns`), the applied grant (epoch, seq, rate,
+//!   burst), in-flight slots. Delta-encoded: unchanged keys go only in every
+//!   `full_report_every`-th report. Every report, even an empty one, renews leases.
+//! - **Grants** are applied with [`Engine::apply_slices`] (fenced by epoch and seq in
+//!   the engine) and **acknowledged** with the tokens the shrink gave up; a
+//!   concurrency shrink is acknowledged only once in-flight work fits the new slot
+//!   count (in-flight work drains, it is never revoked).
+//! - The stream breaks: the client reconnects with jittered exponential backoff
+//!   (`backoff_min` .. `backoff_max`); a redirect names the leader to reconnect to. In
+//!   between the engine keeps admitting within its grants, and once a lease ends
+//!   `Engine::maintain` (the shell's ticker) applies the rule's partition posture.
+//!
+//! Counters come from [`Engine::key_demand`]: each key's live slot counts admitted and
+//! rejected cost; a slice change replaces the slot, so the client keeps the previous
+//! slot's view and adds its final counts (no demand is lost across a slice change).
+//!
+//! # Bounds
+//!
+//! - Keys per message: the allocator's `max_keys_per_message` (welcome), at most
+//!   [`pb::MAX_KEYS_PER_MESSAGE`]; larger sets are split into several reports.
+//! - Message size: [`pb::MAX_MESSAGE_BYTES`] both ways on the tonic client.
+//! - Outbound queue: `outbound_queue_max` messages. Full: the report or ack is dropped
+//!   and counted. Safe: counters are cumulative (the next report carries them), and an
+//!   unacknowledged shrink keeps counting against the agent at the allocator (never
+//!   the other way round) until the next report's held grant or its lease end.
+//! - Tracked keys: the engine's own `max_keys`.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasher, Hasher};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use bursar_proto::allocator as pb;
+use pb::allocator_message::Msg as In;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+
+use super::AgentState;
+use crate::clock::Clock;
+use crate::engine::{KeyDemand, SlotCounters};
+use crate::{Engine, RuleLimit, SliceError, SliceUpdate};
+
+/// Settings of the sync client. Durations are plain `Duration`s; defaults in
+/// [`SyncConfig::new`].
+#[derive(Clone, Debug)]
+pub struct SyncConfig {
+    /// The allocator, `host:port` (or a full `http://` URI).
+    pub allocator: String,
+    /// This agent's stable id (1 to 128 bytes), unique in the fleet.
+    pub agent_id: String,
+    /// This run of the agent: higher than any earlier run's (the default is the start
+    /// time in wall-clock ms). A new incarnation releases the old one's grants.
+    pub incarnation: u64,
+    /// Weight in weighted max-min. Default 1.
+    pub weight: u32,
+    /// Report period. Default 250 ms. Shorter moves slices sooner and costs the
+    /// allocator more reports.
+    pub report_interval: Duration,
+    /// Every n-th report names every key (the others only changed keys). Default 8.
+    pub full_report_every: u32,
+    /// How often the engine is checked for new keys, to report them at once. Default
+    /// 20 ms (a key-count read).
+    pub new_key_poll: Duration,
+    /// First reconnect delay. Default 100 ms.
+    pub backoff_min: Duration,
+    /// Longest reconnect delay. Default 5 s.
+    pub backoff_max: Duration,
+    /// Connect and welcome timeout. Default 2 s.
+    pub connect_timeout: Duration,
+    /// Messages queued towards the allocator. Default 64.
+    pub outbound_queue_max: usize,
+}
+
+impl SyncConfig {
+    /// Defaults for `agent_id` talking to `allocator`, incarnation from the wall clock.
+    pub fn new(allocator: impl Into<String>, agent_id: impl Into<String>) -> SyncConfig {
+        let incarnation = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(1)
+            .max(1);
+        SyncConfig {
+            allocator: allocator.into(),
+            agent_id: agent_id.into(),
+            incarnation,
+            weight: 1,
+            report_interval: Duration::from_millis(250),
+            full_report_every: 8,
+            new_key_poll: Duration::from_millis(20),
+            backoff_min: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(2),
+            outbound_queue_max: 64,
+        }
+    }
+}
+
+/// What the sync client has done, for metrics and tests.
+#[derive(Debug, Default)]
+pub struct SyncStatus {
+    /// A stream is up (welcome received).
+    pub connected: AtomicBool,
+    /// The allocator's term from the last welcome.
+    pub term: AtomicU64,
+    /// Streams opened (welcomes received).
+    pub connects: AtomicU64,
+    /// Grants applied.
+    pub grants_applied: AtomicU64,
+    /// Grants the engine refused (stale, unknown rule, ...).
+    pub grants_refused: AtomicU64,
+    /// Reports sent.
+    pub reports_sent: AtomicU64,
+    /// Acks sent (slices).
+    pub acks_sent: AtomicU64,
+    /// Reports or acks dropped on a full queue.
+    pub dropped: AtomicU64,
+}
+
+/// Starts the sync client task; it runs until `shutdown` turns true.
+pub fn spawn(
+    state: Arc<AgentState>,
+    cfg: SyncConfig,
+    shutdown: watch::Receiver<bool>,
+) -> (Arc<SyncStatus>, tokio::task::JoinHandle<()>) {
+    let status = Arc::new(SyncStatus::default());
+    let client = Client {
+        state,
+        cfg,
+        status: Arc::clone(&status),
+        tracks: HashMap::new(),
+        buf: Vec::new(),
+        last_ts: 0,
+        last_poll_ns: 0,
+        generation: 0,
+        reports: 0,
+        pending_acks: Vec::new(),
+        config_version: String::new(),
+    };
+    let handle = tokio::spawn(client.run(shutdown));
+    (status, handle)
+}
+
+/// The rules version sent in the hello (see `bursar_proto::allocator::config_version`).
+pub fn config_version(engine: &Engine) -> String {
+    pb::config_version(&format!("{:?}", engine.rules()))
+}
+
+type KeyId = (String, Vec<String>);
+
+/// What the client knows of one engine key.
+struct Track {
+    /// The slot last read, and its counts then.
+    slot: SlotCounters,
+    slot_admitted: u64,
+    slot_rejected: u64,
+    /// Cumulative since `since_ns`.
+    admitted: u64,
+    rejected: u64,
+    since_ns: u64,
+    in_flight: u64,
+    held: Option<pb::HeldGrant>,
+    concurrency: bool,
+    /// Last values sent on the current stream (`None`: not yet on this stream).
+    sent: Option<(u64, u64, u64, Option<pb::HeldGrant>)>,
+    /// Poll generation that last saw the key.
+    seen: u64,
+}
+
+/// A concurrency shrink applied but not yet drained.
+struct PendingAck {
+    key: KeyId,
+    epoch: u64,
+    seq: u64,
+    slots: u64,
+    released: u64,
+}
+
+struct Client {
+    state: Arc<AgentState>,
+    cfg: SyncConfig,
+    status: Arc<SyncStatus>,
+    tracks: HashMap<KeyId, Track>,
+    buf: Vec<KeyDemand>,
+    last_ts: u64,
+    last_poll_ns: u64,
+    generation: u64,
+    reports: u64,
+    pending_acks: Vec<PendingAck>,
+    config_version: String,
+}
+
+/// Why a stream ended.
+enum End {
+    Shutdown,
+    Redirect(String),
+    Lost(String),
+}
+
+fn jitter(max_ns: u64) -> u64 {
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(max_ns);
+    h.finish() % max_ns.max(1)
+}
+
+fn uri(addr: &str) -> String {
+    if addr.starts_with("http://") || addr.starts_with("https://") {
+        addr.to_string()
+    } else {
+        format!("http://{addr}")
+    }
+}
+
+impl Client {
+    async fn run(mut self, mut shutdown: watch::Receiver<bool>) {
+        self.config_version = config_version(&self.state.engine);
+        self.last_poll_ns = self.now_ns();
+        let mut target = self.cfg.allocator.clone();
+        let mut backoff = self.cfg.backoff_min;
+        loop {
+            if *shutdown.borrow() {
+                return;
+            }
+            let end = self.stream(&target, &mut shutdown).await;
+            self.status.connected.store(false, Ordering::Relaxed);
+            let welcomed_before = self.status.connects.load(Ordering::Relaxed);
+            match end {
+                End::Shutdown => return,
+                End::Redirect(leader) => {
+                    eprintln!("bursar-agent: allocator redirects to the leader at {leader}");
+                    target = leader;
+                    continue;
+                }
+                End::Lost(why) => {
+                    // Full jitter over [backoff/2, backoff].
+                    let half = backoff.as_nanos() as u64 / 2;
+                    let wait = Duration::from_nanos(half + jitter(half.max(1)));
+                    eprintln!(
+                        "bursar-agent: allocator {target}: {why}; reconnecting in {} ms",
+                        wait.as_millis()
+                    );
+                    tokio::select! {
+                        _ = tokio::time::sleep(wait) => {}
+                        _ = shutdown.wait_for(|s| *s) => return,
+                    }
+                    backoff = (backoff * 2).min(self.cfg.backoff_max);
+                    // A stream that got as far as a welcome resets the backoff.
+                    if self.status.connects.load(Ordering::Relaxed) != welcomed_before {
+                        backoff = self.cfg.backoff_min;
+                    }
+                }
+            }
+        }
+    }
+
+    fn now_ns(&self) -> u64 {
+        self.state.clock.now_ns()
+    }
+
+    /// A strictly increasing agent timestamp for a message.
+    fn stamp(&mut self) -> u64 {
+        let t = self.now_ns().max(self.last_ts + 1);
+        self.last_ts = t;
+        t
+    }
+
+    /// Reads the engine's keys into the tracks.
+    fn refresh(&mut self) {
+        let now = self.now_ns();
+        let since = self.last_poll_ns.min(now);
+        self.last_poll_ns = now;
+        self.generation += 1;
+        let gen_ = self.generation;
+        self.buf.clear();
+        self.state.engine.key_demand(&mut self.buf);
+        for d in self.buf.drain(..) {
+            let held = d.slice.map(|s| pb::HeldGrant {
+                epoch: s.epoch,
+                seq: s.seq,
+                rate: s.rate,
+                burst: s.burst,
+            });
+            let (a, r) = (d.counters.admitted(), d.counters.rejected());
+            match self.tracks.get_mut(&(d.rule.clone(), d.values.clone())) {
+                Some(t) => {
+                    if t.slot.same_slot(&d.counters) {
+                        t.admitted += a.saturating_sub(t.slot_admitted);
+                        t.rejected += r.saturating_sub(t.slot_rejected);
+                    } else {
+                        // Replaced: the old slot's final counts, then the new one's.
+                        t.admitted += t.slot.admitted().saturating_sub(t.slot_admitted) + a;
+                        t.rejected += t.slot.rejected().saturating_sub(t.slot_rejected) + r;
+                        t.slot = d.counters;
+                    }
+                    t.slot_admitted = a;
+                    t.slot_rejected = r;
+                    t.in_flight = d.in_flight;
+                    t.held = held;
+                    t.seen = gen_;
+                }
+                None => {
+                    let concurrency = self
+                        .state
+                        .engine
+                        .rules()
+                        .by_name(&d.rule)
+                        .is_some_and(|(_, r)| {
+                            matches!(r.limit, RuleLimit::Concurrency { .. })
+                        });
+                    self.tracks.insert(
+                        (d.rule, d.values),
+                        Track {
+                            slot: d.counters,
+                            slot_admitted: a,
+                            slot_rejected: r,
+                            admitted: a,
+                            rejected: r,
+                            since_ns: since,
+                            in_flight: d.in_flight,
+                            held,
+                            concurrency,
+                            sent: None,
+                            seen: gen_,
+                        },
+                    );
+                }
+            }
+        }
+        // Keys the engine evicted.
+        self.tracks.retain(|_, t| t.seen == gen_);
+    }
+
+    fn hello(&mut self) -> pb::AgentMessage {
+        self.refresh();
+        let held: Vec<pb::HeldSlice> = self
+            .tracks
+            .iter()
+            .filter_map(|((rule, values), t)| {
+                t.held.map(|g| pb::HeldSlice {
+                    key: Some(pb::Key {
+                        rule: rule.clone(),
+                        values: values.clone(),
+                    }),
+                    grant: Some(g),
+                })
+            })
+            // The rest follow in the first (full) report, which carries every held
+            // grant too.
+            .take(pb::MAX_KEYS_PER_MESSAGE)
+            .collect();
+        pb::AgentMessage {
+            msg: Some(pb::agent_message::Msg::Hello(pb::Hello {
+                protocol_version: pb::PROTOCOL_VERSION,
+                agent: self.cfg.agent_id.clone(),
+                incarnation: self.cfg.incarnation,
+                weight: self.cfg.weight,
+                agent_time_ns: self.stamp(),
+                held,
+                config_version: self.config_version.clone(),
+            })),
+        }
+    }
+
+    /// Reports: `full` names every key; otherwise changed keys, or only keys the
+    /// allocator has not heard of on this stream (`only_new`).
+    fn reports(&mut self, full: bool, only_new: bool, max_keys: usize) -> Vec<pb::AgentMessage> {
+        let mut keys = Vec::new();
+        for ((rule, values), t) in self.tracks.iter_mut() {
+            let now_vals = (t.admitted, t.rejected, t.in_flight, t.held);
+            let include = match t.sent {
+                None => true,
+                Some(_) if only_new => false,
+                Some(s) => full || s != now_vals,
+            };
+            if !include {
+                continue;
+            }
+            t.sent = Some(now_vals);
+            keys.push(pb::KeyReport {
+                key: Some(pb::Key {
+                    rule: rule.clone(),
+                    values: values.clone(),
+                }),
+                admitted: t.admitted,
+                rejected: t.rejected,
+                counting_since_ns: t.since_ns,
+                in_flight: t.in_flight,
+                held: t.held,
+            });
+        }
+        if keys.is_empty() && only_new {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        let mut keys = keys.into_iter().peekable();
+        loop {
+            let chunk: Vec<pb::KeyReport> = keys.by_ref().take(max_keys.max(1)).collect();
+            out.push(pb::AgentMessage {
+                msg: Some(pb::agent_message::Msg::Report(pb::Report {
+                    agent_time_ns: self.stamp(),
+                    keys: chunk,
+                })),
+            });
+            if keys.peek().is_none() {
+                break;
+            }
+        }
+        out
+    }
+
+    fn send(&self, tx: &mpsc::Sender<pb::AgentMessage>, m: pb::AgentMessage) -> bool {
+        match tx.try_send(m) {
+            Ok(()) => true,
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                self.status.dropped.fetch_add(1, Ordering::Relaxed);
+                true
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => false,
+        }
+    }
+
+    fn send_reports(&self, tx: &mpsc::Sender<pb::AgentMessage>, ms: Vec<pb::AgentMessage>) -> bool {
+        for m in ms {
+            if !self.send(tx, m) {
+                return false;
+            }
+            self.status.reports_sent.fetch_add(1, Ordering::Relaxed);
+        }
+        true
+    }
+
+    /// Applies grants; returns the acks to send now.
+    fn apply(&mut self, grants: Vec<pb::Grant>) -> Vec<pb::SliceAck> {
+        let mut updates = Vec::with_capacity(grants.len());
+        for g in &grants {
+            let Some(k) = &g.key else {
+                self.status.grants_refused.fetch_add(1, Ordering::Relaxed);
+                continue;
+            };
+            updates.push(SliceUpdate {
+                rule: k.rule.clone(),
+                values: k.values.clone(),
+                rate: g.rate,
+                burst: g.burst,
+                epoch: g.epoch,
+                seq: g.seq,
+                lease_expires_at_ns: g.lease_expires_at_ns,
+                fleet_size: g.fleet_size,
+                transfer_tokens: g.transfer_tokens,
+            });
+        }
+        // Count what the old slots admitted up to the swap.
+        self.refresh();
+        let now = self.now_ns();
+        let results = self.state.engine.apply_slices(now, &updates);
+        let mut acks = Vec::new();
+        for (u, r) in updates.into_iter().zip(results) {
+            match r {
+                Ok(applied) => {
+                    self.status.grants_applied.fetch_add(1, Ordering::Relaxed);
+                    let concurrency = self
+                        .state
+                        .engine
+                        .rules()
+                        .by_name(&u.rule)
+                        .is_some_and(|(_, r)| matches!(r.limit, RuleLimit::Concurrency { .. }));
+                    if concurrency && applied.in_flight > u.burst {
+                        // Drains first: acknowledged once in-flight fits.
+                        self.pending_acks.retain(|p| p.key.0 != u.rule || p.key.1 != u.values);
+                        self.pending_acks.push(PendingAck {
+                            key: (u.rule, u.values),
+                            epoch: u.epoch,
+                            seq: u.seq,
+                            slots: u.burst,
+                            released: applied.released_tokens,
+                        });
+                        continue;
+                    }
+                    acks.push(pb::SliceAck {
+                        key: Some(pb::Key {
+                            rule: u.rule,
+                            values: u.values,
+                        }),
+                        epoch: u.epoch,
+                        seq: u.seq,
+                        released_tokens: applied.released_tokens,
+                        in_flight: applied.in_flight,
+                    });
+                }
+                Err(e) => {
+                    self.status.grants_refused.fetch_add(1, Ordering::Relaxed);
+                    if !matches!(e, SliceError::Stale { .. }) {
+                        eprintln!("bursar-agent: grant for {} refused: {e}", u.rule);
+                    }
+                }
+            }
+        }
+        acks
+    }
+
+    /// Acks for concurrency shrinks that have drained (after a refresh).
+    fn drained_acks(&mut self) -> Vec<pb::SliceAck> {
+        let mut acks = Vec::new();
+        let tracks = &self.tracks;
+        self.pending_acks.retain(|p| {
+            let Some(t) = tracks.get(&p.key) else {
+                return false;
+            };
+            // Superseded by a newer grant: that one is acknowledged on its own.
+            if t.held.is_none_or(|h| (h.epoch, h.seq) != (p.epoch, p.seq)) {
+                return false;
+            }
+            if t.in_flight > p.slots {
+                return true;
+            }
+            acks.push(pb::SliceAck {
+                key: Some(pb::Key {
+                    rule: p.key.0.clone(),
+                    values: p.key.1.clone(),
+                }),
+                epoch: p.epoch,
+                seq: p.seq,
+                released_tokens: p.released,
+                in_flight: t.in_flight,
+            });
+            false
+        });
+        acks
+    }
+
+    fn send_acks(
+        &self,
+        tx: &mpsc::Sender<pb::AgentMessage>,
+        acks: Vec<pb::SliceAck>,
+        max_keys: usize,
+    ) -> bool {
+        for chunk in acks.chunks(max_keys.max(1)) {
+            let n = chunk.len() as u64;
+            let m = pb::AgentMessage {
+                msg: Some(pb::agent_message::Msg::Ack(pb::Ack {
+                    slices: chunk.to_vec(),
+                })),
+            };
+            if !self.send(tx, m) {
+                return false;
+            }
+            self.status.acks_sent.fetch_add(n, Ordering::Relaxed);
+        }
+        true
+    }
+
+    /// One stream, from connect to its end.
+    async fn stream(&mut self, target: &str, shutdown: &mut watch::Receiver<bool>) -> End {
+        let endpoint = match tonic::transport::Endpoint::from_shared(uri(target)) {
+            Ok(e) => e,
+            Err(e) => return End::Lost(format!("bad address: {e}")),
+        }
+        .connect_timeout(self.cfg.connect_timeout)
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(2))
+        .keep_alive_timeout(Duration::from_secs(5))
+        .keep_alive_while_idle(true);
+        let channel = tokio::select! {
+            c = endpoint.connect() => match c {
+                Ok(c) => c,
+                Err(e) => return End::Lost(format!("connect: {e}")),
+            },
+            _ = shutdown.wait_for(|s| *s) => return End::Shutdown,
+        };
+        let mut client = pb::allocator_client::AllocatorClient::new(channel)
+            .max_decoding_message_size(pb::MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(pb::MAX_MESSAGE_BYTES);
+        let (tx, rx) = mpsc::channel(self.cfg.outbound_queue_max.max(2));
+        // A new stream: every key is new to it.
+        for t in self.tracks.values_mut() {
+            t.sent = None;
+        }
+        let hello = self.hello();
+        if tx.try_send(hello).is_err() {
+            return End::Lost("queue".into());
+        }
+        let opened = tokio::time::timeout(self.cfg.connect_timeout, async {
+            let mut inbound = client.sync(ReceiverStream::new(rx)).await?.into_inner();
+            let first = inbound.message().await?;
+            Ok::<_, tonic::Status>((inbound, first))
+        });
+        let (mut inbound, first) = tokio::select! {
+            r = opened => match r {
+                Err(_) => return End::Lost("no welcome in time".into()),
+                Ok(Err(s)) => return End::Lost(format!("refused: {} ({:?})", s.message(), s.code())),
+                Ok(Ok(x)) => x,
+            },
+            _ = shutdown.wait_for(|s| *s) => return End::Shutdown,
+        };
+        let welcome = match first.and_then(|m| m.msg) {
+            Some(In::Welcome(w)) => w,
+            Some(In::Redirect(r)) => return End::Redirect(r.leader),
+            other => return End::Lost(format!("expected a welcome, got {other:?}")),
+        };
+        if welcome.protocol_version != pb::PROTOCOL_VERSION {
+            return End::Lost(format!(
+                "allocator speaks protocol {}",
+                welcome.protocol_version
+            ));
+        }
+        if !welcome.config_version.is_empty() && welcome.config_version != self.config_version {
+            eprintln!(
+                "bursar-agent: the allocator's rules (version {}) differ from this agent's ({})",
+                welcome.config_version, self.config_version
+            );
+        }
+        let max_keys = (welcome.max_keys_per_message as usize).clamp(1, pb::MAX_KEYS_PER_MESSAGE);
+        self.status.term.store(welcome.term, Ordering::Relaxed);
+        self.status.connects.fetch_add(1, Ordering::Relaxed);
+        self.status.connected.store(true, Ordering::Relaxed);
+        eprintln!(
+            "bursar-agent: allocator {target} connected (term {}, agent {} incarnation {})",
+            welcome.term, self.cfg.agent_id, self.cfg.incarnation
+        );
+        // Everything the allocator should know, at once.
+        self.refresh();
+        let ms = self.reports(true, false, max_keys);
+        if !self.send_reports(&tx, ms) {
+            return End::Lost("stream closed".into());
+        }
+        let mut report_tick = tokio::time::interval(self.cfg.report_interval);
+        report_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        report_tick.reset();
+        let mut poll_tick = tokio::time::interval(self.cfg.new_key_poll);
+        poll_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut key_count = self.state.engine.key_count();
+        let full_every = self.cfg.full_report_every.max(1) as u64;
+        loop {
+            tokio::select! {
+                _ = shutdown.wait_for(|s| *s) => return End::Shutdown,
+                m = inbound.message() => {
+                    let m = match m {
+                        Ok(Some(m)) => m,
+                        Ok(None) => return End::Lost("stream ended".into()),
+                        Err(s) => return End::Lost(format!("{} ({:?})", s.message(), s.code())),
+                    };
+                    match m.msg {
+                        Some(In::Grants(g)) => {
+                            let acks = self.apply(g.grants);
+                            if !self.send_acks(&tx, acks, max_keys) {
+                                return End::Lost("stream closed".into());
+                            }
+                        }
+                        Some(In::Redirect(r)) => return End::Redirect(r.leader),
+                        Some(In::ConfigVersion(v)) => {
+                            if v.version != self.config_version {
+                                eprintln!(
+                                    "bursar-agent: the allocator's rules changed (version {}); this agent's are {}",
+                                    v.version, self.config_version
+                                );
+                            }
+                        }
+                        Some(In::Welcome(_)) | None => {}
+                    }
+                }
+                _ = report_tick.tick() => {
+                    self.refresh();
+                    self.reports += 1;
+                    let full = self.reports.is_multiple_of(full_every);
+                    let ms = self.reports(full, false, max_keys);
+                    let acks = self.drained_acks();
+                    if !self.send_reports(&tx, ms) || !self.send_acks(&tx, acks, max_keys) {
+                        return End::Lost("stream closed".into());
+                    }
+                }
+                _ = poll_tick.tick() => {
+                    let n = self.state.engine.key_count();
+                    if n == key_count && self.pending_acks.is_empty() {
+                        continue;
+                    }
+                    key_count = n;
+                    self.refresh();
+                    let ms = self.reports(false, true, max_keys);
+                    let acks = self.drained_acks();
+                    if !self.send_reports(&tx, ms) || !self.send_acks(&tx, acks, max_keys) {
+                        return End::Lost("stream closed".into());
+                    }
+                }
+            }
+        }
+    }
+}
