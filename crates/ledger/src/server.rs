@@ -318,11 +318,12 @@ async fn post_events(State(s): State<AppState>, body: Bytes) -> Response {
         .fetch_add(events.len() as u64, Ordering::Relaxed);
     let n = events.len();
     let (reply, rx) = oneshot::channel();
+    // Count the batch as queued before the writer can see (and uncount) it.
+    s.metrics.queued.fetch_add(1, Ordering::Relaxed);
     match s.tx.try_send(Job { events, reply }) {
-        Ok(()) => {
-            s.metrics.queued.fetch_add(1, Ordering::Relaxed);
-        }
+        Ok(()) => {}
         Err(mpsc::error::TrySendError::Full(_)) => {
+            s.metrics.queued.fetch_sub(1, Ordering::Relaxed);
             s.metrics.rejected_busy.fetch_add(1, Ordering::Relaxed);
             let mut r = error(
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -334,6 +335,7 @@ async fn post_events(State(s): State<AppState>, body: Bytes) -> Response {
             return r;
         }
         Err(mpsc::error::TrySendError::Closed(_)) => {
+            s.metrics.queued.fetch_sub(1, Ordering::Relaxed);
             return error(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "the writer has stopped; nothing stored",

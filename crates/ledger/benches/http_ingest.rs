@@ -1,0 +1,128 @@
+//! End-to-end durable ingest through the real `bursar-ledger` binary: concurrent
+//! clients `POST /v1/events` batches of 1,000 time-ordered events over loopback
+//! HTTP/1.0; the server parses and validates the JSON, group-commits whatever batches
+//! are waiting in one fsynced transaction, and answers. Throughput counts events
+//! acknowledged. Client and server share the machine's cores.
+//!
+//! `cargo bench -p bursar-ledger --bench http_ingest`; figures in
+//! docs/benchmarks-ledger.md.
+#![allow(missing_docs)] // criterion_main! generates an undocumented `main`.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+
+const BATCH: u64 = 1_000;
+static NEXT: AtomicU64 = AtomicU64::new(0);
+
+struct Server(Child, SocketAddr);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn start(dir: &std::path::Path) -> Server {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_bursar-ledger"))
+        .arg("--data-dir")
+        .arg(dir)
+        .args(["--node-id", "bench", "--http", "127.0.0.1:0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn bursar-ledger");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("read");
+    let addr = line
+        .trim()
+        .strip_prefix("listening on http://")
+        .expect("listening line")
+        .parse()
+        .expect("address");
+    Server(child, addr)
+}
+
+/// A batch body with request ids never used before in this process.
+fn body() -> Vec<u8> {
+    let b = NEXT.fetch_add(1, Ordering::Relaxed);
+    let t = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock")
+        .as_millis() as u64
+        - 1_000;
+    let mut s = String::with_capacity(260 * BATCH as usize);
+    s.push('[');
+    for i in 0..BATCH {
+        if i > 0 {
+            s.push(',');
+        }
+        s.push_str(&format!(
+            r#"{{"request_id":"node-{b:09}-{i:04}","origin":"agent-a","seq":{i},"tenant":"t{}","descriptors":[["key","k{}"]],"model":"gpt-4o","time_ms":{t},"status":"ok","input_tokens":{},"cached_input_tokens":0,"output_tokens":{}}}"#,
+            i % 8,
+            i % 10,
+            100 + i,
+            i % 500
+        ));
+    }
+    s.push(']');
+    s.into_bytes()
+}
+
+fn post(addr: SocketAddr, body: &[u8]) {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(60)))
+        .expect("timeout");
+    let head = format!(
+        "POST /v1/events HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).expect("write");
+    s.write_all(body).expect("write");
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).expect("read");
+    assert!(
+        out.starts_with(b"HTTP/1.0 200"),
+        "{}",
+        String::from_utf8_lossy(&out)
+    );
+}
+
+fn http_ingest(c: &mut Criterion) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = start(dir.path());
+    let addr = server.1;
+    let mut g = c.benchmark_group("http_ingest");
+    g.sample_size(10);
+    g.measurement_time(Duration::from_secs(10));
+    for clients in [1u64, 4] {
+        g.throughput(Throughput::Elements(BATCH * clients));
+        g.bench_function(format!("batch_{BATCH}_clients_{clients}"), |b| {
+            b.iter_custom(|iters| {
+                // Bodies are built before the clock starts.
+                let bodies: Vec<Vec<Vec<u8>>> = (0..clients)
+                    .map(|_| (0..iters).map(|_| body()).collect())
+                    .collect();
+                let start = Instant::now();
+                std::thread::scope(|s| {
+                    for mine in &bodies {
+                        s.spawn(move || mine.iter().for_each(|b| post(addr, b)));
+                    }
+                });
+                start.elapsed()
+            })
+        });
+    }
+    g.finish();
+    drop(server);
+}
+
+criterion_group!(benches, http_ingest);
+criterion_main!(benches);
