@@ -29,8 +29,8 @@ budget slices, with no network hop.\n\nWithout a subcommand it serves the HTTP J
 limit service v3 over gRPC, standalone: each limit key's slice is the rule's whole limit. It \
 prints one line `bursar-agent listening: http=ADDR grpc=ADDR` once bound, and stops on \
 Ctrl-C or SIGTERM. With --proxy-listen and --proxy-upstream it also runs an \
-OpenAI-compatible proxy (/v1/chat/completions, /v1/completions, /v1/embeddings).\n\nNot \
-built yet: the allocator sync client (--allocator)."
+OpenAI-compatible proxy (/v1/chat/completions, /v1/completions, /v1/embeddings).\n\nWith \
+--allocator ADDR it joins a fleet: slices come from `bursar-allocator` (docs/allocator.md)."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -50,9 +50,19 @@ struct ServeArgs {
     /// Envoy RLS v3 gRPC address (port 0 picks a free port).
     #[arg(long, default_value = "127.0.0.1:8081")]
     grpc: std::net::SocketAddr,
-    /// Allocator address. Not built yet: giving it is an error.
+    /// Allocator address (host:port). Sets `slice_source = "allocated"`: each key's
+    /// slice comes from the allocator's grants (a key with no grant rejects until its
+    /// first grant), and starts the sync client (reports every --report-interval-ms,
+    /// reconnects with jittered backoff, follows each rule's posture once a lease ends).
     #[arg(long)]
     allocator: Option<String>,
+    /// This agent's id at the allocator (unique in the fleet). Default:
+    /// `HOSTNAME-HTTPPORT`.
+    #[arg(long, requires = "allocator")]
+    agent_id: Option<String>,
+    /// Demand report period for the allocator, ms.
+    #[arg(long, default_value_t = 250, requires = "allocator", value_parser = clap::value_parser!(u64).range(10..=60_000))]
+    report_interval_ms: u64,
     /// OpenAI-compatible proxy listen address (with --proxy-upstream). Tenants come
     /// from `[[api_key]]` entries of the config (see `bursar-agent hash-key`).
     #[arg(long, requires = "proxy_upstream")]
@@ -126,12 +136,7 @@ fn main() -> Result<()> {
 }
 
 fn serve(args: ServeArgs) -> Result<()> {
-    if args.allocator.is_some() {
-        bail!(
-            "--allocator: the allocator sync client is not built yet; run without it (standalone)"
-        );
-    }
-    let config = match &args.config {
+    let mut config = match &args.config {
         Some(p) => Config::from_file(p).map_err(|e| anyhow::anyhow!("{e}"))?,
         None => {
             eprintln!("bursar-agent: no --config given, using the embedded demo rules");
@@ -163,6 +168,9 @@ fn serve(args: ServeArgs) -> Result<()> {
         }
         _ => None,
     };
+    if args.allocator.is_some() {
+        config.engine.slice_source = bursar_agent::SliceSource::Allocated;
+    }
     // Usage records go nowhere durable yet (the ledger's outbox is not wired in).
     let engine = Arc::new(Engine::new(config, Arc::new(bursar_agent::DiscardSink)));
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -173,13 +181,13 @@ fn serve(args: ServeArgs) -> Result<()> {
         let state = bursar_agent::shell::AgentState::new(engine);
         let (tx, rx) = tokio::sync::watch::channel(false);
         let bound = bursar_agent::shell::start(
-            state,
+            Arc::clone(&state),
             bursar_agent::shell::Listen {
                 http: Some(args.http),
                 grpc: Some(args.grpc),
                 proxy,
             },
-            rx,
+            rx.clone(),
         )
         .await
         .context("binding the front doors")?;
@@ -191,6 +199,21 @@ fn serve(args: ServeArgs) -> Result<()> {
         );
         use std::io::Write;
         let _ = std::io::stdout().flush();
+        if let Some(allocator) = &args.allocator {
+            let http_port = bound.http.map_or(0, |a| a.port());
+            let agent_id = args.agent_id.clone().unwrap_or_else(|| {
+                let host = std::env::var("HOSTNAME")
+                    .ok()
+                    .or_else(|| std::fs::read_to_string("/etc/hostname").ok())
+                    .map(|h| h.trim().to_string())
+                    .filter(|h| !h.is_empty())
+                    .unwrap_or_else(|| "agent".into());
+                format!("{host}-{http_port}")
+            });
+            let mut cfg = bursar_agent::shell::sync::SyncConfig::new(allocator.clone(), agent_id);
+            cfg.report_interval = Duration::from_millis(args.report_interval_ms);
+            bursar_agent::shell::sync::spawn(Arc::clone(&state), cfg, rx.clone());
+        }
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
             .context("SIGTERM handler")?;
         tokio::select! {

@@ -170,7 +170,6 @@ struct Track {
     since_ns: u64,
     in_flight: u64,
     held: Option<pb::HeldGrant>,
-    concurrency: bool,
     /// Last values sent on the current stream (`None`: not yet on this stream).
     sent: Option<(u64, u64, u64, Option<pb::HeldGrant>)>,
     /// Poll generation that last saw the key.
@@ -309,14 +308,6 @@ impl Client {
                     t.seen = gen_;
                 }
                 None => {
-                    let concurrency = self
-                        .state
-                        .engine
-                        .rules()
-                        .by_name(&d.rule)
-                        .is_some_and(|(_, r)| {
-                            matches!(r.limit, RuleLimit::Concurrency { .. })
-                        });
                     self.tracks.insert(
                         (d.rule, d.values),
                         Track {
@@ -328,7 +319,6 @@ impl Client {
                             since_ns: since,
                             in_flight: d.in_flight,
                             held,
-                            concurrency,
                             sent: None,
                             seen: gen_,
                         },
@@ -476,7 +466,8 @@ impl Client {
                         .is_some_and(|(_, r)| matches!(r.limit, RuleLimit::Concurrency { .. }));
                     if concurrency && applied.in_flight > u.burst {
                         // Drains first: acknowledged once in-flight fits.
-                        self.pending_acks.retain(|p| p.key.0 != u.rule || p.key.1 != u.values);
+                        self.pending_acks
+                            .retain(|p| p.key.0 != u.rule || p.key.1 != u.values);
                         self.pending_acks.push(PendingAck {
                             key: (u.rule, u.values),
                             epoch: u.epoch,
