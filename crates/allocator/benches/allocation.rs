@@ -13,6 +13,9 @@
 //!   received; it includes lease renewals, whole-key passes of large keys on their
 //!   schedule and the amortised expiry sweep. Only the allocator's calls are timed.
 //! - `report/100_keys_handle_report_only`: the same without the recomputation.
+//! - `report/100_keys_baseline_whole_key_recompute`: the named baseline, measured in the
+//!   same run: every changed key recomputed whole (`large_key_entries = usize::MAX`),
+//!   as the core did before single-entry updates.
 //!
 //! Run: `cargo bench -p bursar-allocator --bench allocation`. Figures:
 //! docs/benchmarks-allocator.md.
@@ -82,10 +85,11 @@ fn demand(agent: usize, key: u32, round: u64) -> u64 {
 }
 
 /// Every agent has said hello and reported all its keys once; nothing is allocated yet.
-fn fleet(recompute_delay_ms: u64) -> Fleet {
+fn fleet(recompute_delay_ms: u64, large_key_entries: usize) -> Fleet {
     let rules = Config::from_toml(RULES).unwrap();
     let cfg = AllocatorConfig {
         recompute_delay_ms,
+        large_key_entries,
         ..AllocatorConfig::default()
     };
     let mut alloc = Allocator::new(&rules, cfg, 1, 0).unwrap();
@@ -141,7 +145,7 @@ fn fleet(recompute_delay_ms: u64) -> Fleet {
 }
 
 fn full_pass(c: &mut Criterion) {
-    let f = fleet(10);
+    let f = fleet(10, AllocatorConfig::default().large_key_entries);
     println!(
         "fleet: {} agents, {} keys, {} key-agent entries; hottest key on {} agents",
         f.alloc.agent_count(),
@@ -195,8 +199,8 @@ struct Reporter {
 }
 
 impl Reporter {
-    fn new() -> Reporter {
-        let mut f = fleet(0);
+    fn new(large_key_entries: usize) -> Reporter {
+        let mut f = fleet(0, large_key_entries);
         f.alloc.reallocate_all(f.now);
         let grants: Vec<_> = f.alloc.drain_grants().collect();
         let mut slot = vec![HashMap::new(); AGENTS];
@@ -274,15 +278,16 @@ impl Reporter {
 }
 
 fn report(c: &mut Criterion) {
-    let mut r = Reporter::new();
     let mut g = c.benchmark_group("report");
     let mut out = Vec::new();
-    for recompute in [true, false] {
-        let label = if recompute {
-            "100_keys"
-        } else {
-            "100_keys_handle_report_only"
-        };
+    let default_large = AllocatorConfig::default().large_key_entries;
+    // The baseline: every key recomputed whole whenever its demand changes.
+    for (label, large, recompute) in [
+        ("100_keys", default_large, true),
+        ("100_keys_handle_report_only", default_large, false),
+        ("100_keys_baseline_whole_key_recompute", usize::MAX, true),
+    ] {
+        let mut r = Reporter::new(large);
         g.bench_function(label, |b| {
             b.iter_custom(|iters| {
                 let mut spent = Duration::ZERO;

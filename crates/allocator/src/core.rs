@@ -589,9 +589,18 @@ impl Allocator {
     /// Resolves a key name: an existing key, or the rule a new one would have.
     fn resolve(&self, name: &KeyName) -> Result<(Option<u32>, u32, Fp), AllocError> {
         let hash = self.hash_name(&name.rule, &name.values);
-        if let Some(id) = self.find_key(hash) {
-            let rule = self.keys[id as usize].as_ref().map(|k| k.rule).unwrap_or(0);
-            return Ok((Some(id), rule, hash));
+        self.resolve_found(name, hash, self.find_key(hash))
+    }
+
+    /// [`Allocator::resolve`] once the lookup is done.
+    fn resolve_found(
+        &self,
+        name: &KeyName,
+        hash: Fp,
+        found: Option<u32>,
+    ) -> Result<(Option<u32>, u32, Fp), AllocError> {
+        if let Some(id) = found {
+            return Ok((Some(id), self.key(id).rule, hash));
         }
         let &rule = self
             .rule_index
@@ -1041,12 +1050,24 @@ impl Allocator {
         let mut resolved: Vec<Resolved> = Vec::with_capacity(report.keys.len());
         let mut new_keys = 0usize;
         let mut new_entries = 0usize;
-        for kr in &report.keys {
-            let (key, rule, hash) = self.resolve(&kr.key)?;
+        // Lookups in phases, each a tight loop over the report, so that the cache misses
+        // of different keys overlap instead of queueing one behind another.
+        let fps: Vec<Fp> = report
+            .keys
+            .iter()
+            .map(|kr| self.hash_name(&kr.key.rule, &kr.key.values))
+            .collect();
+        let found: Vec<Option<u32>> = fps.iter().map(|&fp| self.find_key(fp)).collect();
+        let positions: Vec<Option<u32>> = found
+            .iter()
+            .map(|k| k.and_then(|k| self.entry_pos(a, k)))
+            .collect();
+        for (i, kr) in report.keys.iter().enumerate() {
+            let (key, rule, hash) = self.resolve_found(&kr.key, fps[i], found[i])?;
             if let Some(h) = &kr.held {
                 self.validate_held(&kr.key, rule, h)?;
             }
-            let entry = key.and_then(|k| self.entry_pos(a, k));
+            let entry = positions[i];
             self.validate_counters(kr, report.agent_time_ns, key, entry)?;
             match key {
                 None => {

@@ -18,17 +18,22 @@
 //!   for one lease before granting anything beyond it;
 //! - partition postures (`strict` / `conservative` / `open`) and the per-key overshoot
 //!   bound they imply ([`Allocator::overshoot_bound`], docs/tuning.md);
-//! - incremental recomputation (only keys whose demand changed, batched over
-//!   `recompute_delay_ms`), and `check_invariants()`.
+//! - incremental recomputation: only keys whose demand changed, batched over
+//!   `recompute_delay_ms`; a key with many agents is recomputed whole on a slower
+//!   schedule and, in between, a report re-targets just the reporting agent's entry
+//!   against the key's last water level (growth still only from what is free);
+//! - `check_invariants()` (budget conservation per key, caches, indexes, bounds).
 //!
 //! It reads the agents' own rules file through `bursar_agent::Config`, and each
 //! [`Grant`] maps one-to-one onto `bursar_agent::SliceUpdate` ([`Grant::to_slice_update`]).
 //!
-//! **Not built here** (others build them on this core): the protobuf/gRPC protocol
-//! (`crates/proto`), the `bursar-allocator` binary and its shell (tonic stream per
-//! agent, JSON admin endpoint, etcd election and term numbers), and the agent's sync
-//! client (reports on a timer, applies grants, acks). The core compiles without tokio
-//! and never reads a clock: every input carries `now`.
+//! **Beside the core**, behind the default feature `shell`, this crate also holds the
+//! `bursar-allocator` binary and its tokio shell (`shell`: one task owning the core, a
+//! tonic stream per agent, the JSON admin endpoint, terms from `--term`/`--term-file`),
+//! built on this core by another engineer; see that module's docs. **Not built**: etcd
+//! election (HA). Outside this crate: the wire types (`crates/proto`) and the agent's
+//! sync client (`crates/gateway-agent`'s shell). The core compiles without tokio
+//! (`--no-default-features`) and never reads a clock: every input carries `now`.
 //!
 //! ```
 //! use bursar_agent::Config;
@@ -73,6 +78,10 @@
 //! - [`config`]: the allocator's own settings, with bounds and `validate()`.
 //! - `error`: [`AllocError`], one enum for the message boundary.
 //! - [`testing`]: fixtures shared by tests and benchmarks.
+//! - `shell` and `main.rs` (feature `shell`): the binary's tokio shell (not part of the
+//!   core; see above).
+//! - `benches/allocation.rs`: a full pass over 1,000 agents x 100,000 keys and a
+//!   100-key report (figures in docs/benchmarks-allocator.md).
 //! - `tests/properties.rs`: random demand, report orders, losses, delays, ack loss and
 //!   restarts against budget conservation (inside and outside view).
 //! - `tests/conformance.rs`: the real agent engines and this core under a virtual
