@@ -49,6 +49,9 @@ pub const FORMAT: &[u8] = b"bursar-ledger/redb/3";
 /// The data file's name inside the data directory.
 pub const FILE_NAME: &str = "ledger.redb";
 
+/// The marker file [`RedbStore::open_dir`] writes beside the data file.
+pub const MARKER_NAME: &str = "ledger.marker";
+
 /// A ledger store in a redb file. Cheap to clone (shares the database).
 #[derive(Clone)]
 pub struct RedbStore {
@@ -70,8 +73,40 @@ fn backend(e: impl std::fmt::Display) -> StoreError {
 
 impl RedbStore {
     /// Opens (or creates) `FILE_NAME` in `dir`, which must exist.
+    ///
+    /// The first start writes a marker file, [`MARKER_NAME`], beside the data file. A
+    /// later start that finds the marker but no data file refuses to start empty: the
+    /// data file was deleted or the wrong volume is mounted, and starting over would
+    /// silently lose every event.
     pub fn open_dir(dir: &Path) -> Result<RedbStore, StoreError> {
-        RedbStore::open(&dir.join(FILE_NAME))
+        let path = dir.join(FILE_NAME);
+        let marker = dir.join(MARKER_NAME);
+        if !path.exists() && marker.exists() {
+            return Err(StoreError::Open {
+                path: path.display().to_string(),
+                reason: format!(
+                    "the data file is missing but {} says this directory held a ledger; \
+                     refusing to start empty (restore the file, or remove the marker to \
+                     start a new ledger on purpose)",
+                    marker.display()
+                ),
+            });
+        }
+        let store = RedbStore::open(&path)?;
+        if !marker.exists() {
+            let write = || -> std::io::Result<()> {
+                let f = std::fs::File::create(&marker)?;
+                std::io::Write::write_all(&mut &f, FORMAT)?;
+                f.sync_all()?;
+                // The marker's directory entry must be durable too.
+                std::fs::File::open(dir)?.sync_all()
+            };
+            write().map_err(|e| StoreError::Open {
+                path: marker.display().to_string(),
+                reason: format!("cannot write the ledger marker: {e}"),
+            })?;
+        }
+        Ok(store)
     }
 
     /// Opens the file at `path`, creating it if absent. A file that exists and is not
@@ -533,6 +568,23 @@ mod tests {
             std::fs::read(&path).expect("read"),
             garbage,
             "the file was changed"
+        );
+    }
+
+    #[test]
+    fn a_data_dir_whose_file_was_deleted_is_refused_rather_than_started_over() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        {
+            let s = RedbStore::open_dir(dir.path()).expect("open");
+            let e = crate::testing::usage("r", "t", "m", 3_600_000, 1, 0, 1);
+            s.apply(&[e]).expect("apply");
+        }
+        std::fs::remove_file(dir.path().join(FILE_NAME)).expect("remove");
+        let err = RedbStore::open_dir(dir.path()).expect_err("refused");
+        assert!(err.to_string().contains("refusing to start empty"), "{err}");
+        assert!(
+            !dir.path().join(FILE_NAME).exists(),
+            "a new file was created"
         );
     }
 
