@@ -56,6 +56,9 @@ enum Cmd {
         /// Distinct keys the load spreads over.
         #[arg(long, default_value_t = 10_000)]
         keys: u32,
+        /// Only the targets whose name starts with one of these (comma-separated).
+        #[arg(long, default_value = "")]
+        only: String,
     },
     /// Serve a no-work RLS server (baseline process).
     ServeNowork {
@@ -418,6 +421,7 @@ async fn run(
     seconds: u64,
     callers: String,
     keys: u32,
+    only: String,
 ) -> Result<()> {
     let me = std::env::current_exe()?;
     let rules = std::env::temp_dir().join(format!("bursar-bench-{}.toml", std::process::id()));
@@ -474,6 +478,9 @@ async fn run(
     println!("|---|---|---|---|---|---|");
     for &c in &callers {
         for (name, t) in targets {
+            if !only.is_empty() && !only.split(',').any(|o| name.starts_with(o.trim())) {
+                continue;
+            }
             let (rate, p50, p99, adm) = measure(t, c, keys, seconds).await?;
             println!(
                 "| {name} | {c} | {rate:.0} | {p50:.3} | {p99:.3} | {:.1} % |",
@@ -494,7 +501,8 @@ async fn main() -> Result<()> {
             seconds,
             callers,
             keys,
-        } => run(agent, redis, seconds, callers, keys).await,
+            only,
+        } => run(agent, redis, seconds, callers, keys, only).await,
         Cmd::ServeNowork { addr } => serve(addr, NoWork).await,
         Cmd::ServeRedis { addr, redis } => {
             // Fail early if Redis is not there.

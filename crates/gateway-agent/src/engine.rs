@@ -1531,7 +1531,10 @@ impl Engine {
         }
         report.keys_evicted =
             self.evict_locked(&mut slow, now, self.cfg.key_idle_ms * MS, usize::MAX);
-        self.publish_locked(&mut slow, now);
+        // A publish copies the table: only when something changed.
+        if !slow.pending.is_empty() || report.keys_evicted > 0 || report.slices_expired > 0 {
+            self.publish_locked(&mut slow, now);
+        }
         report
     }
 
