@@ -63,6 +63,10 @@ struct ServeArgs {
     /// Demand report period for the allocator, ms.
     #[arg(long, default_value_t = 250, requires = "allocator", value_parser = clap::value_parser!(u64).range(10..=60_000))]
     report_interval_ms: u64,
+    /// Longest delay between reconnect attempts to the allocator, ms (jittered
+    /// exponential backoff from 100 ms).
+    #[arg(long, default_value_t = 5_000, requires = "allocator", value_parser = clap::value_parser!(u64).range(100..=600_000))]
+    allocator_backoff_max_ms: u64,
     /// OpenAI-compatible proxy listen address (with --proxy-upstream). Tenants come
     /// from `[[api_key]]` entries of the config (see `bursar-agent hash-key`).
     #[arg(long, requires = "proxy_upstream")]
@@ -212,6 +216,7 @@ fn serve(args: ServeArgs) -> Result<()> {
             });
             let mut cfg = bursar_agent::shell::sync::SyncConfig::new(allocator.clone(), agent_id);
             cfg.report_interval = Duration::from_millis(args.report_interval_ms);
+            cfg.backoff_max = Duration::from_millis(args.allocator_backoff_max_ms);
             bursar_agent::shell::sync::spawn(Arc::clone(&state), cfg, rx.clone());
         }
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
