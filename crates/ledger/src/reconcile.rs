@@ -12,9 +12,11 @@
 //! 3. `A` sends its own events in the wanted buckets ([`serve`]) and applies `B`'s,
 //!    adding the winner of every conflict one of `B`'s events lost ([`winners`]);
 //!    `B` applies them.
-//! 4. `B` sends back the winner of every conflict one of `A`'s events lost; `A`
-//!    applies them. (Without steps 3b and 4, a conflict whose two payloads sit in
-//!    different buckets would never settle: the property test found it.)
+//! 4. `B` sends its events in the sub-buckets `A` asked for (see below) and the
+//!    winner of every conflict one of `A`'s events lost; `A` applies them.
+//! 5. `A` sends the winner of every conflict one of those lost; `B` applies them.
+//!    (Without these returned winners, a conflict whose two payloads sit in
+//!    different buckets would never settle: the property test found it, twice.)
 //!
 //! After a round that was not truncated by a bound, both sides hold the union of their
 //! events in every bucket that differed, and because merge is a set union with a
@@ -26,16 +28,19 @@
 //! Conflict records are not exchanged: the node that saw both payloads records the
 //! loser; after reconciliation every node keeps the same winner.
 //!
-//! Known limit: events are sent per whole bucket, so a differing bucket that holds
-//! more than `events_max` events on one side is re-sent from its start every round
-//! and does not finish. Paging inside a bucket (by key range, or by exchanging element
-//! hashes) is not built.
-
+//! A differing bucket with more than `events_max` events on either side is not sent
+//! whole: the responder answers with its [`SUB_BUCKETS`] sub-digests (events split by
+//! the top byte of their element hash), the initiator sends its events in the
+//! sub-buckets that differ and asks for the responder's ([`split_request`],
+//! [`serve_subs`]). Known limit: one level of splitting, so a bucket stays
+//! reconcilable while each differing sub-bucket fits in `events_max` (256 times
+//! `events_max` events per bucket); deeper splitting is not built.
+//!
 use std::cmp::Ordering;
 use std::ops::ControlFlow;
 
 use crate::digest::{Bucket, Digest};
-use crate::event::Event;
+use crate::event::{Event, element_hash};
 use crate::merge::{ApplyReport, Outcome};
 use crate::store::{Store, StoreError};
 
@@ -77,8 +82,95 @@ pub struct Answer {
     pub events: Vec<Event>,
     /// The differing buckets: the initiator sends its events in them.
     pub want: Vec<Bucket>,
+    /// Differing buckets too large to send whole (more than `events_max` events on
+    /// either side): the responder's [`SUB_BUCKETS`] sub-digests of each, so the
+    /// initiator can find the sub-buckets that differ ([`split_request`]).
+    pub split: Vec<(Bucket, Vec<Digest>)>,
     /// True when `events` stopped at `events_max`.
     pub truncated: bool,
+}
+
+/// Sub-buckets per bucket: an event's sub-bucket is the top byte of its element hash,
+/// so every node puts an event in the same one.
+pub const SUB_BUCKETS: usize = 256;
+
+fn sub_of(element_hash: u128) -> usize {
+    (element_hash >> 120) as usize
+}
+
+/// The [`SUB_BUCKETS`] sub-digests of `bucket` (reads the whole bucket).
+pub fn sub_digests(store: &dyn Store, bucket: &Bucket) -> Result<Vec<Digest>, StoreError> {
+    let mut subs = vec![Digest::default(); SUB_BUCKETS];
+    store.visit_bucket(bucket, &mut |e| {
+        let h = element_hash(&e.encode());
+        subs[sub_of(h)].add(&Digest::of_event(e, h));
+    })?;
+    Ok(subs)
+}
+
+/// The events of `bucket` in the sub-buckets `subs`, at most `max`; true if it
+/// stopped at `max`.
+fn events_in_subs(
+    store: &dyn Store,
+    bucket: &Bucket,
+    subs: &[u8],
+    max: usize,
+) -> Result<(Vec<Event>, bool), StoreError> {
+    let mut pick = [false; SUB_BUCKETS];
+    subs.iter().for_each(|&i| pick[usize::from(i)] = true);
+    let mut out = Vec::new();
+    let mut truncated = false;
+    store.visit_bucket(bucket, &mut |e| {
+        if pick[sub_of(element_hash(&e.encode()))] {
+            if out.len() < max {
+                out.push(e.clone());
+            } else {
+                truncated = true;
+            }
+        }
+    })?;
+    Ok((out, truncated))
+}
+
+/// Step 3 for split buckets, on the initiator: for each bucket the responder split,
+/// the sub-buckets that differ (to ask the responder for) and the initiator's own
+/// events in them (to send), at most `events_max` in all.
+#[allow(clippy::type_complexity)]
+pub fn split_request(
+    store: &dyn Store,
+    split: &[(Bucket, Vec<Digest>)],
+    limits: &ReconcileLimits,
+) -> Result<(Vec<(Bucket, Vec<u8>)>, Vec<Event>), StoreError> {
+    let mut wants = Vec::new();
+    let mut events = Vec::new();
+    for (bucket, theirs) in split {
+        let mine = sub_digests(store, bucket)?;
+        let subs: Vec<u8> = (0..SUB_BUCKETS)
+            .filter(|&i| theirs.get(i) != Some(&mine[i]))
+            .map(|i| i as u8)
+            .collect();
+        let room = limits.events_max.saturating_sub(events.len());
+        let (mut e, _) = events_in_subs(store, bucket, &subs, room)?;
+        events.append(&mut e);
+        wants.push((bucket.clone(), subs));
+    }
+    Ok((wants, events))
+}
+
+/// Step 4 for split buckets, on the responder: its events in the sub-buckets the
+/// initiator asked for, at most `events_max`.
+pub fn serve_subs(
+    store: &dyn Store,
+    wants: &[(Bucket, Vec<u8>)],
+    limits: &ReconcileLimits,
+) -> Result<Vec<Event>, StoreError> {
+    let mut out = Vec::new();
+    for (bucket, subs) in wants {
+        let room = limits.events_max.saturating_sub(out.len());
+        let (mut e, _) = events_in_subs(store, bucket, subs, room)?;
+        out.append(&mut e);
+    }
+    Ok(out)
 }
 
 /// Buckets whose digests differ, including buckets present on one side only. Both
@@ -173,11 +265,26 @@ pub fn answer(
     limits: &ReconcileLimits,
 ) -> Result<Answer, StoreError> {
     let local = store.digests(offer.from_hour, offer.to_hour, None)?;
-    let want = differing_buckets(&local, &offer.buckets);
+    let count = |list: &[(Bucket, Digest)], b: &Bucket| {
+        list.binary_search_by(|(x, _)| x.cmp(b))
+            .map(|i| list[i].1.events)
+            .unwrap_or(0)
+    };
+    let mut want = Vec::new();
+    let mut split = Vec::new();
+    for b in differing_buckets(&local, &offer.buckets) {
+        let big = count(&local, &b).max(count(&offer.buckets, &b));
+        if big > limits.events_max as u64 {
+            split.push((b.clone(), sub_digests(store, &b)?));
+        } else {
+            want.push(b);
+        }
+    }
     let (events, truncated) = events_in(store, &want, limits.events_max)?;
     Ok(Answer {
         events,
         want,
+        split,
         truncated,
     })
 }
@@ -233,15 +340,22 @@ pub fn reconcile_in_memory(
         let ans = answer(b, &o, limits)?;
         // Serve before applying the answer, so `b` does not get its own events back.
         let (mut events, _) = serve(a, &ans.want, limits)?;
+        let (sub_wants, sub_events) = split_request(a, &ans.split, limits)?;
+        events.extend(sub_events);
         let report = a.apply(&ans.events)?;
         events.extend(winners(a, &ans.events, &report)?);
+        // Step 4: `b` serves the sub-buckets `a` asked for (before applying `a`'s
+        // events, for the same reason), plus the winners of conflicts `a`'s events
+        // lost on `b`.
+        let mut back = serve_subs(b, &sub_wants, limits)?;
         let report = b.apply(&events)?;
-        // Step 4: the winners of conflicts `a`'s events lost on `b`.
-        let back = winners(b, &events, &report)?;
-        a.apply(&back)?;
-        moved += back.len() as u64;
-        moved += (ans.events.len() + events.len()) as u64;
-        if ans.want.is_empty() {
+        back.extend(winners(b, &events, &report)?);
+        let report = a.apply(&back)?;
+        // Step 5: the winners of conflicts `b`'s sub-bucket events lost on `a`.
+        let last = winners(a, &back, &report)?;
+        b.apply(&last)?;
+        moved += (ans.events.len() + events.len() + back.len() + last.len()) as u64;
+        if ans.want.is_empty() && ans.split.is_empty() {
             // This range agrees: move to older buckets, or start over from the newest.
             to = if o.from_hour == 0 {
                 u64::MAX
@@ -326,6 +440,40 @@ mod tests {
         assert!(rounds > 1 && rounds < 100, "{rounds} rounds");
         assert_eq!(a.root().unwrap(), b.root().unwrap());
         assert_eq!(a.root().unwrap().events, 800);
+    }
+
+    #[test]
+    fn a_bucket_larger_than_the_message_bound_converges_by_sub_buckets() {
+        let one_bucket = |mut v: Vec<Event>| {
+            v.iter_mut().for_each(|e| {
+                e.time_ms = NOW;
+                e.tenant = "acme".into();
+            });
+            v
+        };
+        let a = MemStore::new();
+        let b = MemStore::new();
+        let shared = one_bucket(usage_stream(1, "s", "agent-a", 1_000, NOW));
+        a.apply(&shared).unwrap();
+        b.apply(&shared).unwrap();
+        a.apply(&one_bucket(usage_stream(2, "a", "agent-a", 10, NOW)))
+            .unwrap();
+        b.apply(&one_bucket(usage_stream(3, "b", "agent-b", 10, NOW)))
+            .unwrap();
+        let limits = ReconcileLimits {
+            buckets_max: 10,
+            events_max: 100,
+        };
+        let o = offer(&a, u64::MAX, &limits).unwrap();
+        let ans = answer(&b, &o, &limits).unwrap();
+        assert_eq!(ans.split.len(), 1, "the big bucket is split, not sent");
+        assert!(ans.events.is_empty());
+        let (rounds, moved) = reconcile_in_memory(&a, &b, &limits, 10).unwrap();
+        assert_eq!(rounds, 1);
+        assert_eq!(a.root().unwrap(), b.root().unwrap());
+        assert_eq!(a.root().unwrap().events, 1_020);
+        // Only the ~20 differing sub-buckets move (about 4 events each), not 1,000.
+        assert!(moved < 200, "{moved} events moved");
     }
 
     #[test]
