@@ -50,6 +50,10 @@ struct ServeArgs {
     /// Envoy RLS v3 gRPC address (port 0 picks a free port).
     #[arg(long, default_value = "127.0.0.1:8081")]
     grpc: std::net::SocketAddr,
+    /// Which Envoy RLS responses carry the rate-limit headers (`response_headers_to_add`):
+    /// always, over-limit (the default: the client needs Retry-After) or never.
+    #[arg(long, value_enum, default_value = "over-limit")]
+    rls_headers: RlsHeadersArg,
     /// Allocator address (host:port). Sets `slice_source = "allocated"`: each key's
     /// slice comes from the allocator's grants (a key with no grant rejects until its
     /// first grant), and starts the sync client (reports every --report-interval-ms,
@@ -93,6 +97,13 @@ enum Command {
     },
     /// Print the SHA-256 of an API key read from stdin, for an `[[api_key]]` entry.
     HashKey,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum RlsHeadersArg {
+    Always,
+    OverLimit,
+    Never,
 }
 
 #[derive(Parser)]
@@ -189,6 +200,11 @@ fn serve(args: ServeArgs) -> Result<()> {
             bursar_agent::shell::Listen {
                 http: Some(args.http),
                 grpc: Some(args.grpc),
+                rls_headers: match args.rls_headers {
+                    RlsHeadersArg::Always => bursar_agent::shell::rls::RlsHeaders::Always,
+                    RlsHeadersArg::OverLimit => bursar_agent::shell::rls::RlsHeaders::OverLimit,
+                    RlsHeadersArg::Never => bursar_agent::shell::rls::RlsHeaders::Never,
+                },
                 proxy,
             },
             rx.clone(),

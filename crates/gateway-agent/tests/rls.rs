@@ -70,6 +70,10 @@ async fn requests_are_limited_per_descriptor_with_statuses_and_headers() {
     for remaining in [1, 0] {
         let r = call(&mut client, "edge", vec![ip.clone()]).await.unwrap();
         assert_eq!(r.overall_code, Code::Ok as i32);
+        assert!(
+            r.response_headers_to_add.is_empty(),
+            "by default only OVER_LIMIT responses carry headers"
+        );
         let s = &r.statuses[0];
         assert_eq!(s.code, Code::Ok as i32);
         assert_eq!(s.limit_remaining, remaining);
@@ -111,6 +115,29 @@ async fn requests_are_limited_per_descriptor_with_statuses_and_headers() {
     .unwrap();
     assert_eq!(r.overall_code, Code::Ok as i32);
     assert!(r.statuses[0].current_limit.is_none());
+}
+
+#[tokio::test]
+async fn with_rls_headers_always_ok_responses_carry_the_headers_too() {
+    let agent = Agent::start_with(RULES, &["--rls-headers", "always"]);
+    let mut client = RateLimitServiceClient::connect(format!("http://{}", agent.grpc))
+        .await
+        .expect("connect");
+    let r = call(
+        &mut client,
+        "edge",
+        vec![descriptor(&[("remote_address", "a")], None)],
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.overall_code, Code::Ok as i32);
+    let keys: Vec<&str> = r
+        .response_headers_to_add
+        .iter()
+        .map(|h| h.key.as_str())
+        .collect();
+    assert!(keys.contains(&"x-ratelimit-remaining-requests"), "{keys:?}");
+    assert!(keys.contains(&"ratelimit-policy"), "{keys:?}");
 }
 
 #[tokio::test]

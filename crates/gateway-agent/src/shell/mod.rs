@@ -67,6 +67,8 @@ pub struct Listen {
     pub http: Option<SocketAddr>,
     /// Envoy RLS (gRPC).
     pub grpc: Option<SocketAddr>,
+    /// Which RLS responses carry rate-limit headers.
+    pub rls_headers: rls::RlsHeaders,
     /// OpenAI-compatible proxy: listen address, upstream base URL, accepted keys.
     pub proxy: Option<(SocketAddr, String, Vec<crate::ApiKey>, proxy::ProxyConfig)>,
 }
@@ -110,7 +112,7 @@ pub async fn start(
         let l = TcpListener::bind(addr).await?;
         bound.grpc = Some(l.local_addr()?);
         let svc = bursar_proto::rls::rate_limit_service_server::RateLimitServiceServer::new(
-            rls::Rls::new(Arc::clone(&state)),
+            rls::Rls::new(Arc::clone(&state), listen.rls_headers),
         );
         let mut sd = shutdown.clone();
         // Without TCP_NODELAY small gRPC responses wait on Nagle's algorithm and the

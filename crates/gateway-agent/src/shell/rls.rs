@@ -28,16 +28,31 @@ use crate::engine::Decision;
 /// Most descriptors one RLS request may carry.
 pub const MAX_RLS_DESCRIPTORS: usize = 64;
 
+/// Which responses carry `response_headers_to_add` (the rate-limit headers Envoy passes
+/// on to the client). Envoy's own service sends them only when enabled; they are ~500
+/// bytes per response that both ends must encode (docs/BENCHMARKS.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum RlsHeaders {
+    /// Every response.
+    Always,
+    /// Only `OVER_LIMIT` responses (the client needs `Retry-After`). The default.
+    #[default]
+    OverLimit,
+    /// None.
+    Never,
+}
+
 /// The service.
 #[derive(Clone)]
 pub struct Rls {
     state: Arc<AgentState>,
+    headers: RlsHeaders,
 }
 
 impl Rls {
     /// A service over the agent's state.
-    pub fn new(state: Arc<AgentState>) -> Rls {
-        Rls { state }
+    pub fn new(state: Arc<AgentState>, headers: RlsHeaders) -> Rls {
+        Rls { state, headers }
     }
 }
 
@@ -76,6 +91,8 @@ impl RateLimitService for Rls {
             u64::from(req.hits_addend)
         };
         let mut overall = Code::Ok;
+        // True until the first OVER_LIMIT descriptor (whose headers are sent).
+        let mut overall_was_ok = true;
         let mut statuses = Vec::with_capacity(req.descriptors.len());
         let mut response_headers = Vec::new();
         for (i, desc) in req.descriptors.iter().enumerate() {
@@ -163,7 +180,13 @@ impl RateLimitService for Rls {
                 },
             };
             statuses.push(status);
-            if code == Code::OverLimit || response_headers.is_empty() {
+            let wanted = match self.headers {
+                RlsHeaders::Always => code == Code::OverLimit || response_headers.is_empty(),
+                RlsHeaders::OverLimit => code == Code::OverLimit && overall_was_ok,
+                RlsHeaders::Never => false,
+            };
+            overall_was_ok &= code != Code::OverLimit;
+            if wanted {
                 response_headers = headers::for_decision(engine, &decision);
                 if let Decision::Rejected(r) = &decision
                     && let crate::RejectReason::RetryLater { retry_after_ns } = r.reason
@@ -174,6 +197,14 @@ impl RateLimitService for Rls {
                     ));
                 }
             }
+        }
+        let send_headers = match self.headers {
+            RlsHeaders::Always => true,
+            RlsHeaders::OverLimit => overall == Code::OverLimit,
+            RlsHeaders::Never => false,
+        };
+        if !send_headers {
+            response_headers.clear();
         }
         Ok(Response::new(RateLimitResponse {
             overall_code: overall as i32,
