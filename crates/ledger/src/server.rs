@@ -37,7 +37,7 @@ use crate::merge::ApplyReport;
 use crate::redb_store::RedbStore;
 use crate::store::{Cursor, QueryError, Store, usage_totals};
 use crate::totals::TotalsLimits;
-use crate::wire::{event_json, parse_event};
+use crate::wire::{BatchError, event_json, parse_batch};
 
 /// Configuration of the HTTP shell. Plain data; [`ServerConfig::validate`] at start-up.
 #[derive(Clone, Debug)]
@@ -280,39 +280,24 @@ async fn post_events(State(s): State<AppState>, body: Bytes) -> Response {
         s.metrics.rejected_invalid.fetch_add(1, Ordering::Relaxed);
         error(status, msg).into_response()
     };
-    let v: Value = match serde_json::from_slice(&body) {
-        Ok(v) => v,
-        Err(e) => return reject(StatusCode::BAD_REQUEST, format!("malformed JSON: {e}")),
-    };
-    let Value::Array(items) = v else {
-        return reject(
-            StatusCode::BAD_REQUEST,
-            "the body must be a JSON array of events".into(),
-        );
-    };
-    if items.len() > s.cfg.batch_events_max {
-        return reject(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            format!(
-                "{} events in one request; at most {}",
-                items.len(),
-                s.cfg.batch_events_max
-            ),
-        );
-    }
-    let now = system_now_ms();
-    let mut events = Vec::with_capacity(items.len());
-    for (i, item) in items.iter().enumerate() {
-        match parse_event(item, now, &s.cfg.limits) {
-            Ok(e) => events.push(e),
-            Err(e) => {
-                return reject(
-                    StatusCode::BAD_REQUEST,
-                    format!("event {i}: {e} (nothing in this request was stored)"),
-                );
-            }
+    let events = match parse_batch(
+        &body,
+        system_now_ms(),
+        &s.cfg.limits,
+        s.cfg.batch_events_max,
+    ) {
+        Ok(events) => events,
+        Err(e @ BatchError::TooMany(..)) => {
+            return reject(StatusCode::PAYLOAD_TOO_LARGE, e.to_string());
         }
-    }
+        Err(e @ BatchError::Event { .. }) => {
+            return reject(
+                StatusCode::BAD_REQUEST,
+                format!("{e} (nothing in this request was stored)"),
+            );
+        }
+        Err(e) => return reject(StatusCode::BAD_REQUEST, e.to_string()),
+    };
     s.metrics
         .events_received
         .fetch_add(events.len() as u64, Ordering::Relaxed);

@@ -18,7 +18,7 @@
 //! its target's `tenant` and `time_ms` (see [`Event`]). `event_key` may be sent (an
 //! export does); it must match the request id.
 
-use serde_json::{Map, Number, Value, json};
+use serde_json::{Number, Value, json};
 
 use crate::event::{Body, Event, EventKey, Limits, Status, TokenDeltas, Tokens, ValidationError};
 
@@ -40,8 +40,120 @@ const FIELDS: &[&str] = &[
     "event_key",
 ];
 
-/// Parses and validates one event from JSON. `now_ms` is the ingesting node's clock.
+/// The fields of one event as sent: typed, not yet checked. Both parsers produce it
+/// (a JSON `null` counts as absent in both); [`Fields::into_event`] does every
+/// semantic check, so the two cannot disagree on what is valid.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Fields {
+    request_id: Option<String>,
+    origin: Option<String>,
+    seq: Option<Number>,
+    tenant: Option<String>,
+    descriptors: Option<Vec<(String, String)>>,
+    model: Option<String>,
+    time_ms: Option<Number>,
+    kind: Option<String>,
+    status: Option<String>,
+    input_tokens: Option<Number>,
+    cached_input_tokens: Option<Number>,
+    output_tokens: Option<Number>,
+    target: Option<String>,
+    target_key: Option<String>,
+    event_key: Option<String>,
+}
+
+/// [`Fields`] from a JSON object only. (The derived impl alone would also accept an
+/// array of values in field order, which the precise parser refuses.)
+struct ObjectFields(Fields);
+
+impl<'de> serde::Deserialize<'de> for ObjectFields {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = Fields;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<Fields, A::Error> {
+                serde::Deserialize::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+            }
+        }
+        d.deserialize_map(V).map(ObjectFields)
+    }
+}
+
+/// Why a batch was refused. Nothing in it was stored; the cause is the sender's.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BatchError {
+    /// Not JSON.
+    #[error("malformed JSON: {0}")]
+    Malformed(String),
+    /// JSON, but not an array.
+    #[error("the body must be a JSON array of events")]
+    NotArray,
+    /// More events than allowed.
+    #[error("{0} events in one request; at most {1}")]
+    TooMany(usize, usize),
+    /// One event is invalid.
+    #[error("event {index}: {error}")]
+    Event {
+        /// Its position in the array.
+        index: usize,
+        /// What is wrong.
+        error: ValidationError,
+    },
+}
+
+/// Parses and validates a `POST /v1/events` body: a JSON array of at most
+/// `events_max` events, all valid, or an error naming the first problem.
+///
+/// The fast path deserializes straight into typed fields; if that fails for any
+/// reason (a wrong type, an unknown field, bad JSON) the body is parsed again through
+/// `serde_json::Value` ([`parse_event`]) only to say precisely what is wrong.
+pub fn parse_batch(
+    body: &[u8],
+    now_ms: u64,
+    limits: &Limits,
+    events_max: usize,
+) -> Result<Vec<Event>, BatchError> {
+    if let Ok(all) = serde_json::from_slice::<Vec<ObjectFields>>(body) {
+        if all.len() > events_max {
+            return Err(BatchError::TooMany(all.len(), events_max));
+        }
+        return all
+            .into_iter()
+            .enumerate()
+            .map(|(index, ObjectFields(f))| {
+                f.into_event(now_ms, limits)
+                    .map_err(|error| BatchError::Event { index, error })
+            })
+            .collect();
+    }
+    let v: Value =
+        serde_json::from_slice(body).map_err(|e| BatchError::Malformed(e.to_string()))?;
+    let Value::Array(items) = v else {
+        return Err(BatchError::NotArray);
+    };
+    if items.len() > events_max {
+        return Err(BatchError::TooMany(items.len(), events_max));
+    }
+    items
+        .iter()
+        .enumerate()
+        .map(|(index, item)| {
+            parse_event(item, now_ms, limits).map_err(|error| BatchError::Event { index, error })
+        })
+        .collect()
+}
+
+/// Parses and validates one event from a JSON value, with a precise message for each
+/// wrong type. `now_ms` is the ingesting node's clock.
 pub fn parse_event(v: &Value, now_ms: u64, limits: &Limits) -> Result<Event, ValidationError> {
+    fields_of(v)?.into_event(now_ms, limits)
+}
+
+fn fields_of(v: &Value) -> Result<Fields, ValidationError> {
     let obj = v.as_object().ok_or(ValidationError::WrongType {
         field: "(event)".into(),
         expected: "a JSON object",
@@ -49,19 +161,25 @@ pub fn parse_event(v: &Value, now_ms: u64, limits: &Limits) -> Result<Event, Val
     if let Some(k) = obj.keys().find(|k| !FIELDS.contains(&k.as_str())) {
         return Err(ValidationError::UnknownField(k.clone()));
     }
-    let request_id = string(obj, "request_id")?;
-    let origin = string(obj, "origin")?;
-    let seq = unsigned(obj, "seq", u64::MAX)?.ok_or(ValidationError::Missing("seq"))?;
-    let tenant = string(obj, "tenant")?;
+    let string = |field: &str| match obj.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(_) => Err(ValidationError::WrongType {
+            field: field.into(),
+            expected: "a string",
+        }),
+    };
+    let number = |field: &str| match obj.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(n)) => Ok(Some(n.clone())),
+        Some(_) => Err(ValidationError::WrongType {
+            field: field.into(),
+            expected: "an integer",
+        }),
+    };
     let descriptors = match obj.get("descriptors") {
-        None | Some(Value::Null) => Vec::new(),
+        None | Some(Value::Null) => None,
         Some(Value::Array(items)) => {
-            if items.len() > limits.descriptors_max {
-                return Err(ValidationError::TooManyDescriptors(
-                    items.len(),
-                    limits.descriptors_max,
-                ));
-            }
             let mut out = Vec::with_capacity(items.len());
             for item in items {
                 match item.as_array().map(Vec::as_slice) {
@@ -74,7 +192,7 @@ pub fn parse_event(v: &Value, now_ms: u64, limits: &Limits) -> Result<Event, Val
                     }
                 }
             }
-            out
+            Some(out)
         }
         Some(_) => {
             return Err(ValidationError::WrongType {
@@ -83,208 +201,205 @@ pub fn parse_event(v: &Value, now_ms: u64, limits: &Limits) -> Result<Event, Val
             });
         }
     };
-    let time_ms = unsigned(obj, "time_ms", u64::MAX)?.ok_or(ValidationError::Missing("time_ms"))?;
-    let kind = match obj.get("kind") {
-        None => "usage",
-        Some(Value::String(s)) => s.as_str(),
-        Some(_) => {
-            return Err(ValidationError::WrongType {
-                field: "kind".into(),
-                expected: "a string",
-            });
-        }
-    };
-    let target = match obj.get("target") {
-        None => None,
-        Some(Value::String(s)) if !s.is_empty() => Some(EventKey::from_request_id(s)),
-        Some(_) => {
-            return Err(ValidationError::WrongType {
-                field: "target".into(),
-                expected: "a non-empty string (the target's request_id)",
-            });
-        }
-    };
-    let target = match (target, obj.get("target_key")) {
-        (t, None) => t,
-        (None, Some(k)) => Some(k.as_str().and_then(EventKey::from_hex).ok_or(
-            ValidationError::WrongType {
-                field: "target_key".into(),
-                expected: "32 hex characters (the target's event_key)",
-            },
-        )?),
-        (Some(_), Some(_)) => {
-            return Err(ValidationError::NotAllowed {
-                field: "target_key",
-                kind: "event that names \"target\"; send one of them",
-            });
-        }
-    };
-    let (model, body) = match kind {
-        "usage" => {
-            if target.is_some() {
-                return Err(ValidationError::NotAllowed {
-                    field: "target",
-                    kind: "usage",
-                });
-            }
-            let status = match obj.get("status") {
-                None => return Err(ValidationError::Missing("status")),
-                Some(Value::String(s)) => {
-                    Status::parse(s).ok_or_else(|| ValidationError::BadValue {
-                        field: "status",
-                        value: s.clone(),
-                        expected: "ok, upstream_error, client_gone, expired",
-                    })?
-                }
-                Some(_) => {
-                    return Err(ValidationError::WrongType {
-                        field: "status".into(),
-                        expected: "a string",
-                    });
-                }
-            };
-            let count = |f: &'static str| {
-                unsigned(obj, f, limits.tokens_max)?.ok_or(ValidationError::Missing(f))
-            };
-            let tokens = Tokens {
-                input_tokens: count("input_tokens")?,
-                cached_input_tokens: unsigned(obj, "cached_input_tokens", limits.tokens_max)?
-                    .unwrap_or(0),
-                output_tokens: count("output_tokens")?,
-            };
-            (string(obj, "model")?, Body::Usage { status, tokens })
-        }
-        "void" | "adjust" => {
-            let target = target.ok_or(ValidationError::Missing("target"))?;
-            if obj.contains_key("status") {
-                return Err(ValidationError::NotAllowed {
-                    field: "status",
-                    kind: if kind == "void" { "void" } else { "adjust" },
-                });
-            }
-            let model = match obj.get("model") {
-                None => String::new(),
-                Some(Value::String(s)) => s.clone(),
-                Some(_) => {
-                    return Err(ValidationError::WrongType {
-                        field: "model".into(),
-                        expected: "a string",
-                    });
-                }
-            };
-            if kind == "void" {
-                for f in ["input_tokens", "cached_input_tokens", "output_tokens"] {
-                    if obj.contains_key(f) {
-                        return Err(ValidationError::NotAllowed {
-                            field: f,
-                            kind: "void",
-                        });
-                    }
-                }
-                (model, Body::Void { target })
-            } else {
-                let delta = |f: &'static str| signed(obj, f, limits.tokens_max);
-                let deltas = TokenDeltas {
-                    input_tokens: delta("input_tokens")?,
-                    cached_input_tokens: delta("cached_input_tokens")?,
-                    output_tokens: delta("output_tokens")?,
-                };
-                (model, Body::Adjust { target, deltas })
-            }
-        }
-        other => {
-            return Err(ValidationError::BadValue {
-                field: "kind",
-                value: other.to_string(),
-                expected: "usage, void, adjust",
-            });
-        }
-    };
-    let event = Event {
-        request_id,
-        origin,
-        seq,
-        tenant,
+    Ok(Fields {
+        request_id: string("request_id")?,
+        origin: string("origin")?,
+        seq: number("seq")?,
+        tenant: string("tenant")?,
         descriptors,
-        model,
-        time_ms,
-        body,
-    };
-    if let Some(sent) = obj.get("event_key") {
-        let derived = event.key();
-        let ok = sent
-            .as_str()
-            .and_then(EventKey::from_hex)
-            .is_some_and(|k| k == derived);
-        if !ok {
-            return Err(ValidationError::KeyMismatch {
-                sent: sent.to_string(),
-                derived: derived.to_hex(),
-            });
-        }
-    }
-    event.validate(now_ms, limits)?;
-    Ok(event)
+        model: string("model")?,
+        time_ms: number("time_ms")?,
+        kind: string("kind")?,
+        status: string("status")?,
+        input_tokens: number("input_tokens")?,
+        cached_input_tokens: number("cached_input_tokens")?,
+        output_tokens: number("output_tokens")?,
+        target: string("target")?,
+        target_key: string("target_key")?,
+        event_key: string("event_key")?,
+    })
 }
 
-fn string(obj: &Map<String, Value>, field: &'static str) -> Result<String, ValidationError> {
-    match obj.get(field) {
-        None | Some(Value::Null) => Err(ValidationError::Missing(field)),
-        Some(Value::String(s)) => Ok(s.clone()),
-        Some(_) => Err(ValidationError::WrongType {
-            field: field.into(),
-            expected: "a string",
-        }),
+impl Fields {
+    fn into_event(self, now_ms: u64, limits: &Limits) -> Result<Event, ValidationError> {
+        let f = self;
+        let request_id = f.request_id.ok_or(ValidationError::Missing("request_id"))?;
+        let origin = f.origin.ok_or(ValidationError::Missing("origin"))?;
+        let seq =
+            unsigned("seq", f.seq.as_ref(), u64::MAX)?.ok_or(ValidationError::Missing("seq"))?;
+        let tenant = f.tenant.ok_or(ValidationError::Missing("tenant"))?;
+        let descriptors = f.descriptors.unwrap_or_default();
+        if descriptors.len() > limits.descriptors_max {
+            return Err(ValidationError::TooManyDescriptors(
+                descriptors.len(),
+                limits.descriptors_max,
+            ));
+        }
+        let time_ms = unsigned("time_ms", f.time_ms.as_ref(), u64::MAX)?
+            .ok_or(ValidationError::Missing("time_ms"))?;
+        let kind = f.kind.as_deref().unwrap_or("usage");
+        let target = match f.target.as_deref() {
+            None => None,
+            Some("") => {
+                return Err(ValidationError::WrongType {
+                    field: "target".into(),
+                    expected: "a non-empty string (the target's request_id)",
+                });
+            }
+            Some(t) => Some(EventKey::from_request_id(t)),
+        };
+        let target = match (target, f.target_key.as_deref()) {
+            (t, None) => t,
+            (None, Some(k)) => Some(EventKey::from_hex(k).ok_or(ValidationError::WrongType {
+                field: "target_key".into(),
+                expected: "32 hex characters (the target's event_key)",
+            })?),
+            (Some(_), Some(_)) => {
+                return Err(ValidationError::NotAllowed {
+                    field: "target_key",
+                    kind: "event that names \"target\"; send one of them",
+                });
+            }
+        };
+        let (model, body) = match kind {
+            "usage" => {
+                if target.is_some() {
+                    return Err(ValidationError::NotAllowed {
+                        field: "target",
+                        kind: "usage",
+                    });
+                }
+                let status = match f.status {
+                    None => return Err(ValidationError::Missing("status")),
+                    Some(s) => Status::parse(&s).ok_or(ValidationError::BadValue {
+                        field: "status",
+                        value: s,
+                        expected: "ok, upstream_error, client_gone, expired",
+                    })?,
+                };
+                let max = limits.tokens_max;
+                let tokens = Tokens {
+                    input_tokens: unsigned("input_tokens", f.input_tokens.as_ref(), max)?
+                        .ok_or(ValidationError::Missing("input_tokens"))?,
+                    cached_input_tokens: unsigned(
+                        "cached_input_tokens",
+                        f.cached_input_tokens.as_ref(),
+                        max,
+                    )?
+                    .unwrap_or(0),
+                    output_tokens: unsigned("output_tokens", f.output_tokens.as_ref(), max)?
+                        .ok_or(ValidationError::Missing("output_tokens"))?,
+                };
+                let model = f.model.ok_or(ValidationError::Missing("model"))?;
+                (model, Body::Usage { status, tokens })
+            }
+            "void" | "adjust" => {
+                let kind_name = if kind == "void" { "void" } else { "adjust" };
+                let target = target.ok_or(ValidationError::Missing("target"))?;
+                if f.status.is_some() {
+                    return Err(ValidationError::NotAllowed {
+                        field: "status",
+                        kind: kind_name,
+                    });
+                }
+                let model = f.model.unwrap_or_default();
+                if kind == "void" {
+                    for (field, v) in [
+                        ("input_tokens", &f.input_tokens),
+                        ("cached_input_tokens", &f.cached_input_tokens),
+                        ("output_tokens", &f.output_tokens),
+                    ] {
+                        if v.is_some() {
+                            return Err(ValidationError::NotAllowed {
+                                field,
+                                kind: "void",
+                            });
+                        }
+                    }
+                    (model, Body::Void { target })
+                } else {
+                    let max = limits.tokens_max;
+                    let deltas = TokenDeltas {
+                        input_tokens: signed("input_tokens", f.input_tokens.as_ref(), max)?,
+                        cached_input_tokens: signed(
+                            "cached_input_tokens",
+                            f.cached_input_tokens.as_ref(),
+                            max,
+                        )?,
+                        output_tokens: signed("output_tokens", f.output_tokens.as_ref(), max)?,
+                    };
+                    (model, Body::Adjust { target, deltas })
+                }
+            }
+            other => {
+                return Err(ValidationError::BadValue {
+                    field: "kind",
+                    value: other.to_string(),
+                    expected: "usage, void, adjust",
+                });
+            }
+        };
+        let event = Event {
+            request_id,
+            origin,
+            seq,
+            tenant,
+            descriptors,
+            model,
+            time_ms,
+            body,
+        };
+        if let Some(sent) = f.event_key {
+            let derived = event.key();
+            if EventKey::from_hex(&sent) != Some(derived) {
+                return Err(ValidationError::KeyMismatch {
+                    sent,
+                    derived: derived.to_hex(),
+                });
+            }
+        }
+        event.validate(now_ms, limits)?;
+        Ok(event)
     }
 }
 
 /// An unsigned integer in `0..=max`, or `None` when absent.
 fn unsigned(
-    obj: &Map<String, Value>,
     field: &'static str,
+    n: Option<&Number>,
     max: u64,
 ) -> Result<Option<u64>, ValidationError> {
-    match obj.get(field) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::Number(n)) => {
-            if let Some(v) = n.as_u64() {
-                if v <= max {
-                    return Ok(Some(v));
-                }
-            } else if n.as_i64().is_some() || n.as_f64().is_some_and(|f| f < 0.0) {
-                return Err(ValidationError::Negative {
-                    field,
-                    value: n.to_string(),
-                });
-            }
-            Err(ValidationError::OutOfRange {
-                field,
-                value: n.to_string(),
-                max,
-            })
+    let Some(n) = n else {
+        return Ok(None);
+    };
+    if let Some(v) = n.as_u64() {
+        if v <= max {
+            return Ok(Some(v));
         }
-        Some(_) => Err(ValidationError::WrongType {
-            field: field.into(),
-            expected: "an integer",
-        }),
+    } else if n.as_i64().is_some() || n.as_f64().is_some_and(|f| f < 0.0) {
+        return Err(ValidationError::Negative {
+            field,
+            value: n.to_string(),
+        });
     }
+    Err(ValidationError::OutOfRange {
+        field,
+        value: n.to_string(),
+        max,
+    })
 }
 
 /// A signed integer with `|v| <= max`; absent means 0.
-fn signed(obj: &Map<String, Value>, field: &'static str, max: u64) -> Result<i64, ValidationError> {
-    match obj.get(field) {
-        None | Some(Value::Null) => Ok(0),
-        Some(Value::Number(n)) => match n.as_i64() {
-            Some(v) if v.unsigned_abs() <= max => Ok(v),
-            _ => Err(ValidationError::OutOfRange {
-                field,
-                value: n.to_string(),
-                max,
-            }),
-        },
-        Some(_) => Err(ValidationError::WrongType {
-            field: field.into(),
-            expected: "an integer",
+fn signed(field: &'static str, n: Option<&Number>, max: u64) -> Result<i64, ValidationError> {
+    let Some(n) = n else {
+        return Ok(0);
+    };
+    match n.as_i64() {
+        Some(v) if v.unsigned_abs() <= max => Ok(v),
+        _ => Err(ValidationError::OutOfRange {
+            field,
+            value: n.to_string(),
+            max,
         }),
     }
 }
@@ -442,6 +557,74 @@ mod tests {
         );
         v["input_tokens"] = json!(1);
         assert!(err(v).contains("not allowed on a void event"));
+    }
+
+    #[test]
+    fn the_fast_batch_parser_agrees_with_the_precise_one_on_every_case() {
+        let mut cases: Vec<Value> = vec![base(), json!([1, 2]), json!("x"), json!(null)];
+        for f in [
+            "request_id",
+            "seq",
+            "tenant",
+            "status",
+            "input_tokens",
+            "model",
+        ] {
+            cases.push(without(f));
+        }
+        for (f, v) in [
+            ("input_tokens", json!(-5)),
+            ("output_tokens", json!(1.5)),
+            ("output_tokens", json!(1u64 << 41)),
+            ("seq", json!("7")),
+            ("tenant", json!(7)),
+            ("tenant", json!(null)),
+            ("kind", json!(null)),
+            ("kind", json!("void")),
+            ("kind", json!("adjust")),
+            ("status", json!("great")),
+            ("descriptors", json!([["k", "v"]])),
+            ("descriptors", json!([["k", "v", "x"]])),
+            ("descriptors", json!({"k": "v"})),
+            ("target", json!("")),
+            ("target", json!("r0")),
+            ("event_key", json!("00")),
+            ("unknown", json!(1)),
+            ("cached_input_tokens", json!(11)),
+        ] {
+            cases.push(with(f, v));
+        }
+        let mut void = json!({"request_id": "v1", "origin": "a", "seq": 2, "tenant": "acme",
+                              "time_ms": NOW, "kind": "void", "target": "r1"});
+        cases.push(void.clone());
+        void["output_tokens"] = json!(3);
+        cases.push(void);
+        // An event given as an array of values in field order.
+        cases.push(json!([
+            "r1", "a", 1, "acme", null, "m", NOW, null, "ok", 1, 0, 1
+        ]));
+        let limits = Limits::default();
+        for case in cases {
+            let precise = parse_event(&case, NOW, &limits);
+            let batch = parse_batch(json!([case]).to_string().as_bytes(), NOW, &limits, 10);
+            let expected = precise
+                .map(|e| vec![e])
+                .map_err(|error| BatchError::Event { index: 0, error });
+            assert_eq!(batch, expected, "case {case}");
+        }
+        assert_eq!(
+            parse_batch(b"[", NOW, &limits, 10).unwrap_err().to_string(),
+            "malformed JSON: EOF while parsing a list at line 1 column 1"
+        );
+        assert_eq!(
+            parse_batch(b"{}", NOW, &limits, 10),
+            Err(BatchError::NotArray)
+        );
+        let two = json!([base(), base()]).to_string();
+        assert_eq!(
+            parse_batch(two.as_bytes(), NOW, &limits, 1),
+            Err(BatchError::TooMany(2, 1))
+        );
     }
 
     #[test]
