@@ -107,6 +107,17 @@ impl RateParams {
         u64::try_from(ns).unwrap_or(TAT_MAX)
     }
 
+    /// The lowest TAT allowed at `now` with `held` units held: the level refills only
+    /// up to `burst - held`.
+    #[inline]
+    pub(crate) fn floor(&self, now: u64, held: u64) -> u64 {
+        if held == 0 {
+            now
+        } else {
+            now.saturating_add(self.debit_ns(held))
+        }
+    }
+
     /// Nanoseconds given back for `tokens` units: `floor(tokens * I)`.
     #[inline]
     pub(crate) fn refund_ns(&self, tokens: u64) -> u64 {
@@ -280,7 +291,7 @@ impl Slot {
                     if cur.sealed() {
                         return Take::Sealed;
                     }
-                    let floor = now.saturating_add(p.debit_ns(cur.held));
+                    let floor = p.floor(now, cur.held);
                     let base = cur.tat.max(floor);
                     let new = base.saturating_add(probe).min(TAT_MAX);
                     if new - now > p.tau_ns {
@@ -421,7 +432,7 @@ impl Slot {
             if cur.sealed() {
                 return false;
             }
-            let floor = now.saturating_add(p.debit_ns(cur.held));
+            let floor = p.floor(now, cur.held);
             let next = State {
                 tat: cur.tat.max(floor).saturating_add(inc).min(TAT_MAX),
                 held: cur.held,
