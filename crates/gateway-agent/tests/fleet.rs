@@ -604,3 +604,52 @@ fn three_agents_and_the_allocator_never_overshoot_one_global_bucket_even_across_
         "the restarted allocator did not grow the hot agent's slice ({last_second_hot})"
     );
 }
+
+#[test]
+fn the_local_cluster_command_runs_three_agents_shifts_load_and_reports_no_overshoot() {
+    let out = Command::new(allocator_bin())
+        .args([
+            "local",
+            "--duration-s",
+            "4",
+            "--shift-s",
+            "2",
+            "--rps",
+            "200",
+        ])
+        .arg("--agent-bin")
+        .arg(env!("CARGO_BIN_EXE_bursar-agent"))
+        .stdin(Stdio::null())
+        .output()
+        .expect("run bursar-allocator local");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "exit {:?}\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(stdout.matches("  agent local-").count(), 3, "{stdout}");
+    let last = stdout
+        .rsplit("t=  4s")
+        .next()
+        .unwrap_or_else(|| panic!("no summary for t=4s:\n{stdout}"));
+    for key in [
+        "org-input-tps{acme}",
+        "org-rps{acme}",
+        "org-input-tps{globex}",
+    ] {
+        let line = last
+            .lines()
+            .find(|l| l.trim_start().starts_with(key))
+            .unwrap_or_else(|| panic!("no {key} line:\n{stdout}"));
+        // Every agent holds a slice of acme's and globex's limits by now.
+        for a in ["0=", "1=", "2="] {
+            assert!(line.contains(a), "{line}");
+        }
+    }
+    assert!(
+        stdout.contains("no key overshot beyond its bound."),
+        "{stdout}"
+    );
+}

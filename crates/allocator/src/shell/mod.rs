@@ -149,6 +149,26 @@ pub fn config_version(rules: &Config) -> String {
     bursar_proto::allocator::config_version(&format!("{:?}", rules.rules))
 }
 
+/// A way into the running core task (for in-process callers such as
+/// `bursar-allocator local`): snapshots over the same bounded channel the admin
+/// endpoint uses.
+#[derive(Clone, Debug)]
+pub struct Handle {
+    inputs: mpsc::Sender<driver::Input>,
+}
+
+impl Handle {
+    /// The core's state now (`None` once the core task stopped).
+    pub async fn snapshot(&self) -> Option<driver::Snapshot> {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        self.inputs
+            .send(driver::Input::Snapshot { reply })
+            .await
+            .ok()?;
+        answer.await.ok()
+    }
+}
+
 /// Binds both listeners, starts the core task, the gRPC server and the admin endpoint,
 /// and returns the bound addresses. Everything stops when `shutdown` turns true.
 pub async fn start(
@@ -156,6 +176,17 @@ pub async fn start(
     cfg: ShellConfig,
     shutdown: watch::Receiver<bool>,
 ) -> Result<Bound, ShellError> {
+    start_with_handle(rules, cfg, shutdown)
+        .await
+        .map(|(b, _)| b)
+}
+
+/// [`start`], also returning a [`Handle`] on the core task.
+pub async fn start_with_handle(
+    rules: &Config,
+    cfg: ShellConfig,
+    shutdown: watch::Receiver<bool>,
+) -> Result<(Bound, Handle), ShellError> {
     for (name, v) in [
         ("input_queue_max", cfg.input_queue_max),
         ("agent_queue_max", cfg.agent_queue_max),
@@ -190,6 +221,7 @@ pub async fn start(
         None => None,
     };
     let (tx, rx) = mpsc::channel(cfg.input_queue_max);
+    let handle = Handle { inputs: tx.clone() };
     let driver = driver::Driver::new(core, clock, config_version(rules), cfg.admin_max_keys);
     tokio::spawn(driver.run(rx, shutdown.clone()));
     let svc = grpc::Service::new(tx.clone(), cfg.hello_timeout, cfg.agent_queue_max);
@@ -229,8 +261,11 @@ pub async fn start(
         }
         None => None,
     };
-    Ok(Bound {
-        grpc: grpc_addr,
-        admin,
-    })
+    Ok((
+        Bound {
+            grpc: grpc_addr,
+            admin,
+        },
+        handle,
+    ))
 }
