@@ -370,3 +370,71 @@ fn sigterm_stops_the_node_cleanly_and_a_second_node_cannot_share_its_data_dir() 
     let again = Node::start(dir.path(), &[]);
     assert_eq!(again.get("/v1/digest").json()["root"]["events"], json!(1));
 }
+
+#[test]
+fn concurrent_clients_sending_overlapping_batches_count_each_event_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = Node::start(dir.path(), &[]);
+    let addr = node.addr;
+    let t = now_ms() - 1000;
+    const THREADS: usize = 8;
+    const REQUESTS: usize = 15;
+    const BATCH: usize = 100;
+    // Thread k sends ids shared with thread k+1: every id is sent by two threads.
+    let results: Vec<(u64, u64)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..THREADS)
+            .map(|k| {
+                s.spawn(move || {
+                    let (mut new, mut dup) = (0, 0);
+                    for r in 0..REQUESTS {
+                        let batch: Vec<Value> = (0..BATCH)
+                            .map(|i| {
+                                let owner = if i % 2 == 0 { k } else { (k + 1) % THREADS };
+                                let id = format!("o{owner}-r{r}-j{}", i / 2);
+                                usage_json(&id, "acme", "m", t, 10, 1)
+                            })
+                            .collect();
+                        let resp = common::request(
+                            addr,
+                            "POST",
+                            "/v1/events",
+                            json!(batch).to_string().as_bytes(),
+                        )
+                        .unwrap();
+                        assert_eq!(resp.status, 200, "{}", resp.text());
+                        let v = resp.json();
+                        new += v["new"].as_u64().unwrap();
+                        dup += v["duplicate"].as_u64().unwrap();
+                    }
+                    (new, dup)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let new: u64 = results.iter().map(|r| r.0).sum();
+    let dup: u64 = results.iter().map(|r| r.1).sum();
+    let sent = (THREADS * REQUESTS * BATCH) as u64;
+    // Odd i of thread k and even i of thread k+1 name the same (owner, j) ids.
+    let distinct = sent / 2;
+    assert_eq!(new + dup, sent);
+    assert_eq!(new, distinct, "an event was counted twice or lost");
+    let h = hour_start(t);
+    let u = node
+        .get(&format!(
+            "/v1/usage?tenant=acme&from={h}&to={}",
+            h + HOUR_MS
+        ))
+        .json();
+    assert_eq!(u["total"]["requests"], json!(distinct));
+    assert_eq!(u["total"]["input_tokens"], json!(distinct * 10));
+    let m = node.get("/metrics").text();
+    let commits: u64 = m
+        .lines()
+        .find_map(|l| l.strip_prefix("bursar_ledger_commits_total{node=\"test-node\"} "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    println!("{} requests in {commits} commits", THREADS * REQUESTS);
+    assert!(commits >= 1 && commits <= (THREADS * REQUESTS) as u64);
+}
