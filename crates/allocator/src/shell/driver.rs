@@ -92,7 +92,7 @@ pub struct Snapshot {
     pub connected: usize,
     /// Tracked keys.
     pub key_count: usize,
-    /// Up to `admin_max_keys` keys, sorted by name.
+    /// Up to `admin_max_keys` keys (the first the core lists), sorted by name.
     pub keys: Vec<KeyStatus>,
     /// More keys exist than listed.
     pub truncated: bool,
@@ -268,10 +268,16 @@ impl Driver {
     }
 
     fn snapshot(&self) -> Snapshot {
-        let mut names: Vec<_> = self.core.key_names().cloned().collect();
+        // The first `admin_max_keys` keys the core lists (not all of them: the core
+        // task must not stall on a million keys), sorted by name.
+        let mut names: Vec<_> = self
+            .core
+            .key_names()
+            .take(self.admin_max_keys)
+            .cloned()
+            .collect();
         names.sort();
-        let truncated = names.len() > self.admin_max_keys;
-        names.truncate(self.admin_max_keys);
+        let truncated = self.core.key_count() > names.len();
         Snapshot {
             term: self.core.term(),
             learning: self.core.is_learning(),

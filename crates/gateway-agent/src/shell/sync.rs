@@ -22,7 +22,9 @@
 //!
 //! Counters come from [`Engine::key_demand`]: each key's live slot counts admitted and
 //! rejected cost; a slice change replaces the slot, so the client keeps the previous
-//! slot's view and adds its final counts (no demand is lost across a slice change).
+//! slot's view and adds its final counts at the next read (no demand is lost across a
+//! slice change; only a slot replaced twice between two reads, 250 ms apart, loses
+//! the middle one's counts, which costs demand resolution, never budget).
 //!
 //! # Bounds
 //!
@@ -449,8 +451,8 @@ impl Client {
                 transfer_tokens: g.transfer_tokens,
             });
         }
-        // Count what the old slots admitted up to the swap.
-        self.refresh();
+        // No refresh needed first: each track keeps its old slot, whose final counts
+        // the next refresh adds (a sealed slot's counters stop).
         let now = self.now_ns();
         let results = self.state.engine.apply_slices(now, &updates);
         let mut acks = Vec::new();
