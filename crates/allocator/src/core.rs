@@ -26,6 +26,25 @@
 //! remembers the rule's posture **fallback** (`strict`: nothing; `conservative`:
 //! `min(grant, R/N)`; `open`: the grant) until the agent applies a newer grant. The
 //! sum of fallbacks is the key's overshoot bound ([`Allocator::overshoot_bound`]).
+//!
+//! # Recomputation
+//!
+//! A report marks the keys whose demand moved (beyond `demand_change_permille`); marked
+//! keys sit in a heap by due time and are recomputed whole in
+//! [`Allocator::handle_timeout`] `recompute_delay_ms` later, so reports that arrive
+//! together are allocated together. A key held by more than `large_key_entries` agents
+//! is recomputed whole at most every `large_key_recompute_ms * ceil(sqrt(n / large))`;
+//! in between, a report re-targets only the reporting agent's entry against the key's
+//! last water level ([`crate::waterfill::Fill`]). Both paths grant through one function
+//! (`grant_towards`) that enforces revoke-before-grant, so the schedule affects how fast
+//! budget moves, never whether the sum stays within the limit.
+//!
+//! # Time and tables
+//!
+//! An agent's leases are renewed when it reports and a grant has less than three
+//! quarters of its lease left. Expired grants are swept every `lease_ms / 8`. Every
+//! table has a bound in [`AllocatorConfig`]; at a bound the message is refused whole
+//! with an [`AllocError`], and a full outbox defers recomputation until drained.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
@@ -332,6 +351,13 @@ struct Key {
     due_ns: u64,
     /// Sum of entries' commitments.
     committed: Slice,
+    /// `(R + O, B)`.
+    limit: Slice,
+    /// How far grants learned from an earlier term exceed the limit: agents that were
+    /// partitioned under that term may hold lapsed grants it had already reclaimed.
+    /// Nothing is granted while it is non-zero; it shrinks as learned grants are
+    /// superseded or expire, and counts in the bound meanwhile.
+    inherited: Slice,
     /// The water level found by the last full recomputation (for one-entry updates).
     fill: Fill,
     last_full_ns: u64,
@@ -346,7 +372,20 @@ impl Key {
         e.commit = e.recount();
         self.committed.rate = self.committed.rate - before.rate + e.commit.rate;
         self.committed.burst = self.committed.burst - before.burst + e.commit.burst;
+        self.inherited = self.inherited.min(self.excess());
+        // Transferable tokens never exceed the free burst (they may only vanish).
+        self.pool = self
+            .pool
+            .min(self.limit.burst.saturating_sub(self.committed.burst));
         r
+    }
+
+    /// How far the commitments exceed the limit (zero unless learned grants do).
+    fn excess(&self) -> Slice {
+        Slice {
+            rate: self.committed.rate.saturating_sub(self.limit.rate),
+            burst: self.committed.burst.saturating_sub(self.limit.burst),
+        }
     }
 }
 
@@ -631,6 +670,8 @@ impl Allocator {
             dirty: false,
             due_ns: 0,
             committed: Slice::ZERO,
+            limit: self.rules[rule as usize].limit(),
+            inherited: Slice::ZERO,
             fill: Fill::default(),
             last_full_ns: 0,
         };
@@ -766,14 +807,23 @@ impl Allocator {
     /// Records a held grant: from this term it acknowledges; from an earlier term it is
     /// learned (while learning) or, past learning, its lease has ended and its posture
     /// fallback counts in the bound until a newer grant is applied.
-    fn apply_held(&mut self, k: u32, pos: u32, h: &HeldGrant, in_flight: u64, fleet: u32) {
+    ///
+    /// A held grant does not say the fleet size it carried, and the agent's
+    /// `conservative` fallback divides by that: the core assumes 1 (the fallback is then
+    /// the whole grant, as for `open`), which never understates the bound.
+    fn apply_held(&mut self, k: u32, pos: u32, h: &HeldGrant, in_flight: u64) {
+        let fleet = 1;
         let term = self.term;
         let learning = self.learning;
         let learn_until = self.learn_until_ns;
         let rule = self.rules[self.key(k).rule as usize];
-        self.key_mut(k).edit(pos as usize, |e| {
+        let key = self.key_mut(k);
+        key.edit(pos as usize, |e| {
             held_into(e, &rule, h, in_flight, fleet, term, learning, learn_until)
         });
+        if learning {
+            key.inherited = key.inherited.max(key.excess());
+        }
     }
 }
 
@@ -952,8 +1002,7 @@ impl Allocator {
                 Some(p) => p,
                 None => self.create_entry(a, k),
             };
-            let fleet = self.key(k).entries.len() as u32;
-            self.apply_held(k, pos, &h.grant, 0, fleet);
+            self.apply_held(k, pos, &h.grant, 0);
             self.mark_dirty(k, now + AllocatorConfig::ns(self.cfg.recompute_delay_ms));
         }
         Ok(())
@@ -1129,8 +1178,7 @@ impl Allocator {
             };
             let changed = self.sample(k, pos, kr, report.agent_time_ns);
             if let Some(h) = &kr.held {
-                let fleet = self.key(k).entries.len() as u32;
-                self.apply_held(k, pos, h, kr.in_flight, fleet);
+                self.apply_held(k, pos, h, kr.in_flight);
             }
             if changed {
                 // Large keys: re-target this entry now against the last water level
@@ -1256,8 +1304,13 @@ impl Allocator {
         let mut due = u64::MAX;
         self.agent_mut(a).renew_due_ns = u64::MAX;
         for (k, pos) in list {
-            let e = &self.key(k).entries[pos as usize];
+            let key = self.key(k);
+            let e = &key.entries[pos as usize];
             let Some(last) = e.sent.last() else { continue };
+            if !key.inherited.is_zero() && last.epoch != self.term {
+                // Renewing what was learned would put a lapsed grant back in force.
+                continue;
+            }
             if last.slice.is_zero() {
                 continue;
             }
@@ -1715,6 +1768,8 @@ impl Allocator {
                 b.partitioned_agents += 1;
             }
         }
+        b.rate += key.inherited.rate;
+        b.burst += key.inherited.burst;
         b
     }
 
@@ -1803,19 +1858,22 @@ impl Allocator {
             if (key.committed.rate as u128, key.committed.burst as u128) != (r, b) {
                 return Err(format!("{}: cached committed sum out of step", key.name));
             }
-            if r > limit.rate as u128 || b > limit.burst as u128 {
+            if r > (limit.rate + key.inherited.rate) as u128
+                || b > (limit.burst + key.inherited.burst) as u128
+            {
                 return Err(format!(
                     "{}: committed ({r}, {b}) exceeds (R + O, B) = ({}, {})",
                     key.name, limit.rate, limit.burst
                 ));
             }
-            if key.pool as u128 > limit.burst as u128 - b {
+            if key.pool as u128 > (limit.burst as u128).saturating_sub(b) {
                 return Err(format!(
-                    "{}: transfer pool {} above the free burst {}",
-                    key.name,
-                    key.pool,
-                    limit.burst as u128 - b
+                    "{}: transfer pool {} above the free burst",
+                    key.name, key.pool
                 ));
+            }
+            if key.inherited != key.inherited.min(key.excess()) {
+                return Err(format!("{}: inherited excess out of step", key.name));
             }
         }
         if entries != self.entry_count || live_keys != self.live_keys {
@@ -2511,5 +2569,51 @@ mod tests {
         a.check_invariants().unwrap();
         // The whole key waits for its schedule (last full pass + 250 ms).
         assert!(a.recompute_at_ns.unwrap() >= now + 20 * MS + 250 * MS);
+    }
+
+    #[test]
+    fn a_new_term_that_learns_more_than_the_limit_grants_nothing_and_bounds_the_excess() {
+        // Under the old term, a was partitioned and its lapsed grant reclaimed for b:
+        // both still say they hold 700 of 1,000.
+        let cfg = quick_config();
+        let start = 100 * SEC;
+        let mut a = Allocator::new(&rules(), cfg.clone(), 2, start).unwrap();
+        let k = key("rps", "x");
+        for (id, seq) in [("a", 5), ("b", 9)] {
+            let mut h = hello(id, 1, 10);
+            h.held.push(crate::msg::HeldSlice {
+                key: k.clone(),
+                grant: HeldGrant {
+                    epoch: 1,
+                    seq,
+                    rate: 700,
+                    burst: 700,
+                },
+            });
+            a.handle_hello(start, &h).unwrap();
+        }
+        a.check_invariants().unwrap();
+        let st = a.key_status(&k).unwrap();
+        assert_eq!(st.committed.rate, 1400);
+        assert_eq!(
+            (st.bound.rate, st.bound.burst),
+            (400, 400),
+            "the excess is stated"
+        );
+        // Reports renew nothing learned while over the limit, and nothing grows.
+        for id in ["a", "b"] {
+            a.handle_report(
+                start + MS,
+                &report(id, 1, 20, vec![line(k.clone(), 0, 500, None)]),
+            )
+            .unwrap();
+        }
+        let gs = settle(&mut a, start + 20 * MS);
+        assert!(gs.iter().map(|g| g.rate).sum::<u64>() <= 1000, "{gs:?}");
+        // Once the learned grants lapse, the excess moves into the partition bound.
+        let end = start + (cfg.lease_ms + cfg.reclaim_margin_ms) * MS;
+        settle(&mut a, end);
+        let st = a.key_status(&k).unwrap();
+        assert!(st.committed.rate <= 1000);
     }
 }
