@@ -207,7 +207,7 @@ mod local {
 
     use anyhow::{Context, Result, bail};
     use bursar_agent::config::Pattern;
-    use bursar_agent::{Config, Mode, RuleLimit};
+    use bursar_agent::{Config, Dimension, Mode, RuleLimit};
     use bursar_allocator::AllocatorConfig;
     use bursar_allocator::shell::{self, ShellConfig};
     use clap::Args;
@@ -267,6 +267,9 @@ posture = "conservative"
         #[arg(long, default_value_t = 1)]
         seed: u64,
     }
+
+    /// (org, key) -> the keys a request reaches and their dimensions.
+    type OfferedRoutes = HashMap<(String, String), Vec<(usize, Dimension)>>;
 
     const SEC: u64 = 1_000_000_000;
     const TENANTS: [&str; 2] = ["acme", "globex"];
@@ -375,12 +378,15 @@ posture = "conservative"
         period_ns: u64,
         verifier: Verifier,
         admitted_window: u64,
+        offered_window: u64,
     }
 
     /// Admissions logged by the load threads: (test clock at logging, key, cost).
     #[derive(Default)]
     struct Log {
         events: Vec<(u64, usize, u64)>,
+        /// Offered cost per key since the last summary.
+        offered: Vec<u64>,
     }
 
     struct Shared {
@@ -440,6 +446,7 @@ posture = "conservative"
         // Keys the traffic reaches: every rate rule matched by org (and key) values.
         let mut keys: Vec<KeyInfo> = Vec::new();
         let mut routes: HashMap<(String, String, String), Vec<usize>> = HashMap::new();
+        let mut offered_routes: OfferedRoutes = HashMap::new();
         for org in TENANTS {
             for k in ["k0", "k1", "k2", "k3"] {
                 let desc = [("org", org), ("key", k)];
@@ -474,6 +481,7 @@ posture = "conservative"
                                     min_level: cap,
                                 },
                                 admitted_window: 0,
+                                offered_window: 0,
                             });
                             keys.len() - 1
                         }
@@ -482,6 +490,10 @@ posture = "conservative"
                         .entry((org.to_string(), k.to_string(), r.name.clone()))
                         .or_default()
                         .push(idx);
+                    offered_routes
+                        .entry((org.to_string(), k.to_string()))
+                        .or_default()
+                        .push((idx, r.dimension));
                 }
             }
         }
@@ -573,14 +585,17 @@ posture = "conservative"
             admitted: AtomicU64::new(0),
             errors: AtomicU64::new(0),
         });
-        let routes = Arc::new(routes);
+        let routes = Arc::new((routes, offered_routes));
+        shared.log.lock().expect("log").offered = vec![0; keys.len()];
         let n_agents = agents.len();
         let mut threads = Vec::new();
         for (i, (_, http)) in agents.iter().enumerate() {
             let (shared, routes, http) = (Arc::clone(&shared), Arc::clone(&routes), *http);
             let (rps, shift_ns, seed) = (args.rps as f64, args.shift_s * SEC, args.seed);
             threads.push(std::thread::spawn(move || {
-                load(i, n_agents, http, rps, shift_ns, seed, &shared, &routes)
+                load(
+                    i, n_agents, http, rps, shift_ns, seed, &shared, &routes.0, &routes.1,
+                )
             }));
         }
 
@@ -602,7 +617,17 @@ posture = "conservative"
             if ctrl_c.load(Ordering::Relaxed) {
                 break;
             }
-            let events = std::mem::take(&mut shared.log.lock().expect("log").events);
+            let (events, offered) = {
+                let mut log = shared.log.lock().expect("log");
+                let n = log.offered.len();
+                (
+                    std::mem::take(&mut log.events),
+                    std::mem::replace(&mut log.offered, vec![0; n]),
+                )
+            };
+            for (k, o) in offered.into_iter().enumerate() {
+                keys[k].offered_window = o;
+            }
             for (t, k, cost) in events {
                 keys[k].verifier.debit(t, cost);
                 keys[k].admitted_window += cost;
@@ -626,8 +651,14 @@ posture = "conservative"
                 l_max as f64 / 1e6
             );
             println!(
-                "  {:<22} {:>18} {:>12}  {:<44} {:>10} {:>10}",
-                "key", "limit", "admitted/s", "slice per agent (rate)", "overshoot", "bound+margin"
+                "  {:<22} {:>18} {:>10} {:>10}  {:<36} {:>9} {:>12}",
+                "key",
+                "limit",
+                "offered/s",
+                "admitted/s",
+                "slice per agent (rate)",
+                "overshoot",
+                "bound+margin"
             );
             for k in keys.iter_mut() {
                 let status = snap
@@ -652,7 +683,7 @@ posture = "conservative"
                     worst = (overshoot, bound + margin, k.name.clone());
                 }
                 println!(
-                    "  {:<22} {:>9}/{:<3} b{:<5} {:>12.0}  {:<44} {:>10.1} {:>10}",
+                    "  {:<22} {:>9}/{:<3} b{:<5} {:>10.0} {:>10.0}  {:<36} {:>9.1} {:>12}",
                     k.name,
                     k.rate,
                     if per == 1.0 {
@@ -661,6 +692,7 @@ posture = "conservative"
                         format!("{per}s")
                     },
                     k.burst,
+                    k.offered_window as f64 / window_s,
                     k.admitted_window as f64 / window_s,
                     slices.join(" "),
                     overshoot,
@@ -714,6 +746,7 @@ posture = "conservative"
         seed: u64,
         shared: &Shared,
         routes: &HashMap<(String, String, String), Vec<usize>>,
+        offered_routes: &OfferedRoutes,
     ) {
         let mut c = Http {
             addr: http,
@@ -760,6 +793,19 @@ posture = "conservative"
                 r#"{{"request_id":"{id}","descriptors":{{"org":"{org}","key":"{key}"}},"cost":{{"input_tokens":{cost},"output_tokens":0}}}}"#
             );
             shared.decisions.fetch_add(1, Ordering::Relaxed);
+            if let Some(ks) = offered_routes.get(&(org.to_string(), key.to_string())) {
+                let mut log = shared.log.lock().expect("log");
+                for &(k, dim) in ks {
+                    let units = match dim {
+                        Dimension::Requests | Dimension::Concurrency => 1,
+                        Dimension::InputTokens | Dimension::TotalTokens => cost,
+                        Dimension::OutputTokens => 0,
+                    };
+                    if let Some(o) = log.offered.get_mut(k) {
+                        *o += units;
+                    }
+                }
+            }
             let Some((status, resp)) = c.post("/v1/admit", &body) else {
                 shared.errors.fetch_add(1, Ordering::Relaxed);
                 continue;
