@@ -118,7 +118,8 @@ async fn open(
         .await
         .unwrap()
         .max_decoding_message_size(pb::MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(pb::MAX_MESSAGE_BYTES);
+        // Lenient on purpose: the server's bound is under test, not the client's.
+        .max_encoding_message_size(4 * pb::MAX_MESSAGE_BYTES);
     let (tx, rx) = mpsc::channel(16);
     tx.send(first).await.unwrap();
     let r = client
@@ -282,4 +283,65 @@ async fn each_start_with_a_term_file_serves_a_higher_term() {
     }
     let _ = std::fs::remove_file(&file);
     assert_eq!(terms, vec![1, 2]);
+}
+
+#[tokio::test]
+async fn a_report_over_the_key_bound_or_the_size_bound_ends_the_stream_and_changes_nothing() {
+    let a = Allocator::start(&["--term", "9"]);
+    let key_report = |i: usize, len: usize| pb::KeyReport {
+        key: Some(pb::Key {
+            rule: "org-rps".into(),
+            values: vec![format!("{i:0>len$}")],
+        }),
+        admitted: 0,
+        rejected: 1,
+        counting_since_ns: 1,
+        in_flight: 0,
+        held: None,
+    };
+    // More keys than MAX_KEYS_PER_MESSAGE.
+    let (tx, r) = open(a.grpc, hello("node-big", pb::PROTOCOL_VERSION, 1)).await;
+    let mut inbound = r.unwrap();
+    inbound.message().await.unwrap().unwrap(); // welcome
+    tx.send(pb::AgentMessage {
+        msg: Some(Msg::Report(pb::Report {
+            agent_time_ns: 2,
+            keys: (0..pb::MAX_KEYS_PER_MESSAGE + 1)
+                .map(|i| key_report(i, 8))
+                .collect(),
+        })),
+    })
+    .await
+    .unwrap();
+    let end = inbound.message().await.expect_err("stream must end");
+    assert_eq!(end.code(), tonic::Code::InvalidArgument, "{end}");
+    // Larger than MAX_MESSAGE_BYTES: refused by the transport.
+    let (tx, r) = open(a.grpc, hello("node-huge", pb::PROTOCOL_VERSION, 1)).await;
+    let mut inbound = r.unwrap();
+    inbound.message().await.unwrap().unwrap();
+    let _ = tx
+        .send(pb::AgentMessage {
+            msg: Some(Msg::Report(pb::Report {
+                agent_time_ns: 2,
+                keys: (0..2_000).map(|i| key_report(i, 4_000)).collect(),
+            })),
+        })
+        .await;
+    let r = tokio::time::timeout(Duration::from_secs(10), inbound.message())
+        .await
+        .expect("answered");
+    let status = r.expect_err("the server refuses an oversized message");
+    eprintln!("oversized report: {status}");
+    assert!(
+        matches!(
+            status.code(),
+            tonic::Code::OutOfRange | tonic::Code::ResourceExhausted | tonic::Code::Internal
+        ),
+        "{status}"
+    );
+    drop((tx, inbound));
+    let v = tokio::task::spawn_blocking(move || a.get_json("/v1/keys"))
+        .await
+        .unwrap();
+    assert_eq!(v["key_count"], 0, "nothing was recorded: {v}");
 }

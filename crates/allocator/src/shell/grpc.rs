@@ -217,7 +217,14 @@ impl pb::allocator_server::Allocator for Service {
             loop {
                 let m = match inbound.message().await {
                     Ok(Some(m)) => m,
-                    Ok(None) | Err(_) => break,
+                    Ok(None) => break,
+                    Err(status) => {
+                        // E.g. a message over MAX_MESSAGE_BYTES: say why, then end.
+                        if let Some(tx) = weak.upgrade() {
+                            let _ = tx.try_send(Err(status));
+                        }
+                        break;
+                    }
                 };
                 let input = match m.msg {
                     Some(Msg::Report(r)) => report_from_pb(&agent, incarnation, r)
