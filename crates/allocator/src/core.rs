@@ -1479,15 +1479,23 @@ impl Allocator {
     /// Recomputes every key now, whatever its demand did (after a config change, and the
     /// full-pass benchmark).
     pub fn reallocate_all(&mut self, now: u64) {
+        self.outbox.reserve(self.entry_count);
         for k in 0..self.keys.len() as u32 {
-            if let Some(key) = self.keys[k as usize].as_mut() {
+            let Some(key) = self.keys[k as usize].as_mut() else {
+                continue;
+            };
+            if self.outbox.len() + key.entries.len() > self.cfg.max_outbox {
+                // The shell must drain first: leave it marked, due now.
                 key.dirty = true;
                 key.due_ns = now;
                 self.dirty.push(Reverse((now, k)));
+                self.recompute_at_ns = Some(now);
+                continue;
             }
+            // Any heap entry for it goes stale (its `dirty` is cleared).
+            key.dirty = false;
+            self.recompute(now, k);
         }
-        self.outbox.reserve(self.entry_count);
-        self.recompute_dirty(now);
     }
 
     fn sweep(&mut self, now: u64) {
