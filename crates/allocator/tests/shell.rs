@@ -345,3 +345,100 @@ async fn a_report_over_the_key_bound_or_the_size_bound_ends_the_stream_and_chang
         .unwrap();
     assert_eq!(v["key_count"], 0, "nothing was recorded: {v}");
 }
+
+#[tokio::test]
+async fn a_restarted_agent_releases_its_old_grants_at_once() {
+    let a = Allocator::start(&[
+        "--term",
+        "11",
+        "--lease-ms",
+        "600",
+        "--reclaim-margin-ms",
+        "100",
+    ]);
+    let demand = |t: u64| pb::AgentMessage {
+        msg: Some(Msg::Report(pb::Report {
+            agent_time_ns: t,
+            keys: vec![pb::KeyReport {
+                key: Some(pb::Key {
+                    rule: "org-rps".into(),
+                    values: vec!["acme".into()],
+                }),
+                admitted: 0,
+                rejected: t,
+                counting_since_ns: 1,
+                in_flight: 0,
+                held: None,
+            }],
+        })),
+    };
+    let (tx, r) = open(a.grpc, hello("node-r", pb::PROTOCOL_VERSION, 10)).await;
+    let mut inbound = r.unwrap();
+    inbound.message().await.unwrap().unwrap(); // welcome
+    let mut t = 1_000u64;
+    tx.send(demand(t)).await.unwrap();
+    loop {
+        tokio::select! {
+            m = inbound.message() => {
+                if let Some(pb::allocator_message::Msg::Grants(_)) = m.unwrap().unwrap().msg {
+                    break;
+                }
+            }
+            _ = tokio::time::sleep(Duration::from_millis(100)) => {
+                t += 100_000_000;
+                tx.send(demand(t)).await.unwrap();
+            }
+        }
+    }
+    let a = tokio::task::spawn_blocking(move || {
+        let v = a.get_json("/v1/keys");
+        assert!(
+            v["keys"][0]["committed"]["rate"].as_u64().unwrap() > 0,
+            "{v}"
+        );
+        a
+    })
+    .await
+    .unwrap();
+    // The process dies (its stream closes), and a new incarnation says hello, holding
+    // nothing: the old grants are released at once, not after their lease.
+    drop((tx, inbound));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut again = hello("node-r", pb::PROTOCOL_VERSION, 5);
+    if let Some(Msg::Hello(h)) = &mut again.msg {
+        h.incarnation = 2;
+    }
+    // The old incarnation was heard from within agent_silence_ms (1 s): the allocator
+    // refuses a second live claimant until then, so retry as an agent would.
+    let started = std::time::Instant::now();
+    let (_tx2, mut inbound2) = loop {
+        let (tx2, r2) = open(a.grpc, again.clone()).await;
+        match r2 {
+            Ok(s) => break (tx2, s),
+            Err(s) if s.code() == tonic::Code::AlreadyExists => {
+                assert!(started.elapsed() < Duration::from_secs(3), "{s}");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(s) => panic!("{s}"),
+        }
+    };
+    inbound2.message().await.unwrap().unwrap(); // welcome
+    let v = tokio::task::spawn_blocking(move || a.get_json("/v1/keys"))
+        .await
+        .unwrap();
+    // The key is either forgotten or holds nothing.
+    assert!(
+        v["keys"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|k| k["committed"]["rate"] == 0 && k["committed"]["burst"] == 0),
+        "old grants still counted: {v}"
+    );
+    assert_eq!(v["counters"]["hellos"], 2, "{v}");
+    assert!(
+        started.elapsed() < Duration::from_millis(600),
+        "released only after the lease ({:?})",
+        started.elapsed()
+    );
+}
