@@ -48,8 +48,11 @@ pub struct AllocatorConfig {
     /// recomputation. Default 20.
     pub demand_change_permille: u32,
     /// When demand is below the limit, this share (permille) of the spare capacity stays
-    /// free, so a newcomer's first grant needs no revocation round trip. The rest goes
-    /// to rejecting agents, or as headroom to all in proportion to demand. Default 250.
+    /// free, so a newcomer's first grant needs no revocation round trip. Of the rest,
+    /// half is headroom for every agent in proportion to its demand and half goes to
+    /// agents that are rejecting (all of it as headroom when none is). An agent counts as
+    /// rejecting until its smoothed rejections fall below 2 % of its demand, so spare
+    /// capacity does not flap between agents report by report. Default 250.
     pub spare_reserve_permille: u32,
     /// Overdraft `O` in permille of each rule's rate: the only excess the allocator
     /// ever grants (rate only, never burst). Default 0.

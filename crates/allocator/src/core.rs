@@ -255,6 +255,8 @@ struct Entry {
     /// Demand when the key was last allocated (for change detection).
     demand_used: f64,
     has_demand: bool,
+    /// Smoothed rejected cost per period.
+    rejected_rate: f64,
     rejecting: bool,
     rejecting_used: bool,
     base_admitted: u64,
@@ -282,6 +284,7 @@ impl Entry {
             demand: 0.0,
             demand_used: 0.0,
             has_demand: false,
+            rejected_rate: 0.0,
             rejecting: false,
             rejecting_used: false,
             base_admitted: 0,
@@ -1267,14 +1270,24 @@ impl Allocator {
         } else {
             (da + dr) as f64 * rule.period_ns as f64 / interval as f64
         };
+        let rejected_sample = if rule.concurrency {
+            dr as f64
+        } else {
+            dr as f64 * rule.period_ns as f64 / interval as f64
+        };
         if e.has_demand {
             let alpha = 1.0 - (-(interval as f64) / half_life).exp2();
             e.demand += alpha * (sample - e.demand);
+            e.rejected_rate += alpha * (rejected_sample - e.rejected_rate);
         } else {
             e.demand = sample;
+            e.rejected_rate = rejected_sample;
             e.has_demand = true;
         }
-        e.rejecting = dr > 0;
+        // Rejecting until the smoothed rejections fade below 2 % of demand: an agent
+        // that got spare capacity keeps it for a few reports after it stops rejecting,
+        // instead of losing it at once and rejecting again (flapping).
+        e.rejecting = dr > 0 || e.rejected_rate > 0.02 * e.demand;
         e.base_admitted = kr.admitted;
         e.base_rejected = kr.rejected;
         e.base_ts = agent_time;
@@ -2623,5 +2636,52 @@ mod tests {
         settle(&mut a, end);
         let st = a.key_status(&k).unwrap();
         assert!(st.committed.rate <= 1000);
+    }
+
+    #[test]
+    fn spare_capacity_stays_with_an_agent_for_a_few_reports_after_it_stops_rejecting() {
+        let now = 5 * SEC;
+        let mut a = warm_allocator(1, now);
+        let k = key("rps", "under");
+        a.handle_hello(now, &hello("a", 1, 1)).unwrap();
+        a.handle_hello(now, &hello("b", 1, 1)).unwrap();
+        // Under the limit: a 300/s, b 200/s; b rejected some in its last report.
+        let (mut adm_a, mut adm_b, mut rej_b) = (0u64, 0u64, 0u64);
+        let mut t = now;
+        let mut granted_b = Vec::new();
+        for i in 0..8u64 {
+            t += 250 * MS;
+            adm_a += 75;
+            adm_b += 50;
+            if i == 3 {
+                rej_b += 20;
+            }
+            a.handle_report(t, &report("a", 1, t, vec![line(k.clone(), adm_a, 0, None)]))
+                .unwrap();
+            a.handle_report(
+                t,
+                &report("b", 1, t, vec![line(k.clone(), adm_b, rej_b, None)]),
+            )
+            .unwrap();
+            settle(&mut a, t + 10 * MS);
+            let st = a.key_status(&k).unwrap();
+            granted_b.push(
+                st.agents
+                    .iter()
+                    .find(|s| &*s.agent == "b")
+                    .unwrap()
+                    .granted
+                    .rate,
+            );
+        }
+        // Every agent keeps headroom above its demand, and b's extra share does not
+        // vanish on the first report without rejections.
+        assert!(granted_b[2] > 200, "{granted_b:?}");
+        assert!(
+            granted_b[3] > granted_b[2],
+            "b grows when it rejects: {granted_b:?}"
+        );
+        assert!(granted_b[4] >= granted_b[3] * 95 / 100, "{granted_b:?}");
+        assert!(a.key_status(&k).unwrap().committed.rate <= 1000);
     }
 }

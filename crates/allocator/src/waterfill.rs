@@ -29,7 +29,7 @@ pub struct Fill {
     pub level: f64,
     /// Spare per unit of weight given to each rejecting claim (underloaded only).
     pub spare_per_weight: f64,
-    /// Spare as a fraction of demand given to every claim when none was rejecting.
+    /// Spare as a fraction of demand given to every claim (headroom).
     pub headroom: f64,
 }
 
@@ -39,7 +39,7 @@ impl Fill {
         if self.overloaded {
             c.demand.min(c.weight * self.level)
         } else if c.rejecting {
-            c.demand + self.spare_per_weight * c.weight
+            c.demand * (1.0 + self.headroom) + self.spare_per_weight * c.weight
         } else {
             c.demand * (1.0 + self.headroom)
         }
@@ -52,8 +52,10 @@ impl Fill {
 /// When demand exceeds capacity, shares are weighted max-min: `min(demand, weight * λ)`
 /// with the water level `λ` chosen so that they sum to `capacity`. Otherwise everyone
 /// gets its demand, and of the spare `capacity - Σ demand` a `reserve` fraction (0..=1)
-/// stays unassigned; the rest goes to rejecting claims by weight, or, if none is
-/// rejecting, to every claim in proportion to its demand (headroom).
+/// stays unassigned; of the rest, half goes to every claim in proportion to its demand
+/// (headroom, so a steady agent keeps a burst for clumpy arrivals) and half to rejecting
+/// claims by weight (all of it as headroom if none is rejecting, all of it to rejecting
+/// claims if there is no demand yet).
 pub fn water_fill(capacity: f64, claims: &[Claim], reserve: f64, out: &mut Vec<f64>) -> Fill {
     out.clear();
     let total: f64 = claims.iter().map(|c| c.demand).sum();
@@ -69,10 +71,14 @@ pub fn water_fill(capacity: f64, claims: &[Claim], reserve: f64, out: &mut Vec<f
             .filter(|c| c.rejecting)
             .map(|c| c.weight)
             .sum();
-        if w_rej > 0.0 {
-            fill.spare_per_weight = spare / w_rej;
-        } else if total > 0.0 {
-            fill.headroom = spare / total;
+        match (w_rej > 0.0, total > 0.0) {
+            (true, true) => {
+                fill.spare_per_weight = spare / 2.0 / w_rej;
+                fill.headroom = spare / 2.0 / total;
+            }
+            (true, false) => fill.spare_per_weight = spare / w_rej,
+            (false, true) => fill.headroom = spare / total,
+            (false, false) => {}
         }
         for (o, c) in out.iter_mut().zip(claims) {
             *o = fill.share(c);
@@ -221,8 +227,9 @@ mod tests {
         let mut rej = claim(10.0);
         rej.rejecting = true;
         water_fill(100.0, &[claim(10.0), rej], 0.5, &mut out);
-        // 80 spare, 40 stays free, 40 to the rejecting agent.
-        assert_eq!(out, vec![10.0, 50.0]);
+        // 80 spare, 40 stays free; 20 as headroom by demand (10 each), 20 to the
+        // rejecting agent.
+        assert_eq!(out, vec![20.0, 40.0]);
     }
 
     #[test]
