@@ -212,6 +212,10 @@ pub(crate) struct Slot {
     pub(crate) admitted: AtomicU64,
     /// Cost rejected by this slot (rejections are demand).
     pub(crate) rejected: AtomicU64,
+    /// Cost of requests matching this key that another rule rejected: demand this key
+    /// never saw admitted (without it, two rules on one key starve each other's demand,
+    /// found by the local cluster).
+    pub(crate) blocked: AtomicU64,
     /// Slots only: engine time of the last take (rate buckets derive idleness from
     /// their TAT).
     touched: AtomicU64,
@@ -230,6 +234,7 @@ impl Slot {
             state: AtomicU128::new(state.pack()),
             admitted: AtomicU64::new(0),
             rejected: AtomicU64::new(0),
+            blocked: AtomicU64::new(0),
             touched: AtomicU64::new(0),
             params,
             check: key.check,

@@ -348,9 +348,15 @@ impl SlotCounters {
         self.0.admitted.load(Ordering::Relaxed)
     }
 
-    /// Cost rejected by this slot.
+    /// Cost of matching requests not admitted: rejected by this slot, or by another rule
+    /// the request also matched (demand all the same).
     pub fn rejected(&self) -> u64 {
-        self.0.rejected.load(Ordering::Relaxed)
+        self.0.rejected.load(Ordering::Relaxed) + self.0.blocked.load(Ordering::Relaxed)
+    }
+
+    /// Of [`SlotCounters::rejected`], the cost another rule rejected.
+    pub fn blocked(&self) -> u64 {
+        self.0.blocked.load(Ordering::Relaxed)
     }
 
     /// Both views read the same slot (not a replacement).
@@ -379,8 +385,10 @@ pub struct RuleStats {
     pub shadow: bool,
     /// Units admitted (tokens, requests or slots).
     pub admitted: u64,
-    /// Units rejected (for a shadow rule: would have been rejected).
+    /// Units rejected by this rule (for a shadow rule: would have been rejected).
     pub rejected: u64,
+    /// Units of matching requests another rule rejected.
+    pub blocked: u64,
     /// Keys currently held.
     pub keys: usize,
 }
@@ -515,8 +523,8 @@ struct Slow {
     slices: HashMap<SliceKey, SliceState>,
     /// Live keys (table + pending, not counting sealed slots).
     keys: usize,
-    /// Admitted/rejected of retired slots, per rule.
-    retired: Vec<(u64, u64)>,
+    /// Admitted/rejected/blocked of retired slots, per rule.
+    retired: Vec<(u64, u64, u64)>,
     /// Engine time of the last publish.
     published_at_ns: u64,
 }
@@ -598,7 +606,7 @@ impl Engine {
                     .map(|c| c.index),
             );
         }
-        let retired = vec![(0, 0); compiled.len()];
+        let retired = vec![(0, 0, 0); compiled.len()];
         Engine {
             by_domain: by_domain
                 .into_iter()
@@ -690,7 +698,8 @@ impl Engine {
         let mut any_cost = false;
         let mut values: [&str; MAX_DESCRIPTORS] = [""; MAX_DESCRIPTORS];
 
-        for &ri in self.candidates(req.domain) {
+        let candidates = self.candidates(req.domain);
+        for (pos, &ri) in candidates.iter().enumerate() {
             let rule = &self.compiled[ri as usize];
             let Some(nv) = rule.matches(req.descriptors, &mut values) else {
                 continue;
@@ -758,6 +767,17 @@ impl Engine {
                             {
                                 return Ok(d);
                             }
+                            // The other rules this request matched saw demand too.
+                            for l in held.iter().flatten() {
+                                l.slot.blocked.fetch_add(l.reserved, Ordering::Relaxed);
+                            }
+                            self.block_later(
+                                table,
+                                now,
+                                &candidates[pos + 1..],
+                                req.descriptors,
+                                |r| r.cost(&req.cost),
+                            );
                             return Ok(Decision::Rejected(Rejected {
                                 rule: ri as usize,
                                 reason: RejectReason::RetryLater { retry_after_ns },
@@ -841,6 +861,34 @@ impl Engine {
             }
         }
         self.resolve_slow(now, id, rule, values)
+    }
+
+    /// Counts `cost(rule)` as blocked demand on every later candidate rule the request
+    /// matches (they were never evaluated because an earlier rule rejected it). Creates
+    /// keys it has not seen (a new key's demand is what gets it a grant); a full key
+    /// table just loses the count.
+    fn block_later(
+        &self,
+        table: &KeyTable,
+        now: u64,
+        later: &[u32],
+        descriptors: &[(&str, &str)],
+        cost: impl Fn(&CompiledRule) -> u64,
+    ) {
+        let mut values: [&str; MAX_DESCRIPTORS] = [""; MAX_DESCRIPTORS];
+        for &ri in later {
+            let rule = &self.compiled[ri as usize];
+            let Some(nv) = rule.matches(descriptors, &mut values) else {
+                continue;
+            };
+            let c = cost(rule);
+            if c == 0 {
+                continue;
+            }
+            if let Ok(slot) = self.slot_for(table, now, ri, &values[..nv], true) {
+                slot.blocked.fetch_add(c, Ordering::Relaxed);
+            }
+        }
     }
 
     /// Undoes every debit in `held` (a rejection or a failed insert).
@@ -990,10 +1038,11 @@ impl Engine {
     fn evict_locked(&self, slow: &mut Slow, now: u64, idle_ns: u64, max: usize) -> usize {
         let table = self.table.load();
         let mut evicted = 0;
-        let retire = |slow_retired: &mut Vec<(u64, u64)>, s: &Slot| {
+        let retire = |slow_retired: &mut Vec<(u64, u64, u64)>, s: &Slot| {
             let r = &mut slow_retired[s.key.rule as usize];
             r.0 += s.admitted.load(Ordering::Relaxed);
             r.1 += s.rejected.load(Ordering::Relaxed);
+            r.2 += s.blocked.load(Ordering::Relaxed);
         };
         let candidates: Vec<Arc<Slot>> = table
             .map
@@ -1160,7 +1209,8 @@ impl Engine {
                 slot.settle(now, *amount, 0);
             }
         };
-        for &ri in self.candidates(domain) {
+        let candidates = self.candidates(domain);
+        for (pos, &ri) in candidates.iter().enumerate() {
             let rule = &self.compiled[ri as usize];
             if rule.dimension == Dimension::Concurrency {
                 continue;
@@ -1219,6 +1269,25 @@ impl Engine {
                         limits.push(status(rule, cost, !rule.enforce, &slot.params, after, now));
                         if rule.enforce {
                             undo(&taken);
+                            for (slot, _) in taken.iter().flatten() {
+                                slot.blocked.fetch_add(hits, Ordering::Relaxed);
+                            }
+                            for (_, slot) in charges.iter().flatten() {
+                                slot.blocked.fetch_add(hits, Ordering::Relaxed);
+                            }
+                            self.block_later(
+                                &table,
+                                now,
+                                &candidates[pos + 1..],
+                                descriptors,
+                                |r| {
+                                    if r.dimension == Dimension::Concurrency {
+                                        0
+                                    } else {
+                                        hits
+                                    }
+                                },
+                            );
                             return Ok(Decision::Rejected(Rejected {
                                 rule: ri as usize,
                                 reason: RejectReason::RetryLater { retry_after_ns },
@@ -1418,6 +1487,7 @@ impl Engine {
                     let r = &mut slow.retired[rule as usize];
                     r.0 += old.admitted.load(Ordering::Relaxed);
                     r.1 += old.rejected.load(Ordering::Relaxed);
+                    r.2 += old.blocked.load(Ordering::Relaxed);
                     let (state, released) =
                         bucket::convert(&old.params, final_state, &params, now, transfer);
                     (slot_id, Arc::clone(&old.key), state, released)
@@ -1550,6 +1620,7 @@ impl Engine {
                 shadow: !c.enforce,
                 admitted: slow.retired[c.index as usize].0,
                 rejected: slow.retired[c.index as usize].1,
+                blocked: slow.retired[c.index as usize].2,
                 keys: 0,
             })
             .collect();
@@ -1561,6 +1632,7 @@ impl Engine {
             let r = &mut out[s.key.rule as usize];
             r.admitted += s.admitted.load(Ordering::Relaxed);
             r.rejected += s.rejected.load(Ordering::Relaxed);
+            r.blocked += s.blocked.load(Ordering::Relaxed);
             r.keys += 1;
         }
         out

@@ -844,3 +844,62 @@ fn finished_ids_are_remembered_within_their_bound_then_forgotten_oldest_first() 
     assert_eq!(e.leases_in_flight(), 1);
     e.check_invariants(0).unwrap();
 }
+
+#[test]
+fn a_request_rejected_by_one_rule_still_counts_as_demand_on_the_others() {
+    let e = engine(
+        r#"
+        [[rule]]
+        name = "rpm"
+        match = { org = "*" }
+        dimension = "requests"
+        rate = 1
+        per = "second"
+        [[rule]]
+        name = "itps"
+        match = { org = "*" }
+        dimension = "input_tokens"
+        rate = 100
+        per = "second"
+        "#,
+    );
+    let mut demand = Vec::new();
+    let counters = |e: &bursar_agent::Engine, demand: &mut Vec<bursar_agent::engine::KeyDemand>| {
+        demand.clear();
+        e.key_demand(demand);
+        let get = |rule: &str| {
+            let d = demand.iter().find(|d| d.rule == rule).unwrap();
+            (
+                d.counters.admitted(),
+                d.counters.rejected(),
+                d.counters.blocked(),
+            )
+        };
+        (get("rpm"), get("itps"))
+    };
+    e.admit(0, &req("a", &[("org", "x")], tokens(10, Some(0))))
+        .unwrap();
+    // rpm (first) rejects: itps never evaluated, but its demand is counted.
+    let d = e
+        .admit(0, &req("b", &[("org", "x")], tokens(20, Some(0))))
+        .unwrap();
+    assert!(!d.is_admitted());
+    assert_eq!(counters(&e, &mut demand), ((1, 1, 0), (10, 20, 20)));
+    // itps (second) rejects after rpm took and rolled back: rpm's demand is counted.
+    e.complete(0, "a", Usage::default(), CompletionStatus::Ok)
+        .unwrap();
+    assert!(
+        e.admit(SEC, &req("d", &[("org", "x")], tokens(90, Some(0))))
+            .unwrap()
+            .is_admitted()
+    );
+    let d = e
+        .admit(2 * SEC, &req("c", &[("org", "x")], tokens(50, Some(0))))
+        .unwrap();
+    assert!(!d.is_admitted(), "90 of itps's 100 are held by d");
+    let ((_, rpm_rej, rpm_blocked), (_, itps_rej, _)) = counters(&e, &mut demand);
+    assert_eq!((rpm_rej, rpm_blocked), (2, 1));
+    assert_eq!(itps_rej, 20 + 50);
+    let stats = e.stats();
+    assert_eq!(stats.iter().find(|s| s.rule == "rpm").unwrap().blocked, 1);
+}

@@ -386,6 +386,14 @@ async fn metrics(State(state): State<Arc<AgentState>>) -> Response {
             s.rule, s.rejected
         ));
     }
+    out.push_str("# HELP bursar_blocked_units_total Units of requests matching the rule that another rule rejected (demand all the same).\n");
+    out.push_str("# TYPE bursar_blocked_units_total counter\n");
+    for s in &stats {
+        out.push_str(&format!(
+            "bursar_blocked_units_total{{rule=\"{}\"}} {}\n",
+            s.rule, s.blocked
+        ));
+    }
     out.push_str("# HELP bursar_keys Limit keys held per rule.\n# TYPE bursar_keys gauge\n");
     for s in &stats {
         out.push_str(&format!("bursar_keys{{rule=\"{}\"}} {}\n", s.rule, s.keys));
