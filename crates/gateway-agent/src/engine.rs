@@ -1399,6 +1399,14 @@ impl Engine {
                 got: u.values.len(),
             });
         }
+        if u.lease_expires_at_ns <= now {
+            // A grant that arrives after its own lease ended (a slow link, a replay):
+            // applying it would put a lapsed grant in force until the next maintenance.
+            return Err(SliceError::LeaseEnded {
+                rule: u.rule.clone(),
+                expired_ns_ago: now - u.lease_expires_at_ns,
+            });
+        }
         if u.rate > MAX_COST || u.burst > MAX_COST || u.transfer_tokens > MAX_COST {
             return Err(SliceError::Absurd {
                 rule: u.rule.clone(),

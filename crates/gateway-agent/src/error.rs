@@ -123,6 +123,14 @@ pub enum SliceError {
         /// Held sequence.
         held_seq: u64,
     },
+    /// The grant's lease had already ended when it arrived (peer or network: late).
+    #[error("slice for rule {rule:?} arrived {expired_ns_ago} ns after its lease ended")]
+    LeaseEnded {
+        /// Rule.
+        rule: String,
+        /// How long ago the lease ended.
+        expired_ns_ago: u64,
+    },
     /// The key table is full.
     #[error("key table full ({max} keys)")]
     TableFull {

@@ -903,3 +903,21 @@ fn a_request_rejected_by_one_rule_still_counts_as_demand_on_the_others() {
     let stats = e.stats();
     assert_eq!(stats.iter().find(|s| s.rule == "rpm").unwrap().blocked, 1);
 }
+
+#[test]
+fn a_grant_that_arrives_after_its_lease_ended_is_refused() {
+    let e = engine(ALLOCATED);
+    let mut late = slice(50, 50, 1, 1);
+    late.lease_expires_at_ns = 5 * SEC;
+    let r = e.apply_slices(6 * SEC, &[late]);
+    assert!(
+        matches!(r[0], Err(SliceError::LeaseEnded { .. })),
+        "{:?}",
+        r[0]
+    );
+    assert_eq!(
+        e.level(6 * SEC, "rpm", &["a"]),
+        None,
+        "nothing was installed"
+    );
+}
