@@ -2,9 +2,9 @@
 //! slices, with no network hop.
 //!
 //! This crate owns the agent's **budget engine** (a sans-IO core: every operation takes
-//! `now`) and, as they land, its shell (HTTP, Envoy RLS, the OpenAI proxy, the
-//! allocator sync client). Today it holds the engine and the `bursar-agent` binary's
-//! standalone demo; see the README's status table.
+//! `now`) and its shell (feature `shell`, default): the HTTP JSON API, Envoy RLS v3, the
+//! OpenAI-compatible proxy, a `tower::Layer`, and the allocator sync client; and the
+//! `bursar-agent` binary (front doors, `demo`, `check-config`, `hash-key`).
 //!
 //! ```
 //! use std::sync::Arc;
@@ -43,8 +43,9 @@
 //! - [`usage`]: usage records and the sink trait the ledger consumes.
 //! - [`clock`]: monotonic clocks for the shell (the engine takes `now`).
 //! - [`testing`]: fixtures shared by tests, benches and the demo.
-//! - `shell` (feature `shell`, default): the front doors over the engine: HTTP JSON
-//!   API, Envoy RLS v3 (gRPC), a `tower::Layer`, the maintenance ticker.
+//! - `shell` (feature `shell`, default): the front doors over the engine (HTTP JSON
+//!   API, Envoy RLS v3, OpenAI proxy, `tower::Layer`), the allocator sync client and
+//!   the maintenance ticker.
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
