@@ -18,7 +18,7 @@
 //!   as the core did before single-entry updates.
 //!
 //! Run: `cargo bench -p bursar-allocator --bench allocation`. Figures:
-//! docs/benchmarks-allocator.md.
+//! docs/BENCHMARKS.md ("Allocator core").
 // `criterion_group!` generates a public function without docs.
 #![allow(missing_docs)]
 

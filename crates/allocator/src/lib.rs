@@ -81,7 +81,7 @@
 //! - `shell` and `main.rs` (feature `shell`): the binary's tokio shell (not part of the
 //!   core; see above).
 //! - `benches/allocation.rs`: a full pass over 1,000 agents x 100,000 keys and a
-//!   100-key report (figures in docs/benchmarks-allocator.md).
+//!   100-key report (figures in docs/BENCHMARKS.md ("Allocator core")).
 //! - `tests/properties.rs`: random demand, report orders, losses, delays, ack loss and
 //!   restarts against budget conservation (inside and outside view).
 //! - `tests/conformance.rs`: the real agent engines and this core under a virtual

@@ -5,7 +5,7 @@
 //! acknowledged. Client and server share the machine's cores.
 //!
 //! `cargo bench -p bursar-ledger --bench http_ingest`; figures in
-//! docs/benchmarks-ledger.md.
+//! docs/BENCHMARKS.md ("Ledger").
 #![allow(missing_docs)] // criterion_main! generates an undocumented `main`.
 
 use std::io::{BufRead, BufReader, Read, Write};

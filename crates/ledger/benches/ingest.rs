@@ -7,7 +7,7 @@
 //! Baselines in the same run: a batch of 1 (a commit per event, what group commit
 //! avoids) and the in-memory reference store (the merge and digest work with no disk).
 //!
-//! `cargo bench -p bursar-ledger --bench ingest`; figures in docs/benchmarks-ledger.md.
+//! `cargo bench -p bursar-ledger --bench ingest`; figures in docs/BENCHMARKS.md ("Ledger").
 #![allow(missing_docs)] // criterion_main! generates an undocumented `main`.
 
 use std::sync::atomic::{AtomicU64, Ordering};

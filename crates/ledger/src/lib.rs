@@ -22,7 +22,7 @@
 //! as its outbox.
 //!
 //! The API, the guarantees and the evidence for each are in `docs/ledger.md`;
-//! ingest figures in `docs/benchmarks-ledger.md`. The core builds without the shell:
+//! ingest figures in `docs/BENCHMARKS.md` ("Ledger"). The core builds without the shell:
 //! `cargo check -p bursar-ledger --no-default-features`.
 //!
 //! # Layout

@@ -7,7 +7,7 @@
 //! - `ids`: request id -> where its event is (hour, sequence number, tenant): the
 //!   dedupe index. Time-ordered request ids (UUIDv7, `node-counter`) insert at a few
 //!   hot spots; random ones (UUIDv4) land all over the tree and cost more per commit
-//!   (both measured in docs/benchmarks-ledger.md);
+//!   (both measured in docs/BENCHMARKS.md ("Ledger"));
 //! - `digests`: (hour, tenant) -> digest (80 bytes);
 //! - `conflicts`: (event key, element hash of the loser) -> the loser's encoding;
 //! - `meta`: `format` (a marker naming this layout), `root` (the root digest) and
