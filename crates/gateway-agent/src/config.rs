@@ -289,8 +289,9 @@ pub struct EngineConfig {
     /// How long a finished request id is remembered, so that a duplicate or late
     /// completion is recognised. Default 3,600,000 ms.
     pub tombstone_ttl_ms: u64,
-    /// Most finished request ids remembered; the oldest are forgotten first. Default
-    /// 262,144.
+    /// Finished request ids remembered; the oldest are forgotten first, by the
+    /// maintenance tick (off the completion path), so between ticks the count may run
+    /// up to a quarter over (that much is reserved up front). Default 262,144.
     pub max_tombstones: usize,
     /// A key unused for this long, at rest (bucket full, nothing in flight), may be
     /// evicted; it is recreated identically when next used. Default 60,000 ms.

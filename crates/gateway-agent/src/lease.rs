@@ -142,7 +142,11 @@ impl Shard {
     /// Records a tombstone for `hash` (the caller has set the entry), forgetting the
     /// oldest if at the bound.
     fn note_tomb(&mut self, hash: u64, at_ns: u64, new_tomb: bool) {
-        while self.order.len() >= self.max_tombs || (new_tomb && self.tombs >= self.max_tombs) {
+        // Tombstones past `max_tombs` are forgotten by `expire` (the maintenance tick),
+        // off the completion path; only past the hard bound (a quarter more, reserved
+        // up front) does a completion forget the oldest itself.
+        let hard = self.max_tombs + self.max_tombs / 4;
+        while self.order.len() >= hard || (new_tomb && self.tombs >= hard) {
             if !self.forget_oldest() && self.order.is_empty() {
                 break;
             }
@@ -151,6 +155,15 @@ impl Shard {
             self.tombs += 1;
         }
         self.order.push_back((hash, at_ns));
+    }
+
+    /// Forgets the oldest tombstones until at most `max_tombs` remain.
+    fn trim_tombs(&mut self) {
+        while self.tombs > self.max_tombs || self.order.len() > self.max_tombs {
+            if !self.forget_oldest() && self.order.is_empty() {
+                break;
+            }
+        }
     }
 
     /// Pops the oldest tombstone record; returns true if it removed a tombstone.
@@ -217,14 +230,14 @@ impl LeaseTable {
             .map(|_| {
                 Mutex::new(Shard {
                     map: HashMap::with_capacity_and_hasher(
-                        per_shard + tombs_per_shard,
+                        per_shard + tombs_per_shard + tombs_per_shard / 4,
                         Default::default(),
                     ),
                     // Reserved, not initialised: pages are touched as leases arrive.
                     slab: Vec::with_capacity(per_shard),
                     free: Vec::with_capacity(per_shard),
                     max_leases: per_shard,
-                    order: VecDeque::with_capacity(tombs_per_shard),
+                    order: VecDeque::with_capacity(tombs_per_shard + tombs_per_shard / 4),
                     tombs: 0,
                     max_tombs: tombs_per_shard,
                 })
@@ -263,12 +276,15 @@ impl LeaseTable {
     #[allow(clippy::result_large_err)]
     pub(crate) fn insert(&self, hash: u128, lease: Lease) -> Result<(), InsertError> {
         let mut shard = self.shard(hash);
+        let shard = &mut *shard;
         let hash = key(hash);
-        let was_tomb = match shard.map.get(&hash) {
-            Some(Entry::Live(_)) => return Err(InsertError::Exists(lease)),
-            Some(_) => true,
-            None => false,
-        };
+        // One probe of the map: the entry decides.
+        let entry = shard.map.entry(hash);
+        if let std::collections::hash_map::Entry::Occupied(e) = &entry
+            && matches!(e.get(), Entry::Live(_))
+        {
+            return Err(InsertError::Exists(lease));
+        }
         let i = match shard.free.pop() {
             Some(i) => {
                 shard.slab[i as usize] = Some(lease);
@@ -281,12 +297,17 @@ impl LeaseTable {
             }
             None => return Err(InsertError::Full(lease)),
         };
-        // A finished id admitted again: its tombstone gives way to the new lease (its
-        // order record goes stale and is skipped).
-        if was_tomb {
-            shard.tombs -= 1;
+        match entry {
+            std::collections::hash_map::Entry::Occupied(mut e) => {
+                // A finished id admitted again: its tombstone gives way to the new lease
+                // (its order record goes stale and is skipped).
+                e.insert(Entry::Live(i));
+                shard.tombs -= 1;
+            }
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(Entry::Live(i));
+            }
         }
-        shard.map.insert(hash, Entry::Live(i));
         Ok(())
     }
 
@@ -374,6 +395,7 @@ impl LeaseTable {
                 }
                 shard.forget_oldest();
             }
+            shard.trim_tombs();
         }
     }
 
