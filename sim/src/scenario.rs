@@ -1,0 +1,434 @@
+//! Scenarios: plain data read from TOML (`sim/scenarios/*.toml`, built into the binary
+//! by name), with [`Scenario::validate`] naming the field that is wrong.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+/// A scenario could not be read or is impossible (operator error; nothing ran).
+#[derive(Debug, thiserror::Error)]
+pub enum ScenarioError {
+    /// The file could not be read.
+    #[error("scenario file {path}: {source}")]
+    Io {
+        /// The path given.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The TOML is malformed or names an unknown field.
+    #[error("scenario {name}: {message}")]
+    Parse {
+        /// File path or built-in name.
+        name: String,
+        /// The parser's message (it names an unknown field).
+        message: String,
+    },
+    /// A parameter is impossible.
+    #[error("scenario {name}: `{field}` {reason}")]
+    Invalid {
+        /// File path or built-in name.
+        name: String,
+        /// The field.
+        field: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
+    /// Neither a file nor a built-in name.
+    #[error("no scenario file or built-in named `{0}` (built-ins: {list})", list = BUILT_INS.iter().map(|b| b.0).collect::<Vec<_>>().join(", "))]
+    Unknown(String),
+}
+
+/// The built-in scenarios: name and TOML (the files in `sim/scenarios/`).
+pub const BUILT_INS: &[(&str, &str)] = &[
+    ("steady", include_str!("../scenarios/steady.toml")),
+    ("zipf", include_str!("../scenarios/zipf.toml")),
+    ("whale", include_str!("../scenarios/whale.toml")),
+    ("shift", include_str!("../scenarios/shift.toml")),
+    ("cold-keys", include_str!("../scenarios/cold-keys.toml")),
+    (
+        "partition-one",
+        include_str!("../scenarios/partition-one.toml"),
+    ),
+    (
+        "partition-set",
+        include_str!("../scenarios/partition-set.toml"),
+    ),
+    (
+        "allocator-crash",
+        include_str!("../scenarios/allocator-crash.toml"),
+    ),
+    ("agent-crash", include_str!("../scenarios/agent-crash.toml")),
+];
+
+/// One simulated fleet, workload and fault schedule.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Scenario {
+    /// Name shown in reports.
+    pub name: String,
+    /// One line on what it exercises.
+    #[serde(default)]
+    pub description: String,
+    /// Gateways (agents), at least 1.
+    pub gateways: usize,
+    /// Limit keys (tenants), at least 1.
+    pub keys: usize,
+    /// Virtual seconds of traffic (after the allocator's first learning lease).
+    pub duration_s: f64,
+    /// The one rule every key is limited by.
+    pub limit: LimitSpec,
+    /// Allocator and agent sync settings.
+    #[serde(default)]
+    pub allocator: AllocatorSpec,
+    /// The links between every agent and the allocator.
+    #[serde(default)]
+    pub network: NetworkSpec,
+    /// Offered load.
+    pub workload: WorkloadSpec,
+    /// Faults, in any order.
+    #[serde(default, rename = "fault")]
+    pub faults: Vec<FaultSpec>,
+}
+
+/// The rule: tokens per second and burst, per key.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct LimitSpec {
+    /// `R`, input tokens per second.
+    pub rate_per_s: u64,
+    /// `B`, tokens.
+    pub burst: u64,
+    /// `strict`, `conservative` or `open`.
+    #[serde(default = "default_posture")]
+    pub posture: String,
+}
+
+fn default_posture() -> String {
+    "conservative".into()
+}
+
+/// Allocator settings the scenario may change (the rest are the core's defaults).
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct AllocatorSpec {
+    /// `AllocatorConfig::lease_ms`.
+    pub lease_ms: u64,
+    /// `AllocatorConfig::reclaim_margin_ms`.
+    pub reclaim_margin_ms: u64,
+    /// `AllocatorConfig::overdraft_permille`.
+    pub overdraft_permille: u32,
+    /// How often each agent reports (the agent's `report_interval`).
+    pub report_interval_ms: u64,
+    /// Every this many reports is a full one (the agent's `full_report_every`).
+    pub full_report_every: u32,
+    /// How soon an agent reports a key it has just seen (the agent's `new_key_poll`).
+    pub new_key_poll_ms: u64,
+}
+
+impl Default for AllocatorSpec {
+    fn default() -> Self {
+        AllocatorSpec {
+            lease_ms: 2_000,
+            reclaim_margin_ms: 500,
+            overdraft_permille: 0,
+            report_interval_ms: 250,
+            full_report_every: 8,
+            new_key_poll_ms: 20,
+        }
+    }
+}
+
+/// One-way latency of every agent-allocator link: `latency_ms` plus an exponential
+/// jitter of mean `jitter_ms`; each message is lost with probability `loss`.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct NetworkSpec {
+    /// Base one-way latency, ms (>= 0).
+    pub latency_ms: f64,
+    /// Mean of the exponential jitter added, ms (>= 0).
+    pub jitter_ms: f64,
+    /// Probability a message is lost, 0 to 1.
+    pub loss: f64,
+    /// Let messages on one link overtake each other (a real stream is FIFO: false).
+    pub reorder: bool,
+}
+
+impl Default for NetworkSpec {
+    fn default() -> Self {
+        NetworkSpec {
+            latency_ms: 2.0,
+            jitter_ms: 1.0,
+            loss: 0.0,
+            reorder: false,
+        }
+    }
+}
+
+/// The shape of offered load.
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum WorkloadKind {
+    /// Every key offered `load * R`, spread evenly over all gateways.
+    Uniform,
+    /// Gateways chosen by Zipf(`zipf_s`), each key's ranking rotated.
+    Zipf,
+    /// Key 0 (the whale) jumps from `load` to `whale_load` at `whale_at_s`, spread
+    /// over every gateway at once; the others stay uniform.
+    Whale,
+    /// Demand alternates between the first and second half of the gateways every
+    /// `shift_every_s`.
+    Shift,
+    /// Key `k` starts at `k * cold_stagger_ms`: new keys keep arriving.
+    Cold,
+}
+
+/// Offered load.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct WorkloadSpec {
+    /// The shape.
+    pub kind: WorkloadKind,
+    /// Offered tokens per second per key, as a multiple of `R`.
+    pub load: f64,
+    /// Smallest request cost, tokens.
+    #[serde(default = "default_cost_min")]
+    pub cost_min: u64,
+    /// Largest request cost, tokens (uniform in between).
+    #[serde(default = "default_cost_max")]
+    pub cost_max: u64,
+    /// Zipf exponent (`zipf`).
+    #[serde(default = "default_zipf_s")]
+    pub zipf_s: f64,
+    /// The whale's load, multiple of `R` (`whale`).
+    #[serde(default = "default_whale_load")]
+    pub whale_load: f64,
+    /// When the whale arrives, s after traffic starts (`whale`).
+    #[serde(default)]
+    pub whale_at_s: f64,
+    /// Period of the shift (`shift`).
+    #[serde(default = "default_shift_every_s")]
+    pub shift_every_s: f64,
+    /// Delay between two keys' first requests (`cold`).
+    #[serde(default = "default_cold_stagger_ms")]
+    pub cold_stagger_ms: f64,
+}
+
+fn default_cost_min() -> u64 {
+    20
+}
+fn default_cost_max() -> u64 {
+    200
+}
+fn default_zipf_s() -> f64 {
+    1.0
+}
+fn default_whale_load() -> f64 {
+    3.0
+}
+fn default_shift_every_s() -> f64 {
+    5.0
+}
+fn default_cold_stagger_ms() -> f64 {
+    10.0
+}
+
+/// What goes wrong.
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum FaultKind {
+    /// Messages between `agents` and the allocator are lost.
+    Partition,
+    /// The allocator process dies; a new term starts `for_s` later.
+    AllocatorCrash,
+    /// `agents` die (their engines are dropped); new incarnations start `for_s` later.
+    AgentCrash,
+}
+
+/// One fault over `[at_s, at_s + for_s)` (seconds after traffic starts).
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct FaultSpec {
+    /// The fault.
+    pub kind: FaultKind,
+    /// Start, s after traffic starts.
+    pub at_s: f64,
+    /// Length, s.
+    pub for_s: f64,
+    /// Gateway indices (partition, agent crash).
+    #[serde(default)]
+    pub agents: Vec<usize>,
+}
+
+impl Scenario {
+    /// Parses TOML; `name` labels errors.
+    pub fn from_toml(name: &str, text: &str) -> Result<Scenario, ScenarioError> {
+        let s: Scenario = toml::from_str(text).map_err(|e| ScenarioError::Parse {
+            name: name.to_string(),
+            message: e.to_string(),
+        })?;
+        s.validate_as(name)?;
+        Ok(s)
+    }
+
+    /// A built-in by name, or else a file by path.
+    pub fn load(name_or_path: &str) -> Result<Scenario, ScenarioError> {
+        if let Some((_, text)) = BUILT_INS.iter().find(|b| b.0 == name_or_path) {
+            return Scenario::from_toml(name_or_path, text);
+        }
+        let path = Path::new(name_or_path);
+        let looks_like_path = name_or_path.ends_with(".toml") || name_or_path.contains('/');
+        match std::fs::read_to_string(path) {
+            Ok(text) => Scenario::from_toml(name_or_path, &text),
+            Err(source) if looks_like_path => Err(ScenarioError::Io {
+                path: name_or_path.to_string(),
+                source,
+            }),
+            Err(_) => Err(ScenarioError::Unknown(name_or_path.to_string())),
+        }
+    }
+
+    /// Checks every documented constraint.
+    pub fn validate(&self) -> Result<(), ScenarioError> {
+        self.validate_as(&self.name)
+    }
+
+    fn validate_as(&self, name: &str) -> Result<(), ScenarioError> {
+        let bad = |field, reason: &str| {
+            Err(ScenarioError::Invalid {
+                name: name.to_string(),
+                field,
+                reason: reason.to_string(),
+            })
+        };
+        let finite_nonneg = |x: f64| x.is_finite() && x >= 0.0;
+        if self.gateways == 0 || self.gateways > 4_096 {
+            return bad(
+                "gateways",
+                "must be 1 to 4,096 (the allocator's max_agents)",
+            );
+        }
+        if self.keys == 0 || self.keys > 1_000_000 {
+            return bad("keys", "must be 1 to 1,000,000");
+        }
+        if !(self.duration_s.is_finite() && self.duration_s > 0.0 && self.duration_s <= 86_400.0) {
+            return bad("duration_s", "must be above 0 and at most 86,400");
+        }
+        if self.limit.rate_per_s == 0 || self.limit.burst == 0 {
+            return bad("limit", "rate_per_s and burst must be at least 1");
+        }
+        if !["strict", "conservative", "open"].contains(&self.limit.posture.as_str()) {
+            return bad("limit.posture", "must be strict, conservative or open");
+        }
+        let a = &self.allocator;
+        if a.report_interval_ms == 0 || a.new_key_poll_ms == 0 || a.full_report_every == 0 {
+            return bad(
+                "allocator",
+                "report_interval_ms, new_key_poll_ms and full_report_every must be at least 1",
+            );
+        }
+        let n = &self.network;
+        if !finite_nonneg(n.latency_ms) {
+            return bad("network.latency_ms", "must be a number >= 0");
+        }
+        if !finite_nonneg(n.jitter_ms) {
+            return bad("network.jitter_ms", "must be a number >= 0");
+        }
+        if !(0.0..=1.0).contains(&n.loss) {
+            return bad("network.loss", "must be 0 to 1");
+        }
+        let w = &self.workload;
+        if !finite_nonneg(w.load) || !finite_nonneg(w.whale_load) {
+            return bad("workload.load", "loads must be numbers >= 0");
+        }
+        if w.cost_min == 0 || w.cost_max < w.cost_min {
+            return bad("workload.cost_min", "need 1 <= cost_min <= cost_max");
+        }
+        if w.cost_max > self.limit.burst {
+            return bad(
+                "workload.cost_max",
+                "must not exceed the burst (never admitted)",
+            );
+        }
+        if !(w.zipf_s.is_finite() && w.zipf_s >= 0.0) {
+            return bad("workload.zipf_s", "must be a number >= 0");
+        }
+        if !(w.shift_every_s.is_finite() && w.shift_every_s > 0.0) {
+            return bad("workload.shift_every_s", "must be above 0");
+        }
+        if !finite_nonneg(w.whale_at_s) || !finite_nonneg(w.cold_stagger_ms) {
+            return bad("workload", "whale_at_s and cold_stagger_ms must be >= 0");
+        }
+        if w.kind == WorkloadKind::Shift && self.gateways < 2 {
+            return bad("gateways", "a shift needs at least 2 gateways");
+        }
+        for f in &self.faults {
+            if !(finite_nonneg(f.at_s) && f.for_s.is_finite() && f.for_s > 0.0) {
+                return bad("fault", "at_s must be >= 0 and for_s above 0");
+            }
+            if let Some(&i) = f.agents.iter().find(|&&i| i >= self.gateways) {
+                return bad(
+                    "fault.agents",
+                    &format!("names gateway {i}, but there are {}", self.gateways),
+                );
+            }
+            if f.kind != FaultKind::AllocatorCrash && f.agents.is_empty() {
+                return bad("fault.agents", "a partition or agent crash names agents");
+            }
+        }
+        Ok(())
+    }
+
+    /// True if any fault can make an agent admit outside the allocator's budget.
+    pub fn has_partition(&self) -> bool {
+        self.faults
+            .iter()
+            .any(|f| matches!(f.kind, FaultKind::Partition | FaultKind::AllocatorCrash))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_built_in_parses_and_validates() {
+        for (name, _) in BUILT_INS {
+            let s = Scenario::load(name).unwrap();
+            assert_eq!(&s.name, name);
+        }
+    }
+
+    #[test]
+    fn an_unknown_field_is_named() {
+        let text = BUILT_INS[0]
+            .1
+            .replace("gateways =", "gatewayz = 3\ngateways =");
+        let e = Scenario::from_toml("x", &text).unwrap_err();
+        assert!(e.to_string().contains("unknown field `gatewayz`"), "{e}");
+    }
+
+    #[test]
+    fn zero_gateways_is_refused_with_the_field_name() {
+        let mut s = Scenario::load("steady").unwrap();
+        s.gateways = 0;
+        let e = s.validate().unwrap_err();
+        assert!(e.to_string().contains("`gateways`"), "{e}");
+    }
+
+    #[test]
+    fn negative_latency_is_refused_with_the_field_name() {
+        let text = format!("{}\n[network]\nlatency_ms = -1.0\n", BUILT_INS[0].1);
+        let e = Scenario::from_toml("x", &text).unwrap_err();
+        assert!(e.to_string().contains("network.latency_ms"), "{e}");
+    }
+
+    #[test]
+    fn a_missing_file_says_which_path() {
+        let e = Scenario::load("/nonexistent/dir/none.toml").unwrap_err();
+        assert!(matches!(e, ScenarioError::Io { .. }));
+        assert!(e.to_string().contains("/nonexistent/dir/none.toml"), "{e}");
+        let e = Scenario::load("no-such-built-in").unwrap_err();
+        assert!(e.to_string().contains("built-ins: steady"), "{e}");
+    }
+}
