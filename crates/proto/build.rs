@@ -5,6 +5,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let files = [
         "proto/envoy/service/ratelimit/v3/rls.proto",
         "proto/bursar/allocator/v1/allocator.proto",
+        "proto/etcd/v3election.proto",
     ];
     for f in files {
         println!("cargo:rerun-if-changed={f}");

@@ -87,6 +87,24 @@ struct ServeArgs {
     /// Most limit keys tracked.
     #[arg(long, default_value_t = 1_000_000)]
     max_keys: usize,
+    /// etcd endpoint for leader election (e.g. http://127.0.0.1:2379). Replicas
+    /// campaign; the leader's term is its leader key's revision; the others answer
+    /// agents with a redirect to it; a leader that cannot renew its etcd lease for
+    /// --election-ttl-s steps down (exits 1, for its supervisor to restart it as a
+    /// standby). Conflicts with --term and --term-file.
+    #[arg(long, conflicts_with_all = ["term", "term_file"])]
+    etcd: Option<String>,
+    /// Election name in etcd (replicas of one allocator share it).
+    #[arg(long, default_value = "bursar/allocator")]
+    election_name: String,
+    /// TTL of this replica's etcd lease, seconds: how long a dead leader blocks the
+    /// election, and how long a cut-off leader keeps serving before it steps down.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(i64).range(1..=300))]
+    election_ttl_s: i64,
+    /// Address agents use to reach this replica's gRPC port (what a standby redirects
+    /// to). Default: the bound --grpc address.
+    #[arg(long)]
+    advertise: Option<String>,
 }
 
 fn main() -> Result<()> {
@@ -132,6 +150,9 @@ fn serve(args: ServeArgs) -> Result<()> {
             Config::from_toml(DEMO_RULES).context("embedded demo rules")?
         }
     };
+    if args.etcd.is_some() {
+        return serve_elected(args, rules);
+    }
     let term = match (args.term, &args.term_file) {
         (Some(t), _) => t,
         (None, Some(p)) => next_term(p)?,
@@ -178,6 +199,88 @@ fn serve(args: ServeArgs) -> Result<()> {
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}
             _ = sigterm.recv() => {}
+        }
+        eprintln!("bursar-allocator: shutting down");
+        let _ = tx.send(true);
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        Ok(())
+    })
+}
+
+fn allocator_config(args: &ServeArgs) -> AllocatorConfig {
+    AllocatorConfig {
+        lease_ms: args.lease_ms,
+        reclaim_margin_ms: args.reclaim_margin_ms,
+        drift_margin_ms: args.drift_margin_ms,
+        overdraft_permille: args.overdraft_permille,
+        max_agents: args.max_agents,
+        max_keys: args.max_keys,
+        hash_seed: random_seed(),
+        ..AllocatorConfig::default()
+    }
+}
+
+/// Serves as one replica of an elected allocator: standby (redirecting agents) until
+/// elected, then the allocator with the election's term, until stopped or the etcd
+/// lease is lost (then exit 1: step down).
+fn serve_elected(args: ServeArgs, rules: Config) -> Result<()> {
+    let endpoint = args.etcd.clone().context("--etcd")?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("tokio runtime")?;
+    rt.block_on(async move {
+        use std::io::Write;
+        let election = std::sync::Arc::new(
+            shell::election::Election::connect(&endpoint, &args.election_name, args.election_ttl_s)
+                .await?,
+        );
+        let listener = tokio::net::TcpListener::bind(args.grpc)
+            .await
+            .with_context(|| format!("binding {}", args.grpc))?;
+        let grpc = listener.local_addr()?;
+        let advertise = args.advertise.clone().unwrap_or_else(|| grpc.to_string());
+        println!("bursar-allocator standby: grpc={grpc} campaigning in etcd as {advertise}");
+        let _ = std::io::stdout().flush();
+        let (sb_tx, sb_rx) = tokio::sync::watch::channel(false);
+        let standby = tokio::spawn(shell::election::serve_standby(
+            listener,
+            std::sync::Arc::clone(&election),
+            sb_rx,
+        ));
+        let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .context("SIGTERM handler")?;
+        let leadership = tokio::select! {
+            won = election.win(&advertise) => won?,
+            _ = tokio::signal::ctrl_c() => return Ok(()),
+            _ = sigterm.recv() => return Ok(()),
+        };
+        let _ = sb_tx.send(true);
+        let _ = standby.await;
+        let term = leadership.term;
+        let mut cfg = ShellConfig::new(grpc, Some(args.admin), term);
+        cfg.allocator = allocator_config(&args);
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        let bound = shell::start(&rules, cfg, rx).await?;
+        println!(
+            "bursar-allocator listening: grpc={} admin={} term={term}",
+            bound.grpc,
+            bound.admin.map_or("-".into(), |a| a.to_string())
+        );
+        eprintln!(
+            "bursar-allocator: elected leader in etcd with term {term}; learning what agents hold for {} ms",
+            args.lease_ms + args.reclaim_margin_ms
+        );
+        let _ = std::io::stdout().flush();
+        let mut lost = leadership.lost;
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = sigterm.recv() => {}
+            _ = lost.wait_for(|l| *l) => {
+                eprintln!("bursar-allocator: etcd lease not renewed for {} s: stepping down", args.election_ttl_s);
+                let _ = tx.send(true);
+                std::process::exit(1);
+            }
         }
         eprintln!("bursar-allocator: shutting down");
         let _ = tx.send(true);

@@ -90,6 +90,26 @@ pub mod bursar {
     }
 }
 
+/// The parts of etcd's v3 API the allocator's leader election uses (lease, election),
+/// wire compatible with etcd (our own `.proto` in `proto/etcd/`).
+pub mod etcd {
+    /// `etcdserverpb` (lease service and messages).
+    #[allow(missing_docs, clippy::all)]
+    pub mod etcdserverpb {
+        tonic::include_proto!("etcdserverpb");
+    }
+    /// `mvccpb`.
+    #[allow(missing_docs, clippy::all)]
+    pub mod mvccpb {
+        tonic::include_proto!("mvccpb");
+    }
+    /// `v3electionpb` (election service).
+    #[allow(missing_docs, clippy::all)]
+    pub mod v3electionpb {
+        tonic::include_proto!("v3electionpb");
+    }
+}
+
 /// The agent <-> allocator protocol (`bursar.allocator.v1`) and its bounds.
 pub mod allocator {
     pub use crate::bursar::allocator::v1::*;

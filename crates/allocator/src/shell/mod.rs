@@ -26,12 +26,16 @@
 //!
 //! # Not built
 //!
-//! HA election (etcd) is not built: one allocator runs with a fixed term (`--term`, or
-//! a counter persisted in `--term-file` and raised at every start). It never sends a
+//! HA election through etcd ([`election`], `--etcd`): replicas campaign, the winner's
+//! term is its leader key's revision, the others redirect agents to it, and a leader
+//! that cannot renew its lease for a TTL steps down. Without etcd, one allocator runs
+//! with a fixed term (`--term`, or a counter persisted in `--term-file` and raised at
+//! every start). It never sends a
 //! redirect, though agents follow one.
 
 pub mod admin;
 pub mod driver;
+pub mod election;
 pub mod grpc;
 
 use std::net::SocketAddr;

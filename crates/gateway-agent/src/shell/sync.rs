@@ -243,6 +243,10 @@ impl Client {
                     continue;
                 }
                 End::Lost(why) => {
+                    // A leader we were redirected to may be gone for good (failover):
+                    // go back to the configured address, which redirects to whoever
+                    // leads now.
+                    target = self.cfg.allocator.clone();
                     // Full jitter over [backoff/2, backoff].
                     let half = backoff.as_nanos() as u64 / 2;
                     let wait = Duration::from_nanos(half + jitter(half.max(1)));

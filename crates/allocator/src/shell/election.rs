@@ -1,0 +1,260 @@
+//! Leader election through etcd's v3 election API (invariant 4, HA).
+//!
+//! Each allocator replica grants a lease with a TTL, keeps it alive every TTL/3, and
+//! campaigns under one election name with its advertised gRPC address as the value.
+//! The winner's **term** is the revision of its leader key: etcd revisions only grow,
+//! so every new leader's term is higher than any before it, and agents ignore grants of
+//! lower terms (fencing). A replica that cannot renew its lease for a whole TTL has
+//! lost leadership (another replica may be elected once the lease ends): it steps
+//! down at once. While not leader, a replica answers every agent stream with a
+//! `Redirect` naming the current leader.
+//!
+//! Talks to etcd with Bursar's own wire-compatible definitions in `crates/proto`
+//! (`etcdserverpb`, `v3electionpb`): the `etcd-client` crate's build needs a system
+//! `protoc`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bursar_proto::allocator as pb;
+use bursar_proto::etcd::etcdserverpb::{
+    LeaseGrantRequest, LeaseKeepAliveRequest, lease_client::LeaseClient,
+};
+use bursar_proto::etcd::v3electionpb::{
+    CampaignRequest, LeaderRequest, election_client::ElectionClient,
+};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::Channel;
+use tonic::{Request, Response, Status, Streaming};
+
+/// An election error (operator: etcd unreachable or refusing).
+#[derive(Debug, thiserror::Error)]
+pub enum ElectionError {
+    /// The endpoint is not a valid URI or cannot be reached.
+    #[error("etcd at {endpoint}: {reason}")]
+    Connect {
+        /// The endpoint.
+        endpoint: String,
+        /// Why.
+        reason: String,
+    },
+    /// An etcd call failed.
+    #[error("etcd {call}: {status}")]
+    Call {
+        /// Which call.
+        call: &'static str,
+        /// The gRPC status.
+        status: Status,
+    },
+}
+
+/// A connection to etcd for one election name.
+#[derive(Clone)]
+pub struct Election {
+    channel: Channel,
+    name: Vec<u8>,
+    ttl_s: i64,
+}
+
+/// This replica's leadership: its term, and a signal that turns true if it is lost.
+pub struct Leadership {
+    /// The term: the leader key's revision.
+    pub term: u64,
+    /// Turns true when the lease could not be renewed for a whole TTL.
+    pub lost: watch::Receiver<bool>,
+}
+
+impl Election {
+    /// Connects to `endpoint` (e.g. `http://127.0.0.1:2379`).
+    pub async fn connect(
+        endpoint: &str,
+        name: &str,
+        ttl_s: i64,
+    ) -> Result<Election, ElectionError> {
+        let err = |reason: String| ElectionError::Connect {
+            endpoint: endpoint.to_string(),
+            reason,
+        };
+        let channel = Channel::from_shared(endpoint.to_string())
+            .map_err(|e| err(e.to_string()))?
+            .connect_timeout(Duration::from_secs(3))
+            .connect()
+            .await
+            .map_err(|e| err(e.to_string()))?;
+        Ok(Election {
+            channel,
+            name: name.as_bytes().to_vec(),
+            ttl_s: ttl_s.max(1),
+        })
+    }
+
+    /// The current leader's advertised address, if there is a leader.
+    pub async fn leader(&self) -> Result<Option<String>, ElectionError> {
+        let mut c = ElectionClient::new(self.channel.clone());
+        match c
+            .leader(LeaderRequest {
+                name: self.name.clone(),
+            })
+            .await
+        {
+            Ok(r) => Ok(r
+                .into_inner()
+                .kv
+                .map(|kv| String::from_utf8_lossy(&kv.value).into_owned())),
+            // etcd answers "election: no leader" as an error.
+            Err(s) if s.message().contains("no leader") => Ok(None),
+            Err(status) => Err(ElectionError::Call {
+                call: "Leader",
+                status,
+            }),
+        }
+    }
+
+    /// Grants a lease, keeps it alive, and campaigns with `advertise` as the value;
+    /// returns once elected.
+    pub async fn win(&self, advertise: &str) -> Result<Leadership, ElectionError> {
+        let mut leases = LeaseClient::new(self.channel.clone());
+        let lease = leases
+            .lease_grant(LeaseGrantRequest {
+                ttl: self.ttl_s,
+                id: 0,
+            })
+            .await
+            .map_err(|status| ElectionError::Call {
+                call: "LeaseGrant",
+                status,
+            })?
+            .into_inner()
+            .id;
+        let (lost_tx, lost) = watch::channel(false);
+        tokio::spawn(keep_alive(
+            leases,
+            lease,
+            Duration::from_secs(self.ttl_s as u64),
+            lost_tx,
+        ));
+        let mut c = ElectionClient::new(self.channel.clone());
+        let won = c
+            .campaign(CampaignRequest {
+                name: self.name.clone(),
+                lease,
+                value: advertise.as_bytes().to_vec(),
+            })
+            .await
+            .map_err(|status| ElectionError::Call {
+                call: "Campaign",
+                status,
+            })?
+            .into_inner();
+        let rev = won.leader.map_or(0, |l| l.rev);
+        Ok(Leadership {
+            term: u64::try_from(rev).unwrap_or(0).max(1),
+            lost,
+        })
+    }
+}
+
+/// Renews `lease` every TTL/3; signals `lost` once no renewal succeeded for a TTL (or
+/// etcd says the lease is gone).
+async fn keep_alive(
+    mut leases: LeaseClient<Channel>,
+    lease: i64,
+    ttl: Duration,
+    lost: watch::Sender<bool>,
+) {
+    let every = ttl / 3;
+    let mut last_ok = Instant::now();
+    'outer: loop {
+        let (tx, rx) = mpsc::channel(4);
+        // The first request goes in before the call: etcd answers the stream's headers
+        // only once it has a message, and the call waits for the headers.
+        let _ = tx.try_send(LeaseKeepAliveRequest { id: lease });
+        let call = leases.lease_keep_alive(ReceiverStream::new(rx));
+        let mut stream = match tokio::time::timeout(every, call).await {
+            Ok(Ok(s)) => s.into_inner(),
+            _ => {
+                if last_ok.elapsed() >= ttl {
+                    break 'outer;
+                }
+                tokio::time::sleep(every / 2).await;
+                continue;
+            }
+        };
+        let mut first = true;
+        loop {
+            if !first && tx.send(LeaseKeepAliveRequest { id: lease }).await.is_err() {
+                break;
+            }
+            first = false;
+            match tokio::time::timeout(every, stream.message()).await {
+                Ok(Ok(Some(r))) if r.ttl > 0 => last_ok = Instant::now(),
+                Ok(Ok(Some(_))) => break 'outer, // TTL 0: the lease is gone
+                _ => {
+                    if last_ok.elapsed() >= ttl {
+                        break 'outer;
+                    }
+                    break; // reopen the stream
+                }
+            }
+            if last_ok.elapsed() >= ttl {
+                break 'outer;
+            }
+            tokio::time::sleep(every).await;
+        }
+    }
+    let _ = lost.send(true);
+}
+
+/// What a replica that is not the leader serves on the agents' port: every stream is
+/// answered with a `Redirect` to the current leader (or UNAVAILABLE if there is none
+/// yet; agents retry with backoff).
+#[derive(Clone)]
+pub struct Standby {
+    election: Arc<Election>,
+}
+
+#[tonic::async_trait]
+impl pb::allocator_server::Allocator for Standby {
+    type SyncStream = ReceiverStream<Result<pb::AllocatorMessage, Status>>;
+
+    async fn sync(
+        &self,
+        _request: Request<Streaming<pb::AgentMessage>>,
+    ) -> Result<Response<Self::SyncStream>, Status> {
+        let leader = self
+            .election
+            .leader()
+            .await
+            .map_err(|e| Status::unavailable(e.to_string()))?
+            .ok_or_else(|| Status::unavailable("standby: no allocator is leader yet"))?;
+        let (tx, rx) = mpsc::channel(1);
+        let _ = tx
+            .send(Ok(pb::AllocatorMessage {
+                msg: Some(pb::allocator_message::Msg::Redirect(pb::Redirect {
+                    leader,
+                })),
+            }))
+            .await;
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// Serves the standby redirect on `listener` until `shutdown` turns true (then the port
+/// is free for the leader's shell).
+pub async fn serve_standby(
+    listener: TcpListener,
+    election: Arc<Election>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    let _ = tonic::transport::Server::builder()
+        .add_service(pb::allocator_server::AllocatorServer::new(Standby {
+            election,
+        }))
+        .serve_with_incoming_shutdown(incoming, async move {
+            let _ = shutdown.wait_for(|s| *s).await;
+        })
+        .await;
+}

@@ -1,0 +1,236 @@
+//! Leader election through a real etcd (Debian's `etcd-server`; `.ci/run` installs it):
+//! two real `bursar-allocator` replicas. The standby redirects agents to the leader;
+//! when the leader dies the standby is elected with a higher term; when etcd goes
+//! away the leader steps down.
+#![cfg(feature = "shell")]
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc as std_mpsc;
+use std::time::{Duration, Instant};
+
+use bursar_proto::allocator as pb;
+use pb::agent_message::Msg;
+use pb::allocator_client::AllocatorClient;
+use pb::allocator_message::Msg as Out;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+struct Proc {
+    child: Child,
+    lines: std_mpsc::Receiver<String>,
+}
+
+impl Proc {
+    fn spawn(cmd: &mut Command) -> Proc {
+        let mut child = cmd
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn");
+        let out = child.stdout.take().expect("stdout");
+        let (tx, lines) = std_mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Proc { child, lines }
+    }
+
+    /// The next stdout line starting with `prefix`, within `timeout`.
+    fn line(&self, prefix: &str, timeout: Duration) -> String {
+        let end = Instant::now() + timeout;
+        loop {
+            let left = end.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) if l.starts_with(prefix) => return l,
+                Ok(_) => continue,
+                Err(_) => panic!("no line starting with {prefix:?} within {timeout:?}"),
+            }
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct Etcd {
+    child: Child,
+    url: String,
+    _dir: std::path::PathBuf,
+}
+
+impl Etcd {
+    fn start() -> Etcd {
+        let (client, peer) = (free_port(), free_port());
+        let dir = std::env::temp_dir().join(format!("bursar-etcd-{}-{client}", std::process::id()));
+        let url = format!("http://127.0.0.1:{client}");
+        let peer_url = format!("http://127.0.0.1:{peer}");
+        let child = Command::new("etcd")
+            .args(["--name", "t", "--data-dir"])
+            .arg(&dir)
+            .args([
+                "--listen-client-urls",
+                &url,
+                "--advertise-client-urls",
+                &url,
+            ])
+            .args([
+                "--listen-peer-urls",
+                &peer_url,
+                "--initial-advertise-peer-urls",
+                &peer_url,
+            ])
+            .args(["--initial-cluster", &format!("t={peer_url}")])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("the etcd binary (Debian package etcd-server; .ci/run installs it)");
+        let end = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", client)).is_err() {
+            assert!(Instant::now() < end, "etcd did not start");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Etcd {
+            child,
+            url,
+            _dir: dir,
+        }
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self._dir);
+    }
+}
+
+fn replica(etcd: &str) -> Proc {
+    Proc::spawn(Command::new(env!("CARGO_BIN_EXE_bursar-allocator")).args([
+        "--etcd",
+        etcd,
+        "--election-ttl-s",
+        "2",
+        "--grpc",
+        "127.0.0.1:0",
+        "--admin",
+        "127.0.0.1:0",
+        "--lease-ms",
+        "1000",
+        "--reclaim-margin-ms",
+        "200",
+    ]))
+}
+
+fn field<'a>(line: &'a str, name: &str) -> &'a str {
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix(name))
+        .unwrap_or_else(|| panic!("no {name} in {line:?}"))
+}
+
+/// Opens a stream to `addr` with a hello; returns the allocator's first message.
+async fn first_message(addr: SocketAddr) -> Result<Out, tonic::Status> {
+    let mut client = AllocatorClient::connect(format!("http://{addr}"))
+        .await
+        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+    let (tx, rx) = mpsc::channel(4);
+    tx.send(pb::AgentMessage {
+        msg: Some(Msg::Hello(pb::Hello {
+            protocol_version: pb::PROTOCOL_VERSION,
+            agent: "probe".into(),
+            incarnation: 1,
+            weight: 1,
+            agent_time_ns: 1,
+            held: vec![],
+            config_version: String::new(),
+        })),
+    })
+    .await
+    .unwrap();
+    let mut s = client.sync(ReceiverStream::new(rx)).await?.into_inner();
+    let m = s
+        .message()
+        .await?
+        .ok_or_else(|| tonic::Status::aborted("closed"))?;
+    m.msg
+        .ok_or_else(|| tonic::Status::internal("empty message"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_redirects_takes_over_with_a_higher_term_and_a_cut_off_leader_steps_down() {
+    let etcd = Etcd::start();
+    let mut a = replica(&etcd.url);
+    let a_lead = a.line("bursar-allocator listening:", Duration::from_secs(20));
+    let a_grpc: SocketAddr = field(&a_lead, "grpc=").parse().unwrap();
+    let a_term: u64 = field(&a_lead, "term=").parse().unwrap();
+    let mut b = replica(&etcd.url);
+    let b_standby = b.line("bursar-allocator standby:", Duration::from_secs(20));
+    let b_grpc: SocketAddr = field(&b_standby, "grpc=").parse().unwrap();
+
+    // The standby answers an agent with a redirect to the leader, and stays standby.
+    match first_message(b_grpc).await.unwrap() {
+        Out::Redirect(r) => assert_eq!(r.leader, a_grpc.to_string()),
+        other => panic!("expected a redirect, got {other:?}"),
+    }
+    assert!(
+        b.lines.recv_timeout(Duration::from_secs(3)).is_err(),
+        "B must not be elected while A's lease is alive"
+    );
+    match first_message(a_grpc).await.unwrap() {
+        Out::Welcome(w) => assert_eq!(w.term, a_term),
+        other => panic!("expected a welcome, got {other:?}"),
+    }
+
+    // The leader dies: after its lease (2 s) the standby is elected, with a higher term.
+    let killed = Instant::now();
+    let _ = a.child.kill();
+    let _ = a.child.wait();
+    let b_lead = b.line("bursar-allocator listening:", Duration::from_secs(15));
+    let took = killed.elapsed();
+    let b_term: u64 = field(&b_lead, "term=").parse().unwrap();
+    assert!(b_term > a_term, "term must grow: {a_term} then {b_term}");
+    assert_eq!(
+        field(&b_lead, "grpc=").parse::<SocketAddr>().unwrap(),
+        b_grpc
+    );
+    eprintln!(
+        "failover: standby elected {took:?} after the leader was killed (etcd lease TTL 2 s); terms {a_term} -> {b_term}"
+    );
+    match first_message(b_grpc).await.unwrap() {
+        Out::Welcome(w) => assert_eq!(w.term, b_term),
+        other => panic!("expected a welcome, got {other:?}"),
+    }
+
+    // etcd goes away: the leader cannot renew its lease and steps down (exit 1).
+    drop(etcd);
+    let end = Instant::now() + Duration::from_secs(15);
+    let status = loop {
+        if let Some(s) = b.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            Instant::now() < end,
+            "the leader must step down without etcd"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(status.code(), Some(1), "stepping down exits 1");
+}
