@@ -28,8 +28,11 @@ port) and stops on Ctrl-C or SIGTERM. The admin endpoint is read-only JSON: GET 
 GET /healthz.\n\n`bursar-allocator local` starts a whole cluster on loopback (this allocator \
 and three agents) with synthetic traffic and a live summary.\n\nA new term first learns, for one lease plus the reclaim margin, what agents \
 hold, and grants nothing beyond that meanwhile (invariant 4): expect the first grants \
---lease-ms + --reclaim-margin-ms after start.\n\nNot built: HA election. Run one allocator; \
-give each start a higher term than the last (--term-file does this for you)."
+--lease-ms + --reclaim-margin-ms after start.\n\nHigh availability: run replicas with \
+--etcd URL; the elected leader's term is its etcd leader key's revision, standbys redirect \
+agents to it, and a leader that loses etcd for --election-ttl-s steps down (exit 1). \
+Without etcd run one allocator and give each start a higher term than the last \
+(--term-file does this for you)."
 )]
 #[command(args_conflicts_with_subcommands = true)]
 struct Cli {
