@@ -38,7 +38,8 @@ enum Cmd {
         /// Override the virtual duration of traffic, seconds.
         #[arg(long)]
         duration_s: Option<f64>,
-        /// Allocation policy (only `bursar`, the real allocator, is built).
+        /// Allocation policy: `bursar` (the real allocator), `static` (R/N each) or
+        /// `doorman` (proportional shares without revoke-before-grant).
         #[arg(long, default_value = "bursar")]
         policy: String,
         /// Write the JSON report here.

@@ -20,6 +20,7 @@ use bursar_allocator::{
 };
 use serde::Serialize;
 
+use crate::policy::{POLICIES, Policy, Proportional};
 use crate::rng::Rng;
 use crate::scenario::{FaultKind, Scenario, WorkloadKind};
 
@@ -53,7 +54,7 @@ pub enum SimError {
     #[error("allocator settings refused: {0}")]
     Allocator(String),
     /// The policy is not built.
-    #[error("policy `{0}` is not built (only `bursar`)")]
+    #[error("policy `{0}` is not built (built: {list})", list = POLICIES.iter().map(|p| p.0).collect::<Vec<_>>().join(", "))]
     Policy(String),
 }
 
@@ -64,7 +65,7 @@ pub struct Report {
     pub scenario: String,
     /// Seed.
     pub seed: u64,
-    /// Allocation policy (`bursar`: the real allocator).
+    /// Allocation policy (`bursar`: the real allocator; see [`crate::policy`]).
     pub policy: String,
     /// Gateways simulated.
     pub gateways: usize,
@@ -267,6 +268,10 @@ enum Ev {
     AllocRestart,
     AgentCrash(u32),
     AgentRestart(u32),
+    /// The Doorman-like policy's periodic recomputation.
+    NaiveTick,
+    /// The static policy's fixed slices for one agent incarnation.
+    StaticSlices(u32, u64),
 }
 
 struct Entry {
@@ -300,6 +305,10 @@ pub struct Sim {
     config: Config,
     acfg: AllocatorConfig,
     alloc: Option<Allocator>,
+    policy: Policy,
+    naive: Option<Proportional>,
+    agent_names: Vec<Arc<str>>,
+    key_names: Vec<Arc<KeyName>>,
     term: u64,
     alloc_wake: u64,
     agents: Vec<Agent>,
@@ -325,11 +334,9 @@ pub struct Sim {
 }
 
 impl Sim {
-    /// Builds the fleet for a scenario and seed (`policy` must be `bursar`).
+    /// Builds the fleet for a scenario and seed under a policy ([`POLICIES`]).
     pub fn new(sc: &Scenario, seed: u64, policy: &str) -> Result<Sim, SimError> {
-        if policy != "bursar" {
-            return Err(SimError::Policy(policy.to_string()));
-        }
+        let policy = Policy::parse(policy).ok_or_else(|| SimError::Policy(policy.to_string()))?;
         let rules = format!(
             "[engine]\nslice_source = \"allocated\"\n\n[[rule]]\nname = \"{RULE}\"\n\
              match = {{ org = \"*\" }}\ndimension = \"input_tokens\"\nrate = {}\n\
@@ -421,13 +428,28 @@ impl Sim {
             .filter(|f| f.kind == FaultKind::Partition)
             .map(|f| (s_ns(f.at_s), s_ns(f.at_s + f.for_s), f.agents.clone()))
             .collect();
+        let naive = (policy == Policy::Doorman).then(|| {
+            Proportional::new(
+                sc.limit.rate_per_s,
+                sc.limit.burst,
+                (acfg.lease_ms - acfg.drift_margin_ms) * MS,
+            )
+        });
+        let agent_names = (0..sc.gateways)
+            .map(|i| Arc::from(format!("gw-{i}")))
+            .collect();
+        let key_names = keys.iter().map(|k| Arc::new(k.name.clone())).collect();
         let mut sim = Sim {
+            policy,
+            naive,
+            agent_names,
+            key_names,
             overdraft_rate: sc.limit.rate_per_s * sc.allocator.overdraft_permille as u64 / 1000,
             sc: sc.clone(),
             seed,
             config,
             acfg,
-            alloc: Some(alloc),
+            alloc: (policy == Policy::Bursar).then_some(alloc),
             term: 1,
             alloc_wake: u64::MAX,
             agents,
@@ -449,12 +471,19 @@ impl Sim {
             samples: 0,
         };
         sim.schedule_wake();
+        if policy == Policy::Doorman {
+            sim.push(t0 - report_ns, Ev::NaiveTick);
+        }
         for i in 0..sim.agents.len() {
             let a = &mut sim.agents[i];
             let hello_at = a.rng.below(50 * MS);
             let phase = a.phase;
-            sim.push(hello_at, Ev::Hello(i as u32, 1));
-            sim.push(100 * MS + phase, Ev::Report(i as u32, 1));
+            if policy == Policy::Static {
+                sim.push(t0 - MS, Ev::StaticSlices(i as u32, 1));
+            } else {
+                sim.push(hello_at, Ev::Hello(i as u32, 1));
+                sim.push(100 * MS + phase, Ev::Report(i as u32, 1));
+            }
             sim.push(phase % MAINTAIN_NS, Ev::Maintain(i as u32, 1));
         }
         for k in 0..sim.keys.len() {
@@ -564,15 +593,40 @@ impl Sim {
                 self.sample();
                 self.push(self.now + SAMPLE_NS, Ev::Sample);
             }
+            Ev::NaiveTick => {
+                let mut grants = Vec::new();
+                if let Some(n) = self.naive.as_mut() {
+                    n.tick(&self.agent_names, &self.key_names, &mut grants);
+                }
+                self.send_grants(grants);
+                let every = self.sc.allocator.report_interval_ms * MS;
+                self.push(self.now + every, Ev::NaiveTick);
+            }
+            Ev::StaticSlices(i, inc) => {
+                if self.live(i, inc) {
+                    self.static_slices(i);
+                }
+            }
+            Ev::AllocCrash if self.policy == Policy::Static => {}
+            Ev::AllocRestart if self.policy == Policy::Static => {}
             Ev::AllocCrash => {
                 self.alloc = None;
+                self.naive = None;
                 self.alloc_wake = u64::MAX;
             }
             Ev::AllocRestart => {
                 self.term += 1;
-                match Allocator::new(&self.config, self.acfg.clone(), self.term, self.now) {
-                    Ok(a) => self.alloc = Some(a),
-                    Err(e) => self.violation(format!("allocator restart refused: {e}")),
+                if self.policy == Policy::Doorman {
+                    self.naive = Some(Proportional::new(
+                        self.sc.limit.rate_per_s,
+                        self.sc.limit.burst,
+                        (self.acfg.lease_ms - self.acfg.drift_margin_ms) * MS,
+                    ));
+                } else {
+                    match Allocator::new(&self.config, self.acfg.clone(), self.term, self.now) {
+                        Ok(a) => self.alloc = Some(a),
+                        Err(e) => self.violation(format!("allocator restart refused: {e}")),
+                    }
                 }
                 self.schedule_wake();
                 // Every agent's stream broke: each reconnects after a short backoff.
@@ -601,8 +655,12 @@ impl Sim {
                 let inc = a.incarnation;
                 let phase = a.phase;
                 let report_ns = self.sc.allocator.report_interval_ms * MS;
-                self.push(self.now, Ev::Hello(i, inc));
-                self.push(self.now + phase % report_ns + 1, Ev::Report(i, inc));
+                if self.policy == Policy::Static {
+                    self.push(self.now, Ev::StaticSlices(i, inc));
+                } else {
+                    self.push(self.now, Ev::Hello(i, inc));
+                    self.push(self.now + phase % report_ns + 1, Ev::Report(i, inc));
+                }
                 self.push(self.now + phase % MAINTAIN_NS, Ev::Maintain(i, inc));
             }
         }
@@ -747,7 +805,7 @@ impl Sim {
             }
             Ok(Decision::Rejected(_)) => {
                 // A key the agent has not reported yet is reported at its next poll.
-                if !a.tracks.contains_key(&k) && !a.poll_pending {
+                if self.policy != Policy::Static && !a.tracks.contains_key(&k) && !a.poll_pending {
                     a.poll_pending = true;
                     let poll = self.sc.allocator.new_key_poll_ms * MS;
                     let at = now + poll - (now + a.phase) % poll;
@@ -810,6 +868,32 @@ impl Sim {
             return;
         }
         let now = self.now;
+        if self.policy == Policy::Doorman {
+            let Some(n) = self.naive.as_mut() else {
+                self.counters.lost += 1;
+                return;
+            };
+            match &m {
+                ToAlloc::Hello(h) => n.hello(i, h.incarnation),
+                ToAlloc::Report(r) => {
+                    for k in &r.keys {
+                        if let Some(&key) = k.key.values.first().and_then(|v| self.key_index.get(v))
+                        {
+                            n.report(
+                                i,
+                                key,
+                                r.incarnation,
+                                r.agent_time_ns,
+                                k.counting_since_ns,
+                                k.admitted + k.rejected,
+                            );
+                        }
+                    }
+                }
+                ToAlloc::Ack(_) => {}
+            }
+            return;
+        }
         let Some(alloc) = self.alloc.as_mut() else {
             self.counters.lost += 1;
             return;
@@ -832,6 +916,11 @@ impl Sim {
             return;
         };
         let grants: Vec<Grant> = alloc.drain_grants().collect();
+        self.send_grants(grants);
+        self.schedule_wake();
+    }
+
+    fn send_grants(&mut self, grants: Vec<Grant>) {
         for g in grants {
             let Some(i) = self.agent_index(&g.agent) else {
                 continue;
@@ -841,7 +930,45 @@ impl Sim {
                 self.push(at, Ev::ToAgent(i as u32, g));
             }
         }
-        self.schedule_wake();
+    }
+
+    /// The static policy: `(R/N, B/N)` per key, starting full, leased for ever.
+    fn static_slices(&mut self, i: u32) {
+        let n = self.sc.gateways as u64;
+        let a = &self.agents[i as usize];
+        let Some(engine) = &a.engine else {
+            return;
+        };
+        let at = self.now + a.offset;
+        let (rate, burst) = (
+            self.sc.limit.rate_per_s / n,
+            (self.sc.limit.burst / n).max(1),
+        );
+        let updates: Vec<_> = self
+            .key_names
+            .iter()
+            .map(|k| {
+                Grant {
+                    agent: self.agent_names[i as usize].clone(),
+                    incarnation: a.incarnation,
+                    key: k.clone(),
+                    rate,
+                    burst,
+                    epoch: 1,
+                    seq: 1,
+                    lease_expires_at_ns: at + 1_000_000 * SEC,
+                    fleet_size: n as u32,
+                    transfer_tokens: burst,
+                }
+                .to_slice_update()
+            })
+            .collect();
+        let refused = engine
+            .apply_slices(at, &updates)
+            .iter()
+            .filter(|r| r.is_err())
+            .count();
+        self.counters.grants_refused += refused as u64;
     }
 
     fn agent_index(&self, name: &str) -> Option<usize> {
@@ -1067,6 +1194,8 @@ impl Sim {
             {
                 Some(b) => (b.rate + b.overdraft_rate.max(self.overdraft_rate), b.burst),
                 // The allocator is down (its last bound stands) or has not met the key.
+                // Baselines state no bound beyond the contract's `(R, B)`.
+                None if self.policy != Policy::Bursar => (self.overdraft_rate, 0),
                 None if self.alloc.is_none() => (key.bound_rate, key.bound_burst),
                 None => (self.overdraft_rate, 0),
             };
@@ -1165,7 +1294,7 @@ impl Sim {
         Report {
             scenario: self.sc.name.clone(),
             seed: self.seed,
-            policy: "bursar".into(),
+            policy: self.policy.name().into(),
             gateways: self.sc.gateways,
             keys: self.sc.keys,
             duration_s,
@@ -1294,7 +1423,7 @@ mod tests {
     fn an_unknown_policy_is_refused() {
         let sc = small("steady");
         assert!(matches!(
-            Sim::new(&sc, 1, "doorman"),
+            Sim::new(&sc, 1, "gubernator"),
             Err(SimError::Policy(_))
         ));
     }
@@ -1306,6 +1435,23 @@ mod tests {
         assert_eq!(r.summary.violations, 0, "{:?}", r.violation_messages);
         assert_eq!(r.summary.overshoot_max_fraction_of_burst, 0.0);
         assert!(r.summary.utilization_vs_ideal > 0.3);
+    }
+
+    #[test]
+    fn the_baseline_policies_drive_the_same_engines_and_report_under_their_name() {
+        let mut sc = small("zipf");
+        sc.gateways = 4;
+        let st = Sim::new(&sc, 9, "static").unwrap().run();
+        assert_eq!(st.policy, "static");
+        assert_eq!(st.counters.to_allocator, 0, "a static split sends nothing");
+        assert_eq!(st.summary.overshoot_max_fraction_of_burst, 0.0);
+        assert!(st.summary.utilization_vs_ideal > 0.2);
+        let d1 = Sim::new(&sc, 9, "doorman").unwrap().run();
+        let d2 = Sim::new(&sc, 9, "doorman").unwrap().run();
+        assert_eq!(d1, d2);
+        assert_eq!(d1.policy, "doorman");
+        assert!(d1.counters.to_agents > 0 && d1.counters.to_allocator > 0);
+        assert!(d1.summary.utilization_vs_ideal > 0.2);
     }
 
     #[test]
