@@ -522,6 +522,8 @@ fn demo(args: DemoArgs) -> Result<()> {
         Err(e) => bail!("engine invariant violated: {e}"),
     }
     let (_, records) = sink.take();
-    println!("usage records produced: {records} (not sent anywhere: the agent's ledger outbox is not built yet)");
+    println!(
+        "usage records produced: {records} (not sent anywhere: the agent's ledger outbox is not built yet)"
+    );
     Ok(())
 }
