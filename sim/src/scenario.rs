@@ -55,6 +55,10 @@ pub const BUILT_INS: &[(&str, &str)] = &[
         include_str!("../scenarios/partition-set.toml"),
     ),
     (
+        "partition-strict",
+        include_str!("../scenarios/partition-strict.toml"),
+    ),
+    (
         "allocator-crash",
         include_str!("../scenarios/allocator-crash.toml"),
     ),
