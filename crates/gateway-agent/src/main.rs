@@ -233,7 +233,9 @@ fn serve(args: ServeArgs) -> Result<()> {
             let mut cfg = bursar_agent::shell::sync::SyncConfig::new(allocator.clone(), agent_id);
             cfg.report_interval = Duration::from_millis(args.report_interval_ms);
             cfg.backoff_max = Duration::from_millis(args.allocator_backoff_max_ms);
-            bursar_agent::shell::sync::spawn(Arc::clone(&state), cfg, rx.clone());
+            let (status, _task) =
+                bursar_agent::shell::sync::spawn(Arc::clone(&state), cfg, rx.clone());
+            let _ = state.sync.set(status);
         }
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
             .context("SIGTERM handler")?;

@@ -394,6 +394,11 @@ fn three_agents_and_the_allocator_never_overshoot_one_global_bucket_even_across_
         );
         std::thread::sleep(Duration::from_millis(50));
     }
+    // Each agent's /metrics shows its sync stream up, under the allocator's term.
+    for a in &agents {
+        assert_eq!(a.metric("bursar_sync_connected "), 1);
+        assert!(a.metric("bursar_sync_term ") > 0);
+    }
 
     let start = Instant::now();
     let stop = Arc::new(AtomicBool::new(false));

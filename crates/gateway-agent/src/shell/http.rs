@@ -405,6 +405,32 @@ async fn metrics(State(state): State<Arc<AgentState>>) -> Response {
         "bursar_leases_in_flight {}\n",
         state.engine.leases_in_flight()
     ));
+    if let Some(sync) = state.sync.get() {
+        out.push_str("# HELP bursar_sync_connected 1 while a stream to the allocator is up.\n# TYPE bursar_sync_connected gauge\n");
+        out.push_str(&format!(
+            "bursar_sync_connected {}\n",
+            sync.connected.load(Ordering::Relaxed) as u8
+        ));
+        out.push_str("# HELP bursar_sync_term The allocator's term from the last welcome.\n# TYPE bursar_sync_term gauge\n");
+        out.push_str(&format!(
+            "bursar_sync_term {}\n",
+            sync.term.load(Ordering::Relaxed)
+        ));
+        out.push_str("# HELP bursar_sync_events_total Allocator sync events by kind.\n# TYPE bursar_sync_events_total counter\n");
+        for (kind, v) in [
+            ("connect", &sync.connects),
+            ("grant_applied", &sync.grants_applied),
+            ("grant_refused", &sync.grants_refused),
+            ("report_sent", &sync.reports_sent),
+            ("ack_sent", &sync.acks_sent),
+            ("dropped", &sync.dropped),
+        ] {
+            out.push_str(&format!(
+                "bursar_sync_events_total{{kind=\"{kind}\"}} {}\n",
+                v.load(Ordering::Relaxed)
+            ));
+        }
+    }
     (
         StatusCode::OK,
         [("content-type", "text/plain; version=0.0.4")],

@@ -47,6 +47,8 @@ pub struct AgentState {
     pub clock: MonotonicClock,
     /// Decision counters.
     pub counters: Counters,
+    /// The allocator sync client's status, once one runs (for `/metrics`).
+    pub sync: std::sync::OnceLock<Arc<sync::SyncStatus>>,
 }
 
 impl AgentState {
@@ -56,6 +58,7 @@ impl AgentState {
             engine,
             clock: MonotonicClock::new(),
             counters: Counters::default(),
+            sync: std::sync::OnceLock::new(),
         })
     }
 }
