@@ -43,6 +43,13 @@ impl Rng {
         -mean * (1.0 - self.unit()).ln()
     }
 
+    /// Standard normal (Box-Muller; one of the pair is discarded for simplicity).
+    pub fn normal(&mut self) -> f64 {
+        let u1 = 1.0 - self.unit();
+        let u2 = self.unit();
+        (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+    }
+
     /// True with probability `p`.
     pub fn chance(&mut self, p: f64) -> bool {
         p > 0.0 && self.unit() < p

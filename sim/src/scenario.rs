@@ -43,6 +43,7 @@ pub enum ScenarioError {
 pub const BUILT_INS: &[(&str, &str)] = &[
     ("steady", include_str!("../scenarios/steady.toml")),
     ("zipf", include_str!("../scenarios/zipf.toml")),
+    ("llm-zipf", include_str!("../scenarios/llm-zipf.toml")),
     ("whale", include_str!("../scenarios/whale.toml")),
     ("shift", include_str!("../scenarios/shift.toml")),
     ("cold-keys", include_str!("../scenarios/cold-keys.toml")),
@@ -216,6 +217,32 @@ pub struct WorkloadSpec {
     /// Delay between two keys' first requests (`cold`).
     #[serde(default = "default_cold_stagger_ms")]
     pub cold_stagger_ms: f64,
+    /// LLM-like costs: the rule limits `total_tokens`; input tokens are lognormal
+    /// (median `sqrt(cost_min * cost_max)`, `input_sigma`, clamped to
+    /// `[cost_min, cost_max]`); each request reserves `output_max_tokens` and actually
+    /// generates a uniform 10-100 % of it, completing `ms_per_output_token` per token
+    /// later (the unused reservation is refunded then).
+    #[serde(default)]
+    pub llm: bool,
+    /// Output tokens reserved per request (`llm`).
+    #[serde(default = "default_output_max_tokens")]
+    pub output_max_tokens: u64,
+    /// Sigma of the lognormal input size (`llm`).
+    #[serde(default = "default_input_sigma")]
+    pub input_sigma: f64,
+    /// Generation time per output token, ms (`llm`).
+    #[serde(default = "default_ms_per_output_token")]
+    pub ms_per_output_token: f64,
+}
+
+fn default_output_max_tokens() -> u64 {
+    256
+}
+fn default_input_sigma() -> f64 {
+    1.0
+}
+fn default_ms_per_output_token() -> f64 {
+    2.0
 }
 
 fn default_cost_min() -> u64 {
@@ -348,10 +375,17 @@ impl Scenario {
         if w.cost_min == 0 || w.cost_max < w.cost_min {
             return bad("workload.cost_min", "need 1 <= cost_min <= cost_max");
         }
-        if w.cost_max > self.limit.burst {
+        let largest = w.cost_max + if w.llm { w.output_max_tokens } else { 0 };
+        if largest > self.limit.burst {
             return bad(
                 "workload.cost_max",
-                "must not exceed the burst (never admitted)",
+                "the largest request (plus output_max_tokens with llm) must not exceed the burst",
+            );
+        }
+        if !(finite_nonneg(w.input_sigma) && finite_nonneg(w.ms_per_output_token)) {
+            return bad(
+                "workload.input_sigma",
+                "input_sigma and ms_per_output_token must be numbers >= 0",
             );
         }
         if !(w.zipf_s.is_finite() && w.zipf_s >= 0.0) {

@@ -138,6 +138,8 @@ pub struct Counters {
     pub lost: u64,
     /// Grants the engines refused (stale, lease already ended).
     pub grants_refused: u64,
+    /// Completions the engines refused (the reservation had expired).
+    pub completions_refused: u64,
     /// Allocator refusals by error (unknown agent after a restart, stale reports...).
     pub allocator_refusals: BTreeMap<String, u64>,
 }
@@ -272,6 +274,8 @@ enum Ev {
     NaiveTick,
     /// The static policy's fixed slices for one agent incarnation.
     StaticSlices(u32, u64),
+    /// An LLM-like request ends: agent, incarnation, request number, input, output.
+    Complete(u32, u64, u64, u64, u64),
 }
 
 struct Entry {
@@ -339,9 +343,16 @@ impl Sim {
         let policy = Policy::parse(policy).ok_or_else(|| SimError::Policy(policy.to_string()))?;
         let rules = format!(
             "[engine]\nslice_source = \"allocated\"\n\n[[rule]]\nname = \"{RULE}\"\n\
-             match = {{ org = \"*\" }}\ndimension = \"input_tokens\"\nrate = {}\n\
+             match = {{ org = \"*\" }}\ndimension = \"{}\"\nrate = {}\n\
              per = \"second\"\nburst = {}\nposture = \"{}\"\n",
-            sc.limit.rate_per_s, sc.limit.burst, sc.limit.posture
+            if sc.workload.llm {
+                "total_tokens"
+            } else {
+                "input_tokens"
+            },
+            sc.limit.rate_per_s,
+            sc.limit.burst,
+            sc.limit.posture
         );
         let config = Config::from_toml(&rules).map_err(|e| SimError::Rules(e.to_string()))?;
         let acfg = AllocatorConfig {
@@ -602,6 +613,25 @@ impl Sim {
                 let every = self.sc.allocator.report_interval_ms * MS;
                 self.push(self.now + every, Ev::NaiveTick);
             }
+            Ev::Complete(i, inc, n, input, output) => {
+                if self.live(i, inc) {
+                    let a = &mut self.agents[i as usize];
+                    a.id_buf.clear();
+                    let _ = write!(a.id_buf, "r{n}");
+                    let usage = Usage {
+                        input_tokens: input,
+                        output_tokens: output,
+                        ..Usage::default()
+                    };
+                    let at = self.now + a.offset;
+                    if let Some(e) = &a.engine
+                        && e.complete(at, &a.id_buf, usage, CompletionStatus::Ok)
+                            .is_err()
+                    {
+                        self.counters.completions_refused += 1;
+                    }
+                }
+            }
             Ev::StaticSlices(i, inc) => {
                 if self.live(i, inc) {
                     self.static_slices(i);
@@ -706,7 +736,13 @@ impl Sim {
     fn schedule_arrival(&mut self, k: u32) {
         let (rate, change) = self.offered_rate(k, self.now);
         let w = &self.sc.workload;
-        let mean_cost = (w.cost_min + w.cost_max) as f64 / 2.0;
+        let mean_cost = if w.llm {
+            // Lognormal mean (ignoring the clamp) plus the mean actual output.
+            let median = ((w.cost_min * w.cost_max) as f64).sqrt();
+            median * (w.input_sigma * w.input_sigma / 2.0).exp() + 0.55 * w.output_max_tokens as f64
+        } else {
+            (w.cost_min + w.cost_max) as f64 / 2.0
+        };
         let per_s = rate / mean_cost;
         let next = if per_s > 0.0 {
             let dt = self.rng.exp(SEC as f64 / per_s);
@@ -750,7 +786,24 @@ impl Sim {
     fn arrival(&mut self, k: u32) {
         let i = self.pick_agent(k);
         let w = &self.sc.workload;
-        let cost = w.cost_min + self.rng.below(w.cost_max - w.cost_min + 1);
+        // (input, reserved output, actual output); the cost is input + actual output.
+        let (input, reserved, output) = if w.llm {
+            let median = ((w.cost_min * w.cost_max) as f64).sqrt();
+            let x = median * (w.input_sigma * self.rng.normal()).exp();
+            let input = (x as u64).clamp(w.cost_min, w.cost_max);
+            let reserved = w.output_max_tokens;
+            let output = reserved * (10 + self.rng.below(91)) / 100;
+            (input, reserved, output)
+        } else {
+            (
+                w.cost_min + self.rng.below(w.cost_max - w.cost_min + 1),
+                0,
+                0,
+            )
+        };
+        let cost = input + output;
+        let llm = w.llm;
+        let complete_after = (output as f64 * w.ms_per_output_token * MS as f64) as u64;
         let now = self.now;
         let a = &mut self.agents[i];
         let Some(engine) = &a.engine else {
@@ -779,8 +832,8 @@ impl Sim {
             descriptors: &[("org", &key.value)],
             cost: Cost {
                 requests: 1,
-                input_tokens: cost,
-                max_output_tokens: Some(0),
+                input_tokens: input,
+                max_output_tokens: Some(reserved),
             },
             ttl_ms: None,
         };
@@ -793,6 +846,14 @@ impl Sim {
                     && let Some(b) = fleet.get_mut(bin)
                 {
                     *b += cost;
+                }
+                if llm {
+                    let (inc, n) = (a.incarnation, a.next_request);
+                    self.push(
+                        now + complete_after,
+                        Ev::Complete(i as u32, inc, n, input, output),
+                    );
+                    return;
                 }
                 let usage = Usage {
                     input_tokens: cost,
@@ -1452,6 +1513,18 @@ mod tests {
         assert_eq!(d1.policy, "doorman");
         assert!(d1.counters.to_agents > 0 && d1.counters.to_allocator > 0);
         assert!(d1.summary.utilization_vs_ideal > 0.2);
+    }
+
+    #[test]
+    fn llm_like_requests_reserve_output_and_complete_later_without_overshoot() {
+        let sc = small("llm-zipf");
+        assert!(sc.workload.llm);
+        let r = run(&sc, 4).unwrap();
+        assert_eq!(r.summary.violations, 0, "{:?}", r.violation_messages);
+        assert_eq!(r.summary.overshoot_max_fraction_of_burst, 0.0);
+        assert_eq!(r.counters.completions_refused, 0);
+        let admitted: u64 = r.worst_keys.iter().map(|k| k.admitted).sum();
+        assert!(admitted > 0, "some LLM-like requests were admitted");
     }
 
     #[test]
