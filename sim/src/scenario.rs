@@ -60,6 +60,10 @@ pub const BUILT_INS: &[(&str, &str)] = &[
         include_str!("../scenarios/partition-strict.toml"),
     ),
     (
+        "partition-drift",
+        include_str!("../scenarios/partition-drift.toml"),
+    ),
+    (
         "allocator-crash",
         include_str!("../scenarios/allocator-crash.toml"),
     ),
@@ -91,6 +95,11 @@ pub struct Scenario {
     pub network: NetworkSpec,
     /// Offered load.
     pub workload: WorkloadSpec,
+    /// Each agent's clock runs fast or slow by a uniform draw in `[-x, x]` parts per
+    /// million (0 to 100,000). The allocator's `drift_margin_ms` (200 ms per 2 s lease
+    /// here: 100,000 ppm) is what makes leases safe against it.
+    #[serde(default)]
+    pub clock_drift_ppm: f64,
     /// Faults, in any order.
     #[serde(default, rename = "fault")]
     pub faults: Vec<FaultSpec>,
@@ -367,6 +376,9 @@ impl Scenario {
         }
         if !(0.0..=1.0).contains(&n.loss) {
             return bad("network.loss", "must be 0 to 1");
+        }
+        if !(finite_nonneg(self.clock_drift_ppm) && self.clock_drift_ppm <= 100_000.0) {
+            return bad("clock_drift_ppm", "must be 0 to 100,000");
         }
         let w = &self.workload;
         if !finite_nonneg(w.load) || !finite_nonneg(w.whale_load) {

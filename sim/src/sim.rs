@@ -231,8 +231,10 @@ struct Agent {
     name: String,
     incarnation: u64,
     engine: Option<Engine>,
-    /// Agent clock = virtual time + offset.
+    /// Agent clock = offset + virtual time * (1 + drift_ppm / 1e6).
     offset: u64,
+    /// This agent's clock-rate error, parts per million.
+    drift_ppm: f64,
     last_ts: u64,
     last_poll: u64,
     generation: u64,
@@ -247,6 +249,14 @@ struct Agent {
     down_free_at: u64,
     rng: Rng,
     id_buf: String,
+}
+
+impl Agent {
+    /// The agent's clock at virtual time `t` (what its engine and reports run on).
+    fn clock(&self, t: u64) -> u64 {
+        let drift = (t as f64 * self.drift_ppm / 1e6) as i64;
+        self.offset + t.saturating_add_signed(drift)
+    }
 }
 
 enum ToAlloc {
@@ -376,6 +386,12 @@ impl Sim {
                     incarnation: 1,
                     engine: Some(Engine::new(config.clone(), Arc::new(DiscardSink))),
                     offset: 1_000 * SEC + r.below(3_600 * SEC),
+                    // Drawn only when asked for, so that other scenarios' streams do not move.
+                    drift_ppm: if sc.clock_drift_ppm > 0.0 {
+                        sc.clock_drift_ppm * (2.0 * r.unit() - 1.0)
+                    } else {
+                        0.0
+                    },
                     last_ts: 0,
                     last_poll: 0,
                     generation: 0,
@@ -578,7 +594,7 @@ impl Sim {
                 if self.live(i, inc) {
                     let a = &self.agents[i as usize];
                     if let Some(e) = &a.engine {
-                        e.maintain(self.now + a.offset);
+                        e.maintain(a.clock(self.now));
                     }
                     self.push(self.now + MAINTAIN_NS, Ev::Maintain(i, inc));
                 }
@@ -623,7 +639,7 @@ impl Sim {
                         output_tokens: output,
                         ..Usage::default()
                     };
-                    let at = self.now + a.offset;
+                    let at = a.clock(self.now);
                     if let Some(e) = &a.engine
                         && e.complete(at, &a.id_buf, usage, CompletionStatus::Ok)
                             .is_err()
@@ -681,7 +697,7 @@ impl Sim {
                 a.engine = Some(Engine::new(self.config.clone(), Arc::new(DiscardSink)));
                 a.generation = 0;
                 a.reports = 0;
-                a.last_poll = self.now + a.offset;
+                a.last_poll = a.clock(self.now);
                 let inc = a.incarnation;
                 let phase = a.phase;
                 let report_ns = self.sc.allocator.report_interval_ms * MS;
@@ -825,7 +841,7 @@ impl Sim {
         a.next_request += 1;
         a.id_buf.clear();
         let _ = write!(a.id_buf, "r{}", a.next_request);
-        let at = now + a.offset;
+        let at = a.clock(now);
         let req = AdmitRequest {
             request_id: &a.id_buf,
             domain: None,
@@ -1000,7 +1016,7 @@ impl Sim {
         let Some(engine) = &a.engine else {
             return;
         };
-        let at = self.now + a.offset;
+        let at = a.clock(self.now);
         let (rate, burst) = (
             self.sc.limit.rate_per_s / n,
             (self.sc.limit.burst / n).max(1),
@@ -1057,7 +1073,7 @@ impl Sim {
         let Some(engine) = &a.engine else {
             return;
         };
-        let now = self.now + a.offset;
+        let now = a.clock(self.now);
         let since = a.last_poll.min(now);
         a.last_poll = now;
         a.generation += 1;
@@ -1113,7 +1129,7 @@ impl Sim {
 
     fn stamp(&mut self, i: usize) -> u64 {
         let a = &mut self.agents[i];
-        let t = (self.now + a.offset).max(a.last_ts + 1);
+        let t = (a.clock(self.now)).max(a.last_ts + 1);
         a.last_ts = t;
         t
     }
@@ -1219,7 +1235,7 @@ impl Sim {
             self.counters.lost += 1; // the shell sends a grant only on its incarnation's stream
             return;
         }
-        let at = self.now + a.offset;
+        let at = a.clock(self.now);
         let res = engine.apply_slices(at, &[g.to_slice_update()]);
         match res.into_iter().next() {
             Some(Ok(applied)) => {
@@ -1277,7 +1293,7 @@ impl Sim {
             for i in 0..self.agents.len() {
                 let a = &self.agents[i];
                 if let Some(e) = &a.engine
-                    && let Err(err) = e.check_invariants(self.now + a.offset)
+                    && let Err(err) = e.check_invariants(a.clock(self.now))
                 {
                     let msg = format!("{} invariant at {} ms: {err}", a.name, self.now / MS);
                     self.violation(msg);
@@ -1525,6 +1541,23 @@ mod tests {
         assert_eq!(r.counters.completions_refused, 0);
         let admitted: u64 = r.worst_keys.iter().map(|k| k.admitted).sum();
         assert!(admitted > 0, "some LLM-like requests were admitted");
+    }
+
+    #[test]
+    fn drifting_agent_clocks_run_at_their_own_rate_and_stay_monotonic() {
+        let mut sc = small("partition-drift");
+        sc.gateways = 3;
+        let sim = Sim::new(&sc, 2, "bursar").unwrap();
+        let rates: Vec<f64> = sim.agents.iter().map(|a| a.drift_ppm).collect();
+        assert!(rates.iter().all(|d| d.abs() <= 50_000.0));
+        assert!(rates.iter().any(|d| *d != 0.0));
+        for a in &sim.agents {
+            let (t1, t2) = (10 * SEC, 20 * SEC);
+            let dt = (a.clock(t2) - a.clock(t1)) as f64;
+            assert!((dt / (10 * SEC) as f64 - (1.0 + a.drift_ppm / 1e6)).abs() < 1e-6);
+        }
+        let r = sim.run();
+        assert_eq!(r.summary.violations, 0, "{:?}", r.violation_messages);
     }
 
     #[test]
