@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use bursar_sim::scenario::{BUILT_INS, Scenario};
-use bursar_sim::sim::Sim;
+use bursar_sim::sim::{Sim, replay_command};
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
@@ -79,21 +79,15 @@ fn real_main() -> Result<ExitCode> {
             json,
         } => {
             let mut sc = Scenario::load(&scenario)?;
-            let mut replay = format!("bursar-sim run {scenario} --seed {seed}");
+            let replay = replay_command(&scenario, seed, gateways, keys, duration_s, &policy);
             if let Some(g) = gateways {
                 sc.gateways = g;
-                replay += &format!(" --gateways {g}");
             }
             if let Some(k) = keys {
                 sc.keys = k;
-                replay += &format!(" --keys {k}");
             }
             if let Some(d) = duration_s {
                 sc.duration_s = d;
-                replay += &format!(" --duration-s {d}");
-            }
-            if policy != "bursar" {
-                replay += &format!(" --policy {policy}");
             }
             sc.validate()?;
             let sim = Sim::new(&sc, seed, &policy)?;

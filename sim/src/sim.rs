@@ -1452,6 +1452,31 @@ fn p95(xs: &mut [f64]) -> Option<f64> {
     Some(xs[i])
 }
 
+/// The one command that replays a run: scenario, seed and every override given.
+pub fn replay_command(
+    scenario: &str,
+    seed: u64,
+    gateways: Option<usize>,
+    keys: Option<usize>,
+    duration_s: Option<f64>,
+    policy: &str,
+) -> String {
+    let mut c = format!("bursar-sim run {scenario} --seed {seed}");
+    if let Some(g) = gateways {
+        c += &format!(" --gateways {g}");
+    }
+    if let Some(k) = keys {
+        c += &format!(" --keys {k}");
+    }
+    if let Some(d) = duration_s {
+        c += &format!(" --duration-s {d}");
+    }
+    if policy != "bursar" {
+        c += &format!(" --policy {policy}");
+    }
+    c
+}
+
 /// Runs one scenario with one seed under the real allocator.
 pub fn run(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
     Ok(Sim::new(sc, seed, "bursar")?.run())
@@ -1558,6 +1583,18 @@ mod tests {
         }
         let r = sim.run();
         assert_eq!(r.summary.violations, 0, "{:?}", r.violation_messages);
+    }
+
+    #[test]
+    fn the_replay_command_names_the_seed_and_every_override() {
+        assert_eq!(
+            replay_command("steady", 7, None, None, None, "bursar"),
+            "bursar-sim run steady --seed 7"
+        );
+        assert_eq!(
+            replay_command("x.toml", 1, Some(3), Some(2), Some(1.5), "static"),
+            "bursar-sim run x.toml --seed 1 --gateways 3 --keys 2 --duration-s 1.5 --policy static"
+        );
     }
 
     #[test]

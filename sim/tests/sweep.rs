@@ -4,7 +4,7 @@
 //! within the allocator's stated bound everywhere.
 
 use bursar_sim::scenario::{BUILT_INS, Scenario};
-use bursar_sim::sim::run;
+use bursar_sim::sim::{replay_command, run};
 
 const SEEDS: [u64; 2] = [0x5EED_0001, 0x5EED_0002];
 
@@ -17,10 +17,7 @@ fn every_built_in_scenario_stays_within_its_overshoot_bound_over_a_seed_sweep() 
         for seed in SEEDS {
             let r = run(&sc, seed).unwrap();
             let s = &r.summary;
-            let replay = format!(
-                "replay: bursar-sim run {name} --seed {seed} --duration-s {}",
-                sc.duration_s
-            );
+            let replay = replay_command(name, seed, None, None, Some(sc.duration_s), "bursar");
             println!(
                 "{name:<16} seed {seed:#x}: overshoot {:.4} B, bound {:.4} B, utilization {:.3}, {} events",
                 s.overshoot_max_fraction_of_burst,
