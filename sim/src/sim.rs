@@ -268,7 +268,8 @@ enum ToAlloc {
 enum Ev {
     Arrival(u32),
     Rearm(u32),
-    ToAlloc(u32, ToAlloc),
+    /// A message on the stream to the allocator of the given term.
+    ToAlloc(u32, u64, ToAlloc),
     ToAgent(u32, Grant),
     Report(u32, u64),
     NewKeyPoll(u32, u64),
@@ -575,7 +576,10 @@ impl Sim {
                 self.arrival(k);
                 self.schedule_arrival(k);
             }
-            Ev::ToAlloc(i, m) => self.deliver_to_alloc(i, m),
+            // A stream dies with its allocator: nothing sent to a crashed one reaches the
+            // next term.
+            Ev::ToAlloc(_, term, _) if term != self.term => self.counters.lost += 1,
+            Ev::ToAlloc(i, _, m) => self.deliver_to_alloc(i, m),
             Ev::ToAgent(i, g) => self.deliver_to_agent(i, g),
             Ev::Report(i, inc) => {
                 if self.live(i, inc) {
@@ -935,7 +939,8 @@ impl Sim {
     fn send_to_alloc(&mut self, i: u32, m: ToAlloc) {
         self.counters.to_allocator += 1;
         if let Some(at) = self.link_delay(i as usize, true) {
-            self.push(at, Ev::ToAlloc(i, m));
+            let term = self.term;
+            self.push(at, Ev::ToAlloc(i, term, m));
         }
     }
 
