@@ -47,6 +47,7 @@ pub const BUILT_INS: &[(&str, &str)] = &[
     ("whale", include_str!("../scenarios/whale.toml")),
     ("shift", include_str!("../scenarios/shift.toml")),
     ("cold-keys", include_str!("../scenarios/cold-keys.toml")),
+    ("diurnal", include_str!("../scenarios/diurnal.toml")),
     (
         "partition-one",
         include_str!("../scenarios/partition-one.toml"),
@@ -195,6 +196,9 @@ pub enum WorkloadKind {
     Shift,
     /// Key `k` starts at `k * cold_stagger_ms`: new keys keep arriving.
     Cold,
+    /// Uniform over gateways, every key's load following
+    /// `load * (1 + diurnal_amplitude * sin(2 pi t / diurnal_period_s))` (in 50 ms steps).
+    Diurnal,
 }
 
 /// Offered load.
@@ -226,6 +230,12 @@ pub struct WorkloadSpec {
     /// Delay between two keys' first requests (`cold`).
     #[serde(default = "default_cold_stagger_ms")]
     pub cold_stagger_ms: f64,
+    /// Period of the day (`diurnal`), s.
+    #[serde(default = "default_diurnal_period_s")]
+    pub diurnal_period_s: f64,
+    /// Swing around `load`, 0 to 1 (`diurnal`).
+    #[serde(default = "default_diurnal_amplitude")]
+    pub diurnal_amplitude: f64,
     /// LLM-like costs: the rule limits `total_tokens`; input tokens are lognormal
     /// (median `sqrt(cost_min * cost_max)`, `input_sigma`, clamped to
     /// `[cost_min, cost_max]`); each request reserves `output_max_tokens` and actually
@@ -244,6 +254,12 @@ pub struct WorkloadSpec {
     pub ms_per_output_token: f64,
 }
 
+fn default_diurnal_period_s() -> f64 {
+    10.0
+}
+fn default_diurnal_amplitude() -> f64 {
+    0.5
+}
 fn default_output_max_tokens() -> u64 {
     256
 }
@@ -408,6 +424,13 @@ impl Scenario {
         }
         if !finite_nonneg(w.whale_at_s) || !finite_nonneg(w.cold_stagger_ms) {
             return bad("workload", "whale_at_s and cold_stagger_ms must be >= 0");
+        }
+        let period_ok = w.diurnal_period_s.is_finite() && w.diurnal_period_s > 0.0;
+        if !(period_ok && (0.0..=1.0).contains(&w.diurnal_amplitude)) {
+            return bad(
+                "workload.diurnal_period_s",
+                "diurnal_period_s must be above 0 and diurnal_amplitude 0 to 1",
+            );
         }
         if w.kind == WorkloadKind::Shift && self.gateways < 2 {
             return bad("gateways", "a shift needs at least 2 gateways");

@@ -742,6 +742,15 @@ impl Sim {
                     (w.whale_load * r, u64::MAX)
                 }
             }
+            WorkloadKind::Diurnal => {
+                // Piecewise constant in 50 ms steps (Poisson within each step).
+                let step = 50 * MS;
+                let start = t - t % step;
+                let x = start.saturating_sub(self.t0) as f64 / SEC as f64;
+                let phase = std::f64::consts::TAU * x / w.diurnal_period_s;
+                let f = 1.0 + w.diurnal_amplitude * phase.sin();
+                (w.load * r * f, start + step)
+            }
             WorkloadKind::Cold => {
                 let at = (k as f64 * w.cold_stagger_ms * MS as f64) as u64;
                 if rel < at {
@@ -782,9 +791,10 @@ impl Sim {
     fn pick_agent(&mut self, k: u32) -> usize {
         let g = self.sc.gateways;
         match self.sc.workload.kind {
-            WorkloadKind::Uniform | WorkloadKind::Whale | WorkloadKind::Cold => {
-                self.rng.below(g as u64) as usize
-            }
+            WorkloadKind::Uniform
+            | WorkloadKind::Whale
+            | WorkloadKind::Cold
+            | WorkloadKind::Diurnal => self.rng.below(g as u64) as usize,
             WorkloadKind::Zipf => {
                 let u = self.rng.unit();
                 let rank = self.zipf_cdf.partition_point(|&c| c <= u).min(g - 1);
