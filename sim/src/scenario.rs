@@ -69,6 +69,7 @@ pub const BUILT_INS: &[(&str, &str)] = &[
         include_str!("../scenarios/allocator-crash.toml"),
     ),
     ("agent-crash", include_str!("../scenarios/agent-crash.toml")),
+    ("churn", include_str!("../scenarios/churn.toml")),
 ];
 
 /// One simulated fleet, workload and fault schedule.
@@ -299,6 +300,9 @@ pub enum FaultKind {
     AllocatorCrash,
     /// `agents` die (their engines are dropped); new incarnations start `for_s` later.
     AgentCrash,
+    /// `agents` are absent from the start and join at `at_s` (scale-up; a scale-down
+    /// is an `agent-crash` that outlasts the run).
+    AgentJoin,
 }
 
 /// One fault over `[at_s, at_s + for_s)` (seconds after traffic starts).
@@ -309,7 +313,8 @@ pub struct FaultSpec {
     pub kind: FaultKind,
     /// Start, s after traffic starts.
     pub at_s: f64,
-    /// Length, s.
+    /// Length, s (not used by `agent-join`).
+    #[serde(default)]
     pub for_s: f64,
     /// Gateway indices (partition, agent crash).
     #[serde(default)]
@@ -436,7 +441,8 @@ impl Scenario {
             return bad("gateways", "a shift needs at least 2 gateways");
         }
         for f in &self.faults {
-            if !(finite_nonneg(f.at_s) && f.for_s.is_finite() && f.for_s > 0.0) {
+            let length_ok = f.kind == FaultKind::AgentJoin || f.for_s > 0.0;
+            if !(finite_nonneg(f.at_s) && f.for_s.is_finite() && length_ok) {
                 return bad("fault", "at_s must be >= 0 and for_s above 0");
             }
             if let Some(&i) = f.agents.iter().find(|&&i| i >= self.gateways) {

@@ -532,6 +532,13 @@ impl Sim {
                         sim.push(b, Ev::AgentRestart(i as u32));
                     }
                 }
+                FaultKind::AgentJoin => {
+                    for &i in &f.agents {
+                        // Not started yet: its first-incarnation events find no engine.
+                        sim.agents[i].engine = None;
+                        sim.push(a, Ev::AgentRestart(i as u32));
+                    }
+                }
             }
         }
         Ok(sim)
