@@ -544,7 +544,6 @@ pub(crate) fn convert(
                 Params::Rate(p) => {
                     // Owed below full, in whole units: the held units and any debt.
                     let owed = (cap - kept + held).max(0) as u64;
-                    let owed = owed.max(state.held);
                     let tat = now.saturating_add(p.debit_ns(owed)).min(TAT_MAX);
                     (
                         State {

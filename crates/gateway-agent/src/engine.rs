@@ -1044,11 +1044,8 @@ impl Engine {
             r.1 += s.rejected.load(Ordering::Relaxed);
             r.2 += s.blocked.load(Ordering::Relaxed);
         };
-        let candidates: Vec<Arc<Slot>> = table
-            .map
-            .values()
-            .chain(slow.pending.values())
-            .cloned()
+        let candidates: Vec<Arc<Slot>> = live_slots(slow, &table)
+            .map(|(_, s)| Arc::clone(s))
             .collect();
         for s in candidates {
             if evicted >= max {
@@ -1099,7 +1096,8 @@ impl Engine {
                 });
                 Ok(Completion::Settled)
             }
-            Removed::Expired(lease) => {
+            Removed::Expired(expired) => {
+                let lease = &expired.1;
                 for l in lease.limits() {
                     self.settle(now, l, &usage, false);
                 }
@@ -1632,11 +1630,7 @@ impl Engine {
                 keys: 0,
             })
             .collect();
-        let mut seen = std::collections::HashSet::new();
-        for (id, s) in slow.pending.iter().chain(table.map.iter()) {
-            if s.is_sealed() || !seen.insert(*id) {
-                continue;
-            }
+        for (_, s) in live_slots(&slow, &table) {
             let r = &mut out[s.key.rule as usize];
             r.admitted += s.admitted.load(Ordering::Relaxed);
             r.rejected += s.rejected.load(Ordering::Relaxed);
@@ -1652,11 +1646,7 @@ impl Engine {
     pub fn key_demand(&self, out: &mut Vec<KeyDemand>) {
         let slow = self.slow();
         let table = self.table.load();
-        let mut seen = std::collections::HashSet::new();
-        for (id, s) in slow.pending.iter().chain(table.map.iter()) {
-            if s.is_sealed() || !seen.insert(*id) {
-                continue;
-            }
+        for (_, s) in live_slots(&slow, &table) {
             let c = &self.compiled[s.key.rule as usize];
             let slice = slow
                 .slices
@@ -1771,14 +1761,9 @@ impl Engine {
             ));
         }
         let mut live: HashMap<u64, Arc<Slot>> = HashMap::new();
-        for (id, s) in table.map.iter() {
-            if !s.is_sealed() {
-                live.insert(*id, Arc::clone(s));
-            }
-        }
-        for (id, s) in slow.pending.iter() {
-            if !s.is_sealed() {
-                live.insert(*id, Arc::clone(s));
+        for (id, s) in live_slots(&slow, &table) {
+            if live.insert(id, Arc::clone(s)).is_some() {
+                return Err(format!("{}: live both in the table and pending", s.key));
             }
         }
         if live.len() != slow.keys {
@@ -1872,6 +1857,20 @@ impl Worker {
     pub fn engine(&self) -> &Arc<Engine> {
         &self.engine
     }
+}
+
+/// Every live (unsealed) slot with its id: pending ones (newer) and published ones. A
+/// key is live in exactly one of the two, because installing a newer slot seals the
+/// older one (`check_invariants` checks it).
+fn live_slots<'a>(
+    slow: &'a Slow,
+    table: &'a KeyTable,
+) -> impl Iterator<Item = (u64, &'a Arc<Slot>)> {
+    slow.pending
+        .iter()
+        .chain(table.map.iter())
+        .filter(|(_, s)| !s.is_sealed())
+        .map(|(id, s)| (*id, s))
 }
 
 fn find_live(

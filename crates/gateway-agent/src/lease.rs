@@ -203,9 +203,9 @@ pub(crate) enum Removed {
     Live(Lease),
     /// Already completed (a duplicate).
     Completed,
-    /// Expired earlier, not yet completed: the lease as it was (now tombstoned as
-    /// completed, so a second late completion is a duplicate).
-    Expired(Box<Lease>),
+    /// Expired earlier, not yet completed: (expiry time, the lease as it was), now
+    /// tombstoned as completed, so a second late completion is a duplicate.
+    Expired(Box<(u64, Lease)>),
     /// Never seen, or forgotten.
     Unknown,
 }
@@ -339,7 +339,7 @@ impl LeaseTable {
                     unreachable!("matched above")
                 };
                 shard.note_tomb(hash, now, false);
-                Removed::Expired(Box::new(b.1))
+                Removed::Expired(b)
             }
             Entry::Expired(_) => Removed::Unknown,
         }

@@ -102,3 +102,68 @@ pub fn engine_with_sink(toml: &str, sink: Arc<dyn UsageSink>) -> Arc<Engine> {
         sink,
     ))
 }
+
+/// An exact token bucket `(rate per period, burst)` to check that admissions conform
+/// (DESIGN.md, "The overshoot contract"): it starts full, refills continuously, and is
+/// charged whatever the engine admitted. The level is kept in token x period-ns units,
+/// so refill is integral and nothing is rounded. `worst_deficit` is how far the level
+/// ever went below zero beyond the engine's stated rounding slack (two ns of refill,
+/// `bucket.rs`): at most 0 means every window conformed.
+#[derive(Debug, Clone)]
+pub struct ExactBucket {
+    level: i128,
+    rate: i128,
+    burst: i128,
+    period_ns: i128,
+    at: u64,
+    slack: i128,
+    worst: i128,
+}
+
+impl ExactBucket {
+    /// A full bucket at `start_ns`.
+    pub fn new(rate: u64, burst: u64, period_ns: u64, start_ns: u64) -> ExactBucket {
+        let (rate, burst, period_ns) = (rate as i128, burst as i128, period_ns as i128);
+        ExactBucket {
+            level: burst * period_ns,
+            rate,
+            burst,
+            period_ns,
+            at: start_ns,
+            slack: 2 * rate,
+            worst: i128::MIN,
+        }
+    }
+
+    /// Refills up to `t` (times must not go back).
+    pub fn advance(&mut self, t: u64) {
+        let dt = t.saturating_sub(self.at) as i128;
+        self.level = (self.level + dt * self.rate).min(self.burst * self.period_ns);
+        self.at = self.at.max(t);
+    }
+
+    /// Charges `cost` units.
+    pub fn charge(&mut self, cost: u64) {
+        self.level -= cost as i128 * self.period_ns;
+        self.worst = self.worst.max(-self.level - self.slack);
+    }
+
+    /// A new slice: shrinking clamps the level, growing does not raise it (invariant 2).
+    pub fn reslice(&mut self, rate: u64, burst: u64) {
+        self.rate = rate as i128;
+        self.burst = burst as i128;
+        self.level = self.level.min(self.burst * self.period_ns);
+        self.slack = self.slack.max(2 * self.rate);
+    }
+
+    /// The worst deficit beyond the slack, in token x period-ns units (`i128::MIN`
+    /// before any charge).
+    pub fn worst_deficit(&self) -> i128 {
+        self.worst
+    }
+
+    /// [`ExactBucket::worst_deficit`] in tokens.
+    pub fn worst_deficit_tokens(&self) -> f64 {
+        self.worst as f64 / self.period_ns as f64
+    }
+}

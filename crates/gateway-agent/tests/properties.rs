@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use bursar_agent::testing::engine_with_sink;
+use bursar_agent::testing::{ExactBucket, engine_with_sink};
 use bursar_agent::{
     AdmitRequest, Completion, CompletionStatus, Cost, Decision, Engine, MemorySink, Outcome,
     SliceUpdate, Usage,
@@ -15,7 +15,7 @@ use bursar_agent::{
 use proptest::prelude::*;
 
 const MS: u64 = 1_000_000;
-const PERIOD_NS: i128 = 1_000_000_000;
+const PERIOD_NS: u64 = 1_000_000_000;
 const RULES: &str = r#"
 [engine]
 key_idle_ms = 700
@@ -78,49 +78,6 @@ enum Event {
         rate: u64,
         burst: u64,
     },
-}
-
-/// An exact token bucket in units of token x period-ns, so refill is integral.
-struct Verifier {
-    level: i128,
-    rate: i128,
-    burst: i128,
-    at: u64,
-    worst_deficit: i128,
-    /// Allowed rounding slack: the engine's tolerance exceeds burst x interval by under
-    /// `1 + burst / 2^32` ns of refill (bucket.rs); two ns of refill covers it.
-    slack: i128,
-}
-
-impl Verifier {
-    fn new(rate: i128, burst: i128) -> Verifier {
-        Verifier {
-            level: burst * PERIOD_NS,
-            rate,
-            burst,
-            at: 0,
-            worst_deficit: 0,
-            slack: 2 * rate,
-        }
-    }
-
-    fn advance(&mut self, t: u64) {
-        let dt = (t - self.at) as i128;
-        self.level = (self.level + dt * self.rate).min(self.burst * PERIOD_NS);
-        self.at = t;
-    }
-
-    fn charge(&mut self, cost: u64) {
-        self.level -= cost as i128 * PERIOD_NS;
-        self.worst_deficit = self.worst_deficit.max(-self.level - self.slack);
-    }
-
-    fn reslice(&mut self, rate: u64, burst: u64) {
-        self.rate = rate as i128;
-        self.burst = burst as i128;
-        self.level = self.level.min(self.burst * PERIOD_NS);
-        self.slack = self.slack.max(2 * self.rate);
-    }
 }
 
 struct Run {
@@ -370,7 +327,10 @@ proptest! {
 
         // Conformance: replay admissions at their times, charging the actual cost
         // (the reservation when it never completed), through exact buckets.
-        let mut v = [Verifier::new(1000, 500), Verifier::new(1000, 500)];
+        let mut v = [
+            ExactBucket::new(1000, 500, PERIOD_NS, 0),
+            ExactBucket::new(1000, 500, PERIOD_NS, 0),
+        ];
         for ev in &run.log {
             match *ev {
                 Event::Admitted { t, org, id } => {
@@ -386,8 +346,8 @@ proptest! {
         }
         for (org, v) in v.iter().enumerate() {
             prop_assert!(
-                v.worst_deficit <= 0,
-                "org {} overshot the exact bucket by {} token-ns", org, v.worst_deficit
+                v.worst_deficit() <= 0,
+                "org {} overshot the exact bucket by {} token-ns", org, v.worst_deficit()
             );
         }
     }

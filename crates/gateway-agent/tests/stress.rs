@@ -7,11 +7,11 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use bursar_agent::clock::{Clock, MonotonicClock};
-use bursar_agent::testing::engine;
+use bursar_agent::testing::{ExactBucket, engine};
 use bursar_agent::{AdmitRequest, CompletionStatus, Cost, Decision, Engine, Usage};
 
-const RATE_PER_S: i128 = 50_000;
-const BURST: i128 = 1_000;
+const RATE_PER_S: u64 = 50_000;
+const BURST: u64 = 1_000;
 const RUN: Duration = Duration::from_millis(300);
 
 const RULES: &str = r#"
@@ -33,21 +33,16 @@ burst = 1_000
 "#;
 
 /// Exact bucket check over (time ns, cost) admissions sorted by time. Returns the worst
-/// deficit in tokens (<= 0 means conformant), with two ns of refill as rounding slack.
+/// deficit in tokens (<= 0 means conformant).
 fn worst_deficit(mut log: Vec<(u64, u64)>) -> f64 {
     log.sort_unstable();
-    let scale = 1_000_000_000i128; // token x ns units: refill dt*rate, capacity B*1e9
-    let cap = BURST * scale;
-    let mut level = cap;
-    let mut at = log.first().map_or(0, |x| x.0);
-    let mut worst = i128::MIN;
+    let start = log.first().map_or(0, |x| x.0);
+    let mut v = ExactBucket::new(RATE_PER_S, BURST, 1_000_000_000, start);
     for (t, cost) in log {
-        level = (level + (t - at) as i128 * RATE_PER_S).min(cap);
-        at = t;
-        level -= cost as i128 * scale;
-        worst = worst.max(-level - 2 * RATE_PER_S);
+        v.advance(t);
+        v.charge(cost);
     }
-    worst as f64 / scale as f64
+    v.worst_deficit_tokens()
 }
 
 fn run_threads(

@@ -198,14 +198,6 @@ impl RateLimitService for Rls {
                 }
             }
         }
-        let send_headers = match self.headers {
-            RlsHeaders::Always => true,
-            RlsHeaders::OverLimit => overall == Code::OverLimit,
-            RlsHeaders::Never => false,
-        };
-        if !send_headers {
-            response_headers.clear();
-        }
         Ok(Response::new(RateLimitResponse {
             overall_code: overall as i32,
             statuses,
