@@ -22,8 +22,10 @@
 //! - [`sim`]: the event loop, links, agents (each a real `Engine`, driven as the agent's
 //!   sync client drives it), the allocator, faults, the checker and the [`sim::Report`].
 //! - [`scenario`]: scenario files, built-ins (`sim/scenarios/*.toml`) and validation.
-//! - [`policy`]: baseline policies for `--policy` (static split, Doorman-like).
+//! - [`policy`]: baseline policies for `--policy` (static split, Doorman-like,
+//!   Gubernator-GLOBAL-like).
 //! - [`rng`]: the seeded generator.
+//! - [`wire`]: encoded sizes of the control messages (bytes per agent per second).
 //! - `main.rs`: the `bursar-sim` binary (`run`, `list`).
 //! - `tests/sweep.rs`: a short seed sweep over every built-in scenario.
 #![forbid(unsafe_code)]
@@ -33,3 +35,4 @@ pub mod policy;
 pub mod rng;
 pub mod scenario;
 pub mod sim;
+pub mod wire;

@@ -38,8 +38,9 @@ enum Cmd {
         /// Override the virtual duration of traffic, seconds.
         #[arg(long)]
         duration_s: Option<f64>,
-        /// Allocation policy: `bursar` (the real allocator), `static` (R/N each) or
-        /// `doorman` (proportional shares without revoke-before-grant).
+        /// Allocation policy: `bursar` (the real allocator), `static` (R/N each),
+        /// `doorman` (proportional shares without revoke-before-grant) or `gubernator`
+        /// (every gateway holds the full limit and syncs hits every report interval).
         #[arg(long, default_value = "bursar")]
         policy: String,
         /// Write the JSON report here.
@@ -123,8 +124,12 @@ fn real_main() -> Result<ExitCode> {
                 opt(s.cold_first_admit_p95_ms, 0, " ms"),
             );
             println!(
-                "  control messages {:.1} per agent per s; {} events in {:.2} s wall ({:.0} events/s)",
-                s.control_messages_per_agent_per_s, report.counters.events, wall_s, events_per_s
+                "  control {:.1} messages, {:.0} bytes per agent per s; {} events in {:.2} s wall ({:.0} events/s)",
+                s.control_messages_per_agent_per_s,
+                s.control_bytes_per_agent_per_s,
+                report.counters.events,
+                wall_s,
+                events_per_s
             );
             for k in report.worst_keys.iter().take(3) {
                 println!(

@@ -20,6 +20,11 @@ pub enum Policy {
     /// proportional to its reported demand, sent to every agent at once, **without**
     /// revoke-before-grant (growth does not wait for shrinks to be applied).
     Doorman,
+    /// Gubernator-GLOBAL-like: every agent holds the full `(R, B)` of every key, and
+    /// every report interval sends the hits it admitted since its last sync to every
+    /// other agent, which debits its own bucket by them (`Engine::charge`, past zero
+    /// if need be). No allocator.
+    Gubernator,
 }
 
 /// Names accepted by `--policy`.
@@ -27,12 +32,19 @@ pub const POLICIES: &[(&str, Policy)] = &[
     ("bursar", Policy::Bursar),
     ("static", Policy::Static),
     ("doorman", Policy::Doorman),
+    ("gubernator", Policy::Gubernator),
 ];
 
 impl Policy {
     /// By name.
     pub fn parse(name: &str) -> Option<Policy> {
         POLICIES.iter().find(|p| p.0 == name).map(|p| p.1)
+    }
+
+    /// True for the policies whose agents hold fixed slices from the start and never
+    /// talk to an allocator (`static`, `gubernator`).
+    pub fn fixed_slices(self) -> bool {
+        matches!(self, Policy::Static | Policy::Gubernator)
     }
 
     /// The name.
@@ -171,5 +183,7 @@ mod tests {
         assert!(out.iter().map(|g| g.rate).sum::<u64>() <= 1_000);
         assert_eq!(Policy::parse("doorman"), Some(Policy::Doorman));
         assert_eq!(Policy::Static.name(), "static");
+        assert_eq!(Policy::parse("gubernator"), Some(Policy::Gubernator));
+        assert!(Policy::Gubernator.fixed_slices() && !Policy::Doorman.fixed_slices());
     }
 }

@@ -23,6 +23,7 @@ use serde::Serialize;
 use crate::policy::{POLICIES, Policy, Proportional};
 use crate::rng::Rng;
 use crate::scenario::{FaultKind, Scenario, WorkloadKind};
+use crate::wire;
 
 const MS: u64 = 1_000_000;
 const SEC: u64 = 1_000 * MS;
@@ -100,8 +101,11 @@ pub struct Summary {
     pub jain_fairness: Option<f64>,
     /// 95th percentile of the time from a key's first request to its first admission.
     pub cold_first_admit_p95_ms: Option<f64>,
-    /// Messages (both ways) per agent per virtual second.
+    /// Messages (both ways, and peer to peer) per agent per virtual second.
     pub control_messages_per_agent_per_s: f64,
+    /// Their encoded size ([`crate::wire`]: protobuf plus gRPC's prefix, no HTTP/2,
+    /// TLS or TCP overhead), bytes per agent per virtual second.
+    pub control_bytes_per_agent_per_s: f64,
     /// Keys whose overshoot exceeded their bound, plus failed invariant checks.
     pub violations: u64,
 }
@@ -134,6 +138,14 @@ pub struct Counters {
     pub to_allocator: u64,
     /// Grants the allocator sent.
     pub to_agents: u64,
+    /// Hit batches agents sent each other (the Gubernator-like policy).
+    pub peer: u64,
+    /// Encoded bytes of `to_allocator` messages ([`crate::wire`]).
+    pub to_allocator_bytes: u64,
+    /// Encoded bytes of `to_agents` messages.
+    pub to_agents_bytes: u64,
+    /// Encoded bytes of `peer` messages.
+    pub peer_bytes: u64,
     /// Messages lost (loss, partition, a dead peer).
     pub lost: u64,
     /// Grants the engines refused (stale, lease already ended).
@@ -249,6 +261,8 @@ struct Agent {
     down_free_at: u64,
     rng: Rng,
     id_buf: String,
+    /// Cost admitted per key since the last hit sync (the Gubernator-like policy).
+    hits: BTreeMap<u32, u64>,
 }
 
 impl Agent {
@@ -285,8 +299,13 @@ enum Ev {
     NaiveTick,
     /// The static policy's fixed slices for one agent incarnation.
     StaticSlices(u32, u64),
-    /// An LLM-like request ends: agent, incarnation, request number, input, output.
-    Complete(u32, u64, u64, u64, u64),
+    /// An LLM-like request ends: agent, incarnation, key, request number, input,
+    /// output.
+    Complete(u32, u64, u32, u64, u64, u64),
+    /// The Gubernator-like policy: agent `.0` (incarnation `.1`) sends its hits.
+    HitSync(u32, u64),
+    /// The Gubernator-like policy: a peer's hits (key, cost) reach agent `.0`.
+    Hits(u32, Arc<[(u32, u64)]>),
 }
 
 struct Entry {
@@ -405,6 +424,7 @@ impl Sim {
                     down_free_at: 0,
                     rng: r,
                     id_buf: String::new(),
+                    hits: BTreeMap::new(),
                 }
             })
             .collect();
@@ -506,8 +526,11 @@ impl Sim {
             let a = &mut sim.agents[i];
             let hello_at = a.rng.below(50 * MS);
             let phase = a.phase;
-            if policy == Policy::Static {
+            if policy.fixed_slices() {
                 sim.push(t0 - MS, Ev::StaticSlices(i as u32, 1));
+                if policy == Policy::Gubernator {
+                    sim.push(t0 + phase, Ev::HitSync(i as u32, 1));
+                }
             } else {
                 sim.push(hello_at, Ev::Hello(i as u32, 1));
                 sim.push(100 * MS + phase, Ev::Report(i as u32, 1));
@@ -640,9 +663,12 @@ impl Sim {
                 let every = self.sc.allocator.report_interval_ms * MS;
                 self.push(self.now + every, Ev::NaiveTick);
             }
-            Ev::Complete(i, inc, n, input, output) => {
+            Ev::Complete(i, inc, k, n, input, output) => {
                 if self.live(i, inc) {
                     let a = &mut self.agents[i as usize];
+                    if self.policy == Policy::Gubernator {
+                        *a.hits.entry(k).or_default() += input + output;
+                    }
                     a.id_buf.clear();
                     let _ = write!(a.id_buf, "r{n}");
                     let usage = Usage {
@@ -664,8 +690,16 @@ impl Sim {
                     self.static_slices(i);
                 }
             }
-            Ev::AllocCrash if self.policy == Policy::Static => {}
-            Ev::AllocRestart if self.policy == Policy::Static => {}
+            Ev::HitSync(i, inc) => {
+                if self.live(i, inc) {
+                    self.sync_hits(i);
+                    let every = self.sc.allocator.report_interval_ms * MS;
+                    self.push(self.now + every, Ev::HitSync(i, inc));
+                }
+            }
+            Ev::Hits(i, hits) => self.deliver_hits(i, &hits),
+            Ev::AllocCrash if self.policy.fixed_slices() => {}
+            Ev::AllocRestart if self.policy.fixed_slices() => {}
             Ev::AllocCrash => {
                 self.alloc = None;
                 self.naive = None;
@@ -700,6 +734,7 @@ impl Sim {
                 let a = &mut self.agents[i as usize];
                 a.engine = None;
                 a.tracks.clear();
+                a.hits.clear();
                 a.poll_pending = false;
             }
             Ev::AgentRestart(i) => {
@@ -712,8 +747,11 @@ impl Sim {
                 let inc = a.incarnation;
                 let phase = a.phase;
                 let report_ns = self.sc.allocator.report_interval_ms * MS;
-                if self.policy == Policy::Static {
+                if self.policy.fixed_slices() {
                     self.push(self.now, Ev::StaticSlices(i, inc));
+                    if self.policy == Policy::Gubernator {
+                        self.push(self.now + phase % report_ns + 1, Ev::HitSync(i, inc));
+                    }
                 } else {
                     self.push(self.now, Ev::Hello(i, inc));
                     self.push(self.now + phase % report_ns + 1, Ev::Report(i, inc));
@@ -888,9 +926,12 @@ impl Sim {
                     let (inc, n) = (a.incarnation, a.next_request);
                     self.push(
                         now + complete_after,
-                        Ev::Complete(i as u32, inc, n, input, output),
+                        Ev::Complete(i as u32, inc, k, n, input, output),
                     );
                     return;
+                }
+                if self.policy == Policy::Gubernator {
+                    *a.hits.entry(k).or_default() += cost;
                 }
                 let usage = Usage {
                     input_tokens: cost,
@@ -903,7 +944,7 @@ impl Sim {
             }
             Ok(Decision::Rejected(_)) => {
                 // A key the agent has not reported yet is reported at its next poll.
-                if self.policy != Policy::Static && !a.tracks.contains_key(&k) && !a.poll_pending {
+                if !self.policy.fixed_slices() && !a.tracks.contains_key(&k) && !a.poll_pending {
                     a.poll_pending = true;
                     let poll = self.sc.allocator.new_key_poll_ms * MS;
                     let at = now + poll - (now + a.phase) % poll;
@@ -955,6 +996,11 @@ impl Sim {
 
     fn send_to_alloc(&mut self, i: u32, m: ToAlloc) {
         self.counters.to_allocator += 1;
+        self.counters.to_allocator_bytes += match &m {
+            ToAlloc::Hello(h) => wire::hello_bytes(h),
+            ToAlloc::Report(r) => wire::report_bytes(r),
+            ToAlloc::Ack(a) => wire::ack_bytes(a),
+        };
         if let Some(at) = self.link_delay(i as usize, true) {
             let term = self.term;
             self.push(at, Ev::ToAlloc(i, term, m));
@@ -1025,13 +1071,15 @@ impl Sim {
                 continue;
             };
             self.counters.to_agents += 1;
+            self.counters.to_agents_bytes += wire::grant_bytes(&g);
             if let Some(at) = self.link_delay(i, false) {
                 self.push(at, Ev::ToAgent(i as u32, g));
             }
         }
     }
 
-    /// The static policy: `(R/N, B/N)` per key, starting full, leased for ever.
+    /// The static policy: `(R/N, B/N)` per key, starting full, leased for ever. The
+    /// Gubernator-like policy: the whole `(R, B)` per key, likewise.
     fn static_slices(&mut self, i: u32) {
         let n = self.sc.gateways as u64;
         let a = &self.agents[i as usize];
@@ -1039,10 +1087,14 @@ impl Sim {
             return;
         };
         let at = a.clock(self.now);
-        let (rate, burst) = (
-            self.sc.limit.rate_per_s / n,
-            (self.sc.limit.burst / n).max(1),
-        );
+        let (rate, burst) = if self.policy == Policy::Gubernator {
+            (self.sc.limit.rate_per_s, self.sc.limit.burst)
+        } else {
+            (
+                self.sc.limit.rate_per_s / n,
+                (self.sc.limit.burst / n).max(1),
+            )
+        };
         let updates: Vec<_> = self
             .key_names
             .iter()
@@ -1068,6 +1120,80 @@ impl Sim {
             .filter(|r| r.is_err())
             .count();
         self.counters.grants_refused += refused as u64;
+    }
+
+    /// The Gubernator-like policy: agent `i` sends the hits it admitted since its last
+    /// sync, one batch to every other live agent. A partition cuts the named agents off
+    /// from every peer (there is no allocator to lose); loss and latency are drawn per
+    /// message as on the allocator links. Hits commute, so links need not be FIFO.
+    fn sync_hits(&mut self, i: u32) {
+        let a = &mut self.agents[i as usize];
+        if a.hits.is_empty() {
+            return;
+        }
+        let hits: Arc<[(u32, u64)]> = std::mem::take(&mut a.hits).into_iter().collect();
+        let bytes = wire::hits_bytes(hits.iter().map(|&(k, h)| (&self.keys[k as usize].name, h)));
+        for j in 0..self.agents.len() {
+            if j == i as usize || self.agents[j].engine.is_none() {
+                continue;
+            }
+            self.counters.peer += 1;
+            self.counters.peer_bytes += bytes;
+            let n = &self.sc.network;
+            if self.cut(i as usize, self.now)
+                || self.cut(j, self.now)
+                || self.net_rng.chance(n.loss)
+            {
+                self.counters.lost += 1;
+                continue;
+            }
+            let ms = n.latency_ms
+                + if n.jitter_ms > 0.0 {
+                    self.net_rng.exp(n.jitter_ms)
+                } else {
+                    0.0
+                };
+            let at = self.now + (ms * MS as f64) as u64;
+            self.push(at, Ev::Hits(j as u32, hits.clone()));
+        }
+    }
+
+    /// A peer's hits reach agent `i`: its own bucket for each key is debited by them
+    /// with `Engine::charge` (past zero if need be: the debt is kept, later requests
+    /// wait).
+    fn deliver_hits(&mut self, i: u32, hits: &[(u32, u64)]) {
+        let iu = i as usize;
+        if self.cut(iu, self.now) || self.agents[iu].engine.is_none() {
+            self.counters.lost += 1;
+            return;
+        }
+        let a = &self.agents[iu];
+        let at = a.clock(self.now);
+        let Some(engine) = &a.engine else {
+            return;
+        };
+        let mut refused = Vec::new();
+        for &(k, h) in hits {
+            let req = AdmitRequest {
+                request_id: "peer-hits",
+                domain: None,
+                descriptors: &[("org", &self.keys[k as usize].value)],
+                cost: Cost {
+                    requests: 0,
+                    input_tokens: h,
+                    max_output_tokens: Some(0),
+                },
+                ttl_ms: None,
+            };
+            match engine.charge(at, &req) {
+                Ok(1) => {}
+                Ok(n) => refused.push(format!("{} charged {n} buckets for {h} hits", a.name)),
+                Err(e) => refused.push(format!("{} refused {h} peer hits: {e}", a.name)),
+            }
+        }
+        for msg in refused {
+            self.violation(msg);
+        }
     }
 
     fn agent_index(&self, name: &str) -> Option<usize> {
@@ -1389,7 +1515,12 @@ impl Sim {
             .filter_map(|k| Some((k.first_admit? - k.first_offer?) as f64 / MS as f64))
             .collect();
         let duration_s = (self.end - self.t0) as f64 / SEC as f64;
-        let msgs = (self.counters.to_allocator + self.counters.to_agents) as f64;
+        let msgs =
+            (self.counters.to_allocator + self.counters.to_agents + self.counters.peer) as f64;
+        let bytes = (self.counters.to_allocator_bytes
+            + self.counters.to_agents_bytes
+            + self.counters.peer_bytes) as f64;
+        let per_agent_s = self.sc.gateways as f64 * (self.end as f64 / SEC as f64);
         Report {
             scenario: self.sc.name.clone(),
             seed: self.seed,
@@ -1408,9 +1539,8 @@ impl Sim {
                 realloc_p95_ms: self.realloc_p95_ms(),
                 jain_fairness: jain,
                 cold_first_admit_p95_ms: p95(&mut first),
-                control_messages_per_agent_per_s: msgs
-                    / self.sc.gateways as f64
-                    / (self.end as f64 / SEC as f64),
+                control_messages_per_agent_per_s: msgs / per_agent_s,
+                control_bytes_per_agent_per_s: bytes / per_agent_s,
                 violations: self.violations,
             },
             worst_keys: outcomes,
@@ -1547,7 +1677,7 @@ mod tests {
     fn an_unknown_policy_is_refused() {
         let sc = small("steady");
         assert!(matches!(
-            Sim::new(&sc, 1, "gubernator"),
+            Sim::new(&sc, 1, "envoy"),
             Err(SimError::Policy(_))
         ));
     }
@@ -1559,6 +1689,59 @@ mod tests {
         assert_eq!(r.summary.violations, 0, "{:?}", r.violation_messages);
         assert_eq!(r.summary.overshoot_max_fraction_of_burst, 0.0);
         assert!(r.summary.utilization_vs_ideal > 0.3);
+    }
+
+    #[test]
+    fn gubernator_like_peers_debit_each_others_buckets_and_overshoot_by_the_sync_lag() {
+        // 4 gateways, 1 key, 2 R offered: each gateway alone sees 0.5 R, under the full
+        // (R, B) it holds, so only the peers' hits can hold the fleet near R.
+        let mut sc = small("steady");
+        sc.gateways = 4;
+        sc.keys = 1;
+        sc.workload.load = 2.0;
+        let run_with = |interval_ms: u64| {
+            let mut sc = sc.clone();
+            sc.allocator.report_interval_ms = interval_ms;
+            Sim::new(&sc, 21, "gubernator").unwrap().run()
+        };
+        let synced = run_with(50);
+        let never = run_with(1_000_000); // first sync after the run ends
+        assert_eq!(synced.policy, "gubernator");
+        assert_eq!(synced.counters.to_allocator + synced.counters.to_agents, 0);
+        assert!(synced.counters.peer > 0 && synced.counters.peer_bytes > 0);
+        assert_eq!(never.counters.peer, 0);
+        let (u_synced, u_never) = (
+            synced.summary.utilization_vs_ideal,
+            never.summary.utilization_vs_ideal,
+        );
+        assert!(
+            u_never > 1.8,
+            "unsynced, 4 full buckets admit ~2 R: {u_never}"
+        );
+        assert!(
+            u_synced < 1.15,
+            "synced hits hold the fleet near R: {u_synced}"
+        );
+        // The lag between a hit and its debit elsewhere still lets the fleet past
+        // (R, B); the policy states no bound, so that is a violation.
+        let over = synced.summary.overshoot_max_fraction_of_burst;
+        assert!(over > 0.0, "{over}");
+        assert!(over < never.summary.overshoot_max_fraction_of_burst / 4.0);
+        assert!(synced.summary.violations > 0);
+    }
+
+    #[test]
+    fn control_bytes_are_counted_for_every_message() {
+        let mut sc = small("steady");
+        sc.gateways = 3;
+        let r = run(&sc, 8).unwrap();
+        let c = &r.counters;
+        assert!(c.to_allocator > 0 && c.to_agents > 0);
+        // Every message carries at least the gRPC prefix and a few fields.
+        assert!(c.to_allocator_bytes >= 10 * c.to_allocator);
+        assert!(c.to_agents_bytes >= 20 * c.to_agents);
+        let s = &r.summary;
+        assert!(s.control_bytes_per_agent_per_s > 10.0 * s.control_messages_per_agent_per_s);
     }
 
     #[test]

@@ -1,0 +1,172 @@
+//! Encoded sizes of the control messages, for the report's bytes per agent per second.
+//!
+//! The simulator passes the cores' own message structs and never encodes protobuf, so
+//! these functions compute what the messages of `bursar.allocator.v1`
+//! (`crates/proto/proto/bursar/allocator/v1/allocator.proto`) would take on the wire:
+//! the protobuf encoding of each field that is not at its default (proto3 omits those),
+//! plus gRPC's 5-byte length prefix per message. Not counted: HTTP/2 frame headers,
+//! HPACK, TLS records, TCP/IP headers, and the hello's `config_version` string (a short
+//! hash). The Gubernator-like policy's hit batches are sized as a `Report` holding one
+//! `KeyReport { key, admitted }` per key (what a peer needs), for comparison.
+//!
+//! The field numbers follow the .proto file; `a_report_is_sized_as_protobuf_would_encode_it`
+//! checks the arithmetic against a hand-encoded message.
+
+use bursar_allocator::{Ack, Grant, HeldGrant, Hello, KeyName, KeyReport, Report};
+
+/// gRPC's per-message prefix: one compression byte and a 4-byte length.
+pub const GRPC_PREFIX_BYTES: u64 = 5;
+
+/// Bytes of `x` as a varint.
+pub fn varint_len(x: u64) -> u64 {
+    u64::from(64 - (x | 1).leading_zeros()).div_ceil(7)
+}
+
+/// A `uint64`/`uint32` field: tag plus varint, or nothing at the default (0).
+fn uint(x: u64) -> u64 {
+    if x == 0 { 0 } else { 1 + varint_len(x) }
+}
+
+/// A length-delimited field (string, bytes or a sub-message) of `len` bytes: tag,
+/// length, body. A repeated element is encoded even when empty.
+fn delimited(len: u64) -> u64 {
+    1 + varint_len(len) + len
+}
+
+/// A string field: nothing when empty.
+fn string(s: &str) -> u64 {
+    if s.is_empty() {
+        0
+    } else {
+        delimited(s.len() as u64)
+    }
+}
+
+/// `Key { rule = 1; repeated values = 2 }`, body only.
+fn key_body(k: &KeyName) -> u64 {
+    string(&k.rule)
+        + k.values
+            .iter()
+            .map(|v| delimited(v.len() as u64))
+            .sum::<u64>()
+}
+
+/// `HeldGrant { epoch, seq, rate, burst }`, body only.
+fn held_body(g: &HeldGrant) -> u64 {
+    uint(g.epoch) + uint(g.seq) + uint(g.rate) + uint(g.burst)
+}
+
+fn key_report_body(k: &KeyReport) -> u64 {
+    delimited(key_body(&k.key))
+        + uint(k.admitted)
+        + uint(k.rejected)
+        + uint(k.counting_since_ns)
+        + uint(k.in_flight)
+        + k.held.as_ref().map_or(0, |g| delimited(held_body(g)))
+}
+
+/// An `AgentMessage { hello = 1 }` on the stream.
+pub fn hello_bytes(h: &Hello) -> u64 {
+    let held: u64 = h
+        .held
+        .iter()
+        .map(|s| delimited(delimited(key_body(&s.key)) + delimited(held_body(&s.grant))))
+        .sum();
+    let body = uint(1) // protocol_version = PROTOCOL_VERSION_1
+        + string(&h.agent)
+        + uint(h.incarnation)
+        + uint(u64::from(h.weight))
+        + uint(h.agent_time_ns)
+        + held;
+    GRPC_PREFIX_BYTES + delimited(body)
+}
+
+/// An `AgentMessage { report = 2 }` on the stream (the agent's id is the stream's, not
+/// a field of the report).
+pub fn report_bytes(r: &Report) -> u64 {
+    let keys: u64 = r.keys.iter().map(|k| delimited(key_report_body(k))).sum();
+    GRPC_PREFIX_BYTES + delimited(uint(r.agent_time_ns) + keys)
+}
+
+/// An `AgentMessage { ack = 3 }` on the stream.
+pub fn ack_bytes(a: &Ack) -> u64 {
+    let slices: u64 = a
+        .slices
+        .iter()
+        .map(|s| {
+            delimited(
+                delimited(key_body(&s.key))
+                    + uint(s.epoch)
+                    + uint(s.seq)
+                    + uint(s.released_tokens)
+                    + uint(s.in_flight),
+            )
+        })
+        .sum();
+    GRPC_PREFIX_BYTES + delimited(slices)
+}
+
+/// An `AllocatorMessage { grants = 2 }` carrying one grant (the simulator sends each
+/// grant as its own message).
+pub fn grant_bytes(g: &Grant) -> u64 {
+    let grant = delimited(key_body(&g.key))
+        + uint(g.rate)
+        + uint(g.burst)
+        + uint(g.epoch)
+        + uint(g.seq)
+        + uint(g.lease_expires_at_ns)
+        + uint(u64::from(g.fleet_size))
+        + uint(g.transfer_tokens);
+    GRPC_PREFIX_BYTES + delimited(delimited(grant))
+}
+
+/// A Gubernator-like hit batch: one `KeyReport { key, admitted = hits }` per key.
+pub fn hits_bytes<'a>(hits: impl Iterator<Item = (&'a KeyName, u64)>) -> u64 {
+    let keys: u64 = hits
+        .map(|(k, h)| delimited(delimited(key_body(k)) + uint(h)))
+        .sum();
+    GRPC_PREFIX_BYTES + delimited(keys)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn varints_take_one_byte_per_seven_bits() {
+        assert_eq!(varint_len(0), 1);
+        assert_eq!(varint_len(127), 1);
+        assert_eq!(varint_len(128), 2);
+        assert_eq!(varint_len(16_383), 2);
+        assert_eq!(varint_len(16_384), 3);
+        assert_eq!(varint_len(u64::MAX), 10);
+    }
+
+    #[test]
+    fn a_report_is_sized_as_protobuf_would_encode_it() {
+        let r = Report {
+            agent: "gw-0".into(),
+            incarnation: 1,
+            agent_time_ns: 300,
+            keys: vec![KeyReport {
+                key: KeyName::new("tenant", &["t0"]),
+                admitted: 5,
+                rejected: 0,
+                counting_since_ns: 0,
+                in_flight: 0,
+                held: Some(HeldGrant {
+                    epoch: 1,
+                    seq: 2,
+                    rate: 0,
+                    burst: 0,
+                }),
+            }],
+        };
+        // Hand-encoded: Key = 0a 06 "tenant" 12 02 "t0" (12 bytes);
+        // HeldGrant = 08 01 10 02 (4 bytes);
+        // KeyReport = 0a 0c <key> 10 05 32 04 <held> (2+12 + 2 + 2+4 = 22 bytes);
+        // Report = 08 ac 02 (agent_time_ns 300: 3 bytes) 12 16 <keyreport> (24 bytes)
+        //        = 27 bytes; AgentMessage = 12 1b <report> = 29 bytes; plus gRPC's 5.
+        assert_eq!(report_bytes(&r), 29 + GRPC_PREFIX_BYTES);
+    }
+}
