@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use bursar_agent::clock::{Clock, CoarseClock};
+use bursar_agent::shell::forward::ForwardConfig;
+use bursar_agent::shell::outbox::{Outbox, OutboxConfig};
 use bursar_agent::testing::DEMO_RULES;
 use bursar_agent::{
     AdmitRequest, CompletionStatus, Config, Cost, Decision, Engine, MemorySink, RuleLimit, Usage,
@@ -60,9 +62,10 @@ struct ServeArgs {
     /// reconnects with jittered backoff, follows each rule's posture once a lease ends).
     #[arg(long)]
     allocator: Option<String>,
-    /// This agent's id at the allocator (unique in the fleet). Default:
-    /// `HOSTNAME-HTTPPORT`.
-    #[arg(long, requires = "allocator")]
+    /// This agent's id (unique in the fleet): its name at the allocator (default
+    /// `HOSTNAME-HTTPPORT`) and the `origin` of its ledger events (default: the id
+    /// stored in the outbox, or `agent-PID-UNIXMS` for a new outbox).
+    #[arg(long)]
     agent_id: Option<String>,
     /// Demand report period for the allocator, ms.
     #[arg(long, default_value_t = 250, requires = "allocator", value_parser = clap::value_parser!(u64).range(10..=60_000))]
@@ -84,6 +87,41 @@ struct ServeArgs {
     /// Time the proxy allows the upstream to answer with its response head (504 after).
     #[arg(long, default_value_t = 60_000)]
     proxy_upstream_timeout_ms: u64,
+    /// Directory of the durable usage outbox (`outbox.redb`, created if missing; one
+    /// agent per directory). Every usage record is committed there before its
+    /// completion is answered, and kept until min(2, number of --ledger) ledger nodes
+    /// acknowledged it. Requires --ledger.
+    #[arg(long, requires = "ledger")]
+    outbox_dir: Option<PathBuf>,
+    /// A ledger node's base URL (`http://HOST:PORT`, plain HTTP), repeatable. The
+    /// outbox's events are delivered to every one. Requires --outbox-dir.
+    #[arg(long, requires = "outbox_dir")]
+    ledger: Vec<String>,
+    /// Usage records waiting for the outbox's writer (memory reserved up front,
+    /// ~1.3 KiB each). Completions get 503 past three quarters of it.
+    #[arg(long, default_value_t = 16_384, value_parser = clap::value_parser!(u64).range(16..=4_194_304))]
+    outbox_queue_max: u64,
+    /// Undelivered events the outbox holds before completions get 503 (`outbox_full`).
+    /// Size it for the longest ledger outage to ride out at the completion rate.
+    #[arg(long, default_value_t = 1_000_000, value_parser = clap::value_parser!(u64).range(16..))]
+    outbox_events_max: u64,
+    /// Longest wait for a usage record's commit before the completion answers 503
+    /// (`outbox_unavailable`; the record stays queued, a retry is safe), ms.
+    #[arg(long, default_value_t = 5_000, value_parser = clap::value_parser!(u64).range(1..=600_000))]
+    outbox_durable_timeout_ms: u64,
+    /// Descriptor whose value is the ledger's `tenant` (billing account).
+    #[arg(long, default_value = "org")]
+    ledger_tenant_descriptor: String,
+    /// Descriptor whose value is the ledger's `model`.
+    #[arg(long, default_value = "model")]
+    ledger_model_descriptor: String,
+    /// Most events in one POST to a ledger.
+    #[arg(long, default_value_t = 2_000, value_parser = clap::value_parser!(u64).range(1..=50_000))]
+    ledger_batch_max: u64,
+    /// Longest delay between delivery attempts to a failing ledger, ms (jittered
+    /// exponential backoff from 100 ms).
+    #[arg(long, default_value_t = 5_000, value_parser = clap::value_parser!(u64).range(100..=600_000))]
+    ledger_backoff_max_ms: u64,
 }
 
 #[derive(Subcommand)]
@@ -186,14 +224,61 @@ fn serve(args: ServeArgs) -> Result<()> {
     if args.allocator.is_some() {
         config.engine.slice_source = bursar_agent::SliceSource::Allocated;
     }
-    // Usage records go nowhere durable yet (the ledger's outbox is not wired in).
-    let engine = Arc::new(Engine::new(config, Arc::new(bursar_agent::DiscardSink)));
+    let outbox = match &args.outbox_dir {
+        Some(dir) => {
+            for url in &args.ledger {
+                if !url.starts_with("http://") {
+                    bail!("--ledger {url:?}: only plain http:// ledger URLs are supported");
+                }
+            }
+            let mut cfg = OutboxConfig::new(dir.clone(), args.ledger.len().min(2));
+            cfg.agent_id = args.agent_id.clone();
+            cfg.queue_max = args.outbox_queue_max as usize;
+            cfg.events_max = args.outbox_events_max;
+            cfg.durable_timeout = Duration::from_millis(args.outbox_durable_timeout_ms);
+            cfg.tenant_descriptor = args.ledger_tenant_descriptor.clone();
+            cfg.model_descriptor = args.ledger_model_descriptor.clone();
+            let ob = Outbox::open(cfg).map_err(|e| anyhow::anyhow!("{e}"))?;
+            eprintln!(
+                "bursar-agent: usage outbox {} (origin {:?}, {} events held, delivering to {} ledger(s), {} needed per event)",
+                ob.path().display(),
+                ob.origin(),
+                ob.held(),
+                args.ledger.len(),
+                ob.ledgers_needed()
+            );
+            Some(Arc::new(ob))
+        }
+        None => None,
+    };
+    // The engine's clock, and the unix time at its origin (the outbox's event times).
+    let clock = bursar_agent::clock::MonotonicClock::new();
+    let wall_origin_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .context("the system clock is before 1970")?
+        .as_millis() as u64;
+    let rules = config.rules.clone();
+    let sink: Arc<dyn bursar_agent::UsageSink> = match &outbox {
+        Some(ob) => {
+            let sink: Arc<Outbox> = Arc::clone(ob);
+            sink
+        }
+        // Without --outbox-dir usage records are not kept (no billing).
+        None => Arc::new(bursar_agent::DiscardSink),
+    };
+    let engine = Arc::new(Engine::new(config, sink));
+    if let Some(ob) = &outbox {
+        ob.start(rules, wall_origin_ms);
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .context("tokio runtime")?;
-    rt.block_on(async move {
-        let state = bursar_agent::shell::AgentState::new(engine);
+    let served = rt.block_on(async {
+        let state = bursar_agent::shell::AgentState::with_clock(engine, clock);
+        if let Some(ob) = &outbox {
+            let _ = state.outbox.set(Arc::clone(ob));
+        }
         let (tx, rx) = tokio::sync::watch::channel(false);
         let bound = bursar_agent::shell::start(
             Arc::clone(&state),
@@ -237,6 +322,13 @@ fn serve(args: ServeArgs) -> Result<()> {
                 bursar_agent::shell::sync::spawn(Arc::clone(&state), cfg, rx.clone());
             let _ = state.sync.set(status);
         }
+        if let Some(ob) = &outbox {
+            let mut cfg = ForwardConfig::new(args.ledger.clone());
+            cfg.batch_max = args.ledger_batch_max as usize;
+            cfg.backoff_max = Duration::from_millis(args.ledger_backoff_max_ms);
+            let ledgers = bursar_agent::shell::forward::spawn(Arc::clone(ob), cfg, rx.clone());
+            let _ = state.ledgers.set(ledgers);
+        }
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
             .context("SIGTERM handler")?;
         tokio::select! {
@@ -246,8 +338,13 @@ fn serve(args: ServeArgs) -> Result<()> {
         eprintln!("bursar-agent: shutting down");
         let _ = tx.send(true);
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-        Ok(())
-    })
+        anyhow::Ok(())
+    });
+    // Commit whatever the last completions queued before the process ends.
+    if let Some(ob) = &outbox {
+        ob.close();
+    }
+    served
 }
 
 fn check_config(file: &std::path::Path) -> Result<()> {
@@ -525,7 +622,7 @@ fn demo(args: DemoArgs) -> Result<()> {
     }
     let (_, records) = sink.take();
     println!(
-        "usage records produced: {records} (not sent anywhere: the agent's ledger outbox is not built yet)"
+        "usage records produced: {records} (the demo keeps none; `bursar-agent --outbox-dir DIR --ledger URL` delivers them to ledgers)"
     );
     Ok(())
 }

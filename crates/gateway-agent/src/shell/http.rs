@@ -306,11 +306,34 @@ async fn complete(State(state): State<Arc<AgentState>>, body: Bytes) -> Response
         cached_input_tokens: b.usage.cached_input_tokens,
         output_tokens: b.usage.output_tokens,
     };
+    // With the durable outbox: refuse before anything changes when it is full, and
+    // answer only once the usage record is committed to the local file.
+    let outbox = state.outbox.get();
+    if let Some(ob) = outbox
+        && let Err(e) = ob.check_room()
+    {
+        return outbox_error(&e);
+    }
+    let dropped = outbox.map_or(0, |ob| ob.dropped());
     match state
         .engine
         .complete(state.clock.now_ns(), &b.request_id, usage, status)
     {
         Ok(c) => {
+            if let Some(ob) = outbox {
+                // The ticket covers every record pushed so far, this one included (and,
+                // for a duplicate, the first completion's record if still queued).
+                let ticket = ob.ticket();
+                if ob.dropped() != dropped {
+                    return outbox_error(&super::outbox::OutboxError::Full {
+                        held: ob.held(),
+                        max: ob.held(),
+                    });
+                }
+                if let Err(e) = ob.durable(ticket).await {
+                    return outbox_error(&e);
+                }
+            }
             let result = match c {
                 Completion::Settled => "settled",
                 Completion::Late => "late",
@@ -328,6 +351,20 @@ async fn complete(State(state): State<Arc<AgentState>>, body: Bytes) -> Response
         }
         Err(e) => error(StatusCode::BAD_REQUEST, "invalid_request", &e.to_string()),
     }
+}
+
+/// 503 for an outbox that is full (`outbox_full`: nothing changed) or slow to commit
+/// (`outbox_unavailable`: settled, record queued; a retry answers `duplicate` once it
+/// is durable).
+fn outbox_error(e: &super::outbox::OutboxError) -> Response {
+    let code = match e {
+        super::outbox::OutboxError::Full { .. } => "outbox_full",
+        _ => "outbox_unavailable",
+    };
+    let mut r = error(StatusCode::SERVICE_UNAVAILABLE, code, &e.to_string());
+    r.headers_mut()
+        .insert("retry-after", HeaderValue::from_static("1"));
+    r
 }
 
 async fn extend(State(state): State<Arc<AgentState>>, body: Bytes) -> Response {
@@ -431,10 +468,83 @@ async fn metrics(State(state): State<Arc<AgentState>>) -> Response {
             ));
         }
     }
+    if let Some(ob) = state.outbox.get() {
+        outbox_metrics(&mut out, ob, state.ledgers.get().map_or(&[][..], |v| v));
+    }
     (
         StatusCode::OK,
         [("content-type", "text/plain; version=0.0.4")],
         out,
     )
         .into_response()
+}
+
+fn outbox_metrics(
+    out: &mut String,
+    ob: &super::outbox::Outbox,
+    ledgers: &[Arc<super::forward::LedgerStatus>],
+) {
+    let s = ob.stats();
+    out.push_str("# HELP bursar_outbox_pending_events Usage events held locally until enough ledgers hold them (in the file plus queued).\n# TYPE bursar_outbox_pending_events gauge\n");
+    out.push_str(&format!("bursar_outbox_pending_events {}\n", ob.held()));
+    out.push_str("# HELP bursar_outbox_queued_records Records waiting for the outbox writer.\n# TYPE bursar_outbox_queued_records gauge\n");
+    out.push_str(&format!("bursar_outbox_queued_records {}\n", ob.queued()));
+    out.push_str("# HELP bursar_outbox_last_seq Highest event sequence number written.\n# TYPE bursar_outbox_last_seq gauge\n");
+    out.push_str(&format!("bursar_outbox_last_seq {}\n", ob.last_seq()));
+    out.push_str("# HELP bursar_outbox_events_total Outbox events by what happened to them.\n# TYPE bursar_outbox_events_total counter\n");
+    for (kind, v) in [
+        ("committed", &s.committed),
+        ("trimmed", &s.trimmed),
+        ("dropped", &s.dropped),
+        ("invalid", &s.invalid),
+    ] {
+        out.push_str(&format!(
+            "bursar_outbox_events_total{{kind=\"{kind}\"}} {}\n",
+            v.load(Ordering::Relaxed)
+        ));
+    }
+    out.push_str("# HELP bursar_outbox_commits_total Outbox write transactions by result.\n# TYPE bursar_outbox_commits_total counter\n");
+    out.push_str(&format!(
+        "bursar_outbox_commits_total{{result=\"ok\"}} {}\nbursar_outbox_commits_total{{result=\"failed\"}} {}\n",
+        s.commits.load(Ordering::Relaxed),
+        s.commit_failures.load(Ordering::Relaxed)
+    ));
+    out.push_str("# HELP bursar_outbox_refused_total Completions answered 503 by the outbox.\n# TYPE bursar_outbox_refused_total counter\n");
+    out.push_str(&format!(
+        "bursar_outbox_refused_total{{reason=\"full\"}} {}\nbursar_outbox_refused_total{{reason=\"not_durable\"}} {}\n",
+        s.refused_full.load(Ordering::Relaxed),
+        s.not_durable.load(Ordering::Relaxed)
+    ));
+    out.push_str("# HELP bursar_ledger_up 1 while the last delivery attempt to this ledger succeeded.\n# TYPE bursar_ledger_up gauge\n");
+    for l in ledgers {
+        out.push_str(&format!(
+            "bursar_ledger_up{{ledger=\"{}\"}} {}\n",
+            l.url,
+            l.up.load(Ordering::Relaxed) as u8
+        ));
+    }
+    out.push_str("# HELP bursar_ledger_delivered_events_total Events a ledger acknowledged (durably committed), new or duplicate.\n# TYPE bursar_ledger_delivered_events_total counter\n");
+    for l in ledgers {
+        out.push_str(&format!(
+            "bursar_ledger_delivered_events_total{{ledger=\"{}\"}} {}\n",
+            l.url,
+            l.delivered.load(Ordering::Relaxed)
+        ));
+    }
+    out.push_str("# HELP bursar_ledger_failures_total Failed delivery attempts.\n# TYPE bursar_ledger_failures_total counter\n");
+    for l in ledgers {
+        out.push_str(&format!(
+            "bursar_ledger_failures_total{{ledger=\"{}\"}} {}\n",
+            l.url,
+            l.failures.load(Ordering::Relaxed)
+        ));
+    }
+    out.push_str("# HELP bursar_ledger_cursor Highest outbox seq this ledger acknowledged.\n# TYPE bursar_ledger_cursor gauge\n");
+    for l in ledgers {
+        out.push_str(&format!(
+            "bursar_ledger_cursor{{ledger=\"{}\"}} {}\n",
+            l.url,
+            l.cursor.load(Ordering::Relaxed)
+        ));
+    }
 }

@@ -6,9 +6,11 @@
 //! known keys, and every operation takes `now` from one coarse monotonic clock owned
 //! here.
 
+pub mod forward;
 pub mod headers;
 pub mod http;
 pub mod layer;
+pub mod outbox;
 pub mod proxy;
 pub mod rls;
 pub mod sync;
@@ -49,16 +51,28 @@ pub struct AgentState {
     pub counters: Counters,
     /// The allocator sync client's status, once one runs (for `/metrics`).
     pub sync: std::sync::OnceLock<Arc<sync::SyncStatus>>,
+    /// The durable usage outbox, when the engine's sink is one: completions wait for
+    /// their record's commit before they are answered.
+    pub outbox: std::sync::OnceLock<Arc<outbox::Outbox>>,
+    /// The forwarder's per-ledger status, once it runs (for `/metrics`).
+    pub ledgers: std::sync::OnceLock<Vec<Arc<forward::LedgerStatus>>>,
 }
 
 impl AgentState {
     /// State over `engine`.
     pub fn new(engine: Arc<Engine>) -> Arc<AgentState> {
+        AgentState::with_clock(engine, MonotonicClock::new())
+    }
+
+    /// State over `engine` reading `clock` (whose origin the outbox maps to wall time).
+    pub fn with_clock(engine: Arc<Engine>, clock: MonotonicClock) -> Arc<AgentState> {
         Arc::new(AgentState {
             engine,
-            clock: MonotonicClock::new(),
+            clock,
             counters: Counters::default(),
             sync: std::sync::OnceLock::new(),
+            outbox: std::sync::OnceLock::new(),
+            ledgers: std::sync::OnceLock::new(),
         })
     }
 }

@@ -70,6 +70,10 @@ struct Proxy {
     keys: HashMap<[u8; 32], Vec<(String, String)>>,
     cfg: ProxyConfig,
     ids: AtomicU64,
+    /// A random prefix for this proxy's request ids: they become ledger event keys,
+    /// so they must not repeat across agents or restarts (`px-{pid}-{n}` did: every
+    /// agent in a container is pid 1).
+    id_prefix: String,
     upstream_key: Option<String>,
 }
 
@@ -111,6 +115,12 @@ pub fn router(
             .collect(),
         cfg,
         ids: AtomicU64::new(0),
+        id_prefix: {
+            use std::hash::BuildHasher;
+            let nonce = std::collections::hash_map::RandomState::new()
+                .hash_one((std::process::id(), std::time::SystemTime::now()));
+            format!("px-{nonce:016x}")
+        },
         upstream_key: std::env::var("BURSAR_UPSTREAM_API_KEY").ok(),
     });
     Router::new()
@@ -435,11 +445,22 @@ async fn handle(State(p): State<Arc<Proxy>>, req: Request, kind: Kind) -> Respon
     let input = input_tokens(kind, &model, &body);
 
     // Admit.
-    let id = format!(
-        "px-{}-{}",
-        std::process::id(),
-        p.ids.fetch_add(1, Ordering::Relaxed)
-    );
+    let id = format!("{}-{}", p.id_prefix, p.ids.fetch_add(1, Ordering::Relaxed));
+    // With the durable outbox: a full outbox refuses here, before any upstream tokens
+    // are spent, since the completion could not be recorded.
+    if let Some(ob) = p.agent.outbox.get()
+        && let Err(e) = ob.check_room()
+    {
+        let mut r = openai_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "usage_outbox_full",
+            &e.to_string(),
+        );
+        r.headers_mut()
+            .insert("retry-after", HeaderValue::from_static("1"));
+        return r;
+    }
     let mut desc: Vec<(&str, &str)> = descs
         .iter()
         .map(|(k, v)| (k.as_str(), v.as_str()))
@@ -623,6 +644,7 @@ async fn handle(State(p): State<Arc<Proxy>>, req: Request, kind: Kind) -> Respon
             generated_text(&v, &mut settle.text);
         }
         settle.finish(CompletionStatus::Ok);
+        durable(&p.agent).await;
         let r = (status, [("content-type", content_type)], Bytes::from(buf)).into_response();
         return with_headers(r, &hs);
     }
@@ -647,6 +669,8 @@ async fn handle(State(p): State<Arc<Proxy>>, req: Request, kind: Kind) -> Respon
                 }
                 None => {
                     settle.finish(CompletionStatus::Ok);
+                    // The response ends only once the usage record is durable.
+                    durable(&settle.agent).await;
                     None
                 }
             }
@@ -659,6 +683,15 @@ async fn handle(State(p): State<Arc<Proxy>>, req: Request, kind: Kind) -> Respon
         .body(Body::from_stream(body_stream))
         .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response());
     with_headers(r, &hs)
+}
+
+/// With the durable outbox, waits until every usage record so far is committed. A
+/// commit slower than the outbox's timeout is counted (`not_durable`) and the answer
+/// goes out anyway: the tokens are spent, and the record stays queued.
+async fn durable(agent: &AgentState) {
+    if let Some(ob) = agent.outbox.get() {
+        let _ = ob.durable(ob.ticket()).await;
+    }
 }
 
 fn bearer(h: &HeaderMap) -> Option<&str> {

@@ -1,0 +1,262 @@
+//! The forwarder: delivers the outbox's events to the configured ledger nodes over
+//! their HTTP API (`POST /v1/events`, which answers only after a durable commit).
+//!
+//! One task per configured ledger URL. Each learns its node's id from `GET /healthz`
+//! (so two URLs naming one node count once, and a node keeps its place across URL
+//! changes), then loops: read the next events above that node's cursor from the
+//! outbox file, post them, and on a `200` that counts every event, acknowledge them to
+//! the outbox ([`Outbox::ack`]). The outbox trims an event once
+//! `min(2, configured ledgers)` distinct nodes acknowledged it. Failures back off
+//! exponentially with jitter (100 ms to `backoff_max`); nothing is dropped. After a
+//! restart the cursors come back from the file, so delivery resumes where it was;
+//! a batch that was in flight may be sent again, which the ledger counts as a
+//! duplicate (events are idempotent by request id).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::Value;
+use tokio::sync::watch;
+
+use super::outbox::Outbox;
+
+/// Forwarder settings. Plain data.
+#[derive(Clone, Debug)]
+pub struct ForwardConfig {
+    /// Ledger base URLs (`http://host:port`), at least one.
+    pub ledgers: Vec<String>,
+    /// Most events in one `POST /v1/events`. Default 2,000 (a ledger takes 50,000).
+    pub batch_max: usize,
+    /// Longest pause between attempts after failures. Default 5 s.
+    pub backoff_max: Duration,
+    /// Timeout of one request. Default 30 s (a ledger answers after its fsync).
+    pub request_timeout: Duration,
+}
+
+impl ForwardConfig {
+    /// Defaults for `ledgers`.
+    pub fn new(ledgers: Vec<String>) -> ForwardConfig {
+        ForwardConfig {
+            ledgers,
+            batch_max: 2_000,
+            backoff_max: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// One ledger's delivery state, for `/metrics`.
+#[derive(Debug)]
+pub struct LedgerStatus {
+    /// The URL as configured.
+    pub url: String,
+    /// The node id its `/healthz` reported, once known.
+    pub node_id: Mutex<Option<String>>,
+    /// 1 while the last attempt succeeded.
+    pub up: AtomicBool,
+    /// Events it acknowledged (new or duplicate).
+    pub delivered: AtomicU64,
+    /// Events it reported as new (the rest were duplicates of earlier sends).
+    pub delivered_new: AtomicU64,
+    /// Failed attempts (unreachable, timeout, non-200, bad answer).
+    pub failures: AtomicU64,
+    /// The highest seq it acknowledged.
+    pub cursor: AtomicU64,
+}
+
+/// Starts one delivery task per ledger; they stop when `shutdown` turns true.
+pub fn spawn(
+    outbox: Arc<Outbox>,
+    cfg: ForwardConfig,
+    shutdown: watch::Receiver<bool>,
+) -> Vec<Arc<LedgerStatus>> {
+    let mut out = Vec::new();
+    for (i, url) in cfg.ledgers.iter().enumerate() {
+        let status = Arc::new(LedgerStatus {
+            url: url.trim_end_matches('/').to_string(),
+            node_id: Mutex::new(None),
+            up: AtomicBool::new(false),
+            delivered: AtomicU64::new(0),
+            delivered_new: AtomicU64::new(0),
+            failures: AtomicU64::new(0),
+            cursor: AtomicU64::new(0),
+        });
+        out.push(Arc::clone(&status));
+        let (outbox, cfg, shutdown) = (Arc::clone(&outbox), cfg.clone(), shutdown.clone());
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64)
+            ^ ((i as u64 + 1) << 48);
+        tokio::spawn(deliver(outbox, cfg, status, shutdown, seed));
+    }
+    out
+}
+
+async fn deliver(
+    outbox: Arc<Outbox>,
+    cfg: ForwardConfig,
+    st: Arc<LedgerStatus>,
+    mut shutdown: watch::Receiver<bool>,
+    seed: u64,
+) {
+    let client = match reqwest::Client::builder()
+        .timeout(cfg.request_timeout)
+        .build()
+    {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("bursar-agent: ledger {}: HTTP client: {e}", st.url);
+            return;
+        }
+    };
+    let mut rng = seed | 1;
+    let mut backoff = Duration::from_millis(100);
+    let mut commits = outbox.commits();
+    let mut node: Option<String> = None;
+    let mut last_error = String::new();
+    while !*shutdown.borrow() {
+        let failed = match step(&outbox, &cfg, &st, &client, &mut node).await {
+            Ok(Step::Sent) => {
+                backoff = Duration::from_millis(100);
+                st.up.store(true, Ordering::Relaxed);
+                if !last_error.is_empty() {
+                    eprintln!("bursar-agent: ledger {}: delivering again", st.url);
+                    last_error.clear();
+                }
+                continue;
+            }
+            Ok(Step::Idle) => {
+                st.up.store(true, Ordering::Relaxed);
+                tokio::select! {
+                    _ = commits.changed() => {}
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    _ = shutdown.changed() => {}
+                }
+                continue;
+            }
+            Err(e) => e,
+        };
+        st.up.store(false, Ordering::Relaxed);
+        st.failures.fetch_add(1, Ordering::Relaxed);
+        node = None; // learn the id again: another node may answer at this URL now
+        if failed != last_error {
+            eprintln!(
+                "bursar-agent: ledger {}: {failed}; retrying with backoff",
+                st.url
+            );
+            last_error = failed;
+        }
+        // Jitter: a uniform pause in [backoff/2, backoff] (xorshift).
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        let ms = backoff.as_millis() as u64;
+        let pause = Duration::from_millis(ms / 2 + rng % (ms / 2 + 1));
+        tokio::select! {
+            _ = tokio::time::sleep(pause) => {}
+            _ = shutdown.changed() => {}
+        }
+        backoff = (backoff * 2).min(cfg.backoff_max);
+    }
+}
+
+enum Step {
+    Sent,
+    Idle,
+}
+
+async fn step(
+    outbox: &Arc<Outbox>,
+    cfg: &ForwardConfig,
+    st: &LedgerStatus,
+    client: &reqwest::Client,
+    node: &mut Option<String>,
+) -> Result<Step, String> {
+    let id = match node {
+        Some(id) => id.clone(),
+        None => {
+            let id = node_id(client, &st.url).await?;
+            *st.node_id.lock().unwrap_or_else(|e| e.into_inner()) = Some(id.clone());
+            *node = Some(id.clone());
+            id
+        }
+    };
+    let cursor = outbox.cursor(&id);
+    st.cursor.store(cursor, Ordering::Relaxed);
+    let ob = Arc::clone(outbox);
+    let max = cfg.batch_max;
+    let batch = tokio::task::spawn_blocking(move || ob.read_after(cursor, max))
+        .await
+        .map_err(|e| format!("reading the outbox: {e}"))?
+        .map_err(|e| e.to_string())?;
+    let Some(&(last, _)) = batch.last() else {
+        return Ok(Step::Idle);
+    };
+    let n = batch.len() as u64;
+    let body = Value::Array(
+        batch
+            .iter()
+            .map(|(_, e)| bursar_ledger::wire::event_json(e))
+            .collect(),
+    )
+    .to_string();
+    let r = client
+        .post(format!("{}/v1/events", st.url))
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .map_err(|e| format!("POST /v1/events: {e}"))?;
+    let status = r.status();
+    let text = r
+        .text()
+        .await
+        .map_err(|e| format!("POST /v1/events: reading the answer: {e}"))?;
+    if status.as_u16() != 200 {
+        let what = if status.as_u16() == 400 {
+            " (the ledger refused the batch: a bug or clock skew; it is kept and retried)"
+        } else {
+            ""
+        };
+        return Err(format!(
+            "POST /v1/events: {status}{what}: {}",
+            text.chars().take(300).collect::<String>()
+        ));
+    }
+    let v: Value = serde_json::from_str(&text)
+        .map_err(|e| format!("POST /v1/events: answer is not JSON ({e})"))?;
+    let counted = v.get("events").and_then(Value::as_u64);
+    if counted != Some(n) {
+        return Err(format!(
+            "POST /v1/events: sent {n} events, the answer counts {counted:?}: {text}"
+        ));
+    }
+    outbox.ack(&id, last);
+    st.cursor.store(last, Ordering::Relaxed);
+    st.delivered.fetch_add(n, Ordering::Relaxed);
+    st.delivered_new.fetch_add(
+        v.get("new").and_then(Value::as_u64).unwrap_or(0),
+        Ordering::Relaxed,
+    );
+    Ok(Step::Sent)
+}
+
+async fn node_id(client: &reqwest::Client, url: &str) -> Result<String, String> {
+    let r = client
+        .get(format!("{url}/healthz"))
+        .send()
+        .await
+        .map_err(|e| format!("GET /healthz: {e}"))?;
+    let status = r.status();
+    let text = r
+        .text()
+        .await
+        .map_err(|e| format!("GET /healthz: reading the answer: {e}"))?;
+    let v: Value = serde_json::from_str(&text)
+        .map_err(|e| format!("GET /healthz: {status}, answer is not JSON ({e})"))?;
+    match (status.as_u16(), v.get("node_id").and_then(Value::as_str)) {
+        (200, Some(id)) if !id.is_empty() => Ok(id.to_string()),
+        _ => Err(format!("GET /healthz: {status} {v}")),
+    }
+}

@@ -1,0 +1,1211 @@
+//! The agent's durable usage outbox: every usage record becomes a ledger event in a
+//! local redb file before the completion that produced it is acknowledged, and stays
+//! there until enough ledger nodes hold it (see [`super::forward`]).
+//!
+//! # Shape
+//!
+//! - **The sink** ([`Outbox`] implements [`UsageSink`]) runs on the engine's completion
+//!   path. It copies the record into a fixed-size [`Pending`] (the request id inline,
+//!   the lease's limits as `Arc` clones: no allocation) and pushes it on a bounded queue
+//!   whose storage is reserved up front. It never blocks on I/O.
+//! - **One writer thread** owns every write. It drains whatever is queued (up to
+//!   [`OutboxConfig::commit_records_max`]) into one redb write transaction
+//!   (`Durability::Immediate`: one fsync), together with the ledgers' delivery
+//!   acknowledgements and the trim they allow, then publishes the queue position it
+//!   committed. Concurrent completions share one fsync (group commit).
+//! - **The shell** asks [`Outbox::check_room`] before completing (a full outbox is
+//!   `503`, and nothing changes in the engine), takes a [`Outbox::ticket`] after the
+//!   engine call, and awaits [`Outbox::durable`] before it answers.
+//!
+//! # Mapping (record -> ledger event)
+//!
+//! | record | event |
+//! |---|---|
+//! | `Completed(status)` | `usage`, `status`, actual tokens |
+//! | `Expired` | `usage`, status `expired`, the reserved input tokens, 0 cached, 0 output |
+//! | `LateCompleted(status)` | `adjust` of the `Expired` event: actual minus what it counted |
+//!
+//! The ledger keeps one event per request id, so the late completion cannot be a
+//! second usage event; an `adjust` whose target is the expired event turns that
+//! request's totals into the actual usage exactly (request id `R#late-completion`).
+//! Every event of a request carries the time of its admission (so an adjust lands in
+//! its target's hour), the tenant (the value of [`OutboxConfig::tenant_descriptor`])
+//! and the other descriptors of the limits the request matched (the engine keeps no
+//! other descriptors after admission).
+//!
+//! # File
+//!
+//! `DIR/outbox.redb`: `events` (seq -> the ledger's canonical encoding), `meta`
+//! (`format`, `next_seq`), `cursors` (ledger node id -> highest seq it acknowledged),
+//! `origin` (the agent id the outbox was created with). Opening verifies every page
+//! checksum and refuses an empty file, a file that is not redb, a redb file without
+//! the outbox's format marker and a file another process holds open.
+
+use std::collections::{HashMap, VecDeque};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use bursar_ledger::{Body, Event, Status, TokenDeltas, Tokens};
+use redb::{Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition};
+use tokio::sync::watch;
+
+use crate::config::{MAX_LIMITS_PER_REQUEST, Pattern, RuleSet};
+use crate::lease::{InlineId, LeaseLimit};
+use crate::usage::{CompletionStatus, Outcome, Usage, UsageRecord, UsageSink};
+
+/// The data file's name inside the outbox directory.
+pub const FILE_NAME: &str = "outbox.redb";
+/// Suffix of the request id of a late completion's `adjust` event.
+pub const LATE_SUFFIX: &str = "#late-completion";
+
+const FORMAT: u64 = 1;
+const EVENTS: TableDefinition<u64, &[u8]> = TableDefinition::new("events");
+const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
+const CURSORS: TableDefinition<&str, u64> = TableDefinition::new("cursors");
+const ORIGIN: TableDefinition<&str, &str> = TableDefinition::new("origin");
+
+/// Outbox settings. Plain data; [`OutboxConfig::validate`] at start-up.
+#[derive(Clone, Debug)]
+pub struct OutboxConfig {
+    /// Directory of `outbox.redb` (created if missing). One agent per directory.
+    pub dir: PathBuf,
+    /// The events' `origin`. `None`: the id stored in the file, or, for a new file,
+    /// `agent-<pid>-<unix ms>`.
+    pub agent_id: Option<String>,
+    /// Records waiting for the writer (memory reserved up front, ~1.3 KiB each).
+    /// Completions are refused (503) once three quarters are used; the last quarter is
+    /// headroom for lease expiries, which have no caller to refuse. Default 16,384.
+    pub queue_max: usize,
+    /// Events held (on disk, not yet delivered, plus queued) past which completions
+    /// are refused with 503. A ledger outage fills it at the completion rate: size it
+    /// for the longest outage to ride out. Default 1,000,000 (~200 MB).
+    pub events_max: u64,
+    /// Most records in one write transaction. Default 10,000.
+    pub commit_records_max: usize,
+    /// How long a completion waits for its commit before it answers 503. Default 5 s.
+    pub durable_timeout: Duration,
+    /// Descriptor whose value is the ledger's `tenant`. Default `org`.
+    pub tenant_descriptor: String,
+    /// Descriptor whose value is the ledger's `model`. Default `model`.
+    pub model_descriptor: String,
+    /// Distinct ledger nodes that must acknowledge an event before it is trimmed:
+    /// `min(2, configured ledgers)`.
+    pub ledgers_needed: usize,
+}
+
+impl OutboxConfig {
+    /// Defaults for `dir`, needing `ledgers_needed` acknowledgements.
+    pub fn new(dir: PathBuf, ledgers_needed: usize) -> OutboxConfig {
+        OutboxConfig {
+            dir,
+            agent_id: None,
+            queue_max: 16_384,
+            events_max: 1_000_000,
+            commit_records_max: 10_000,
+            durable_timeout: Duration::from_secs(5),
+            tenant_descriptor: "org".into(),
+            model_descriptor: "model".into(),
+            ledgers_needed,
+        }
+    }
+
+    /// Checks the bounds.
+    pub fn validate(&self) -> Result<(), OutboxError> {
+        let bad = |reason: &str| Err(OutboxError::Config(reason.to_string()));
+        if self.queue_max < 16 || self.queue_max > 1 << 22 {
+            return bad("queue_max must be in 16..=4194304");
+        }
+        if self.events_max < self.queue_max as u64 {
+            return bad("events_max must be at least queue_max");
+        }
+        if self.commit_records_max == 0 {
+            return bad("commit_records_max must be at least 1");
+        }
+        if self.ledgers_needed == 0 {
+            return bad("at least one ledger must acknowledge each event");
+        }
+        if let Some(id) = &self.agent_id
+            && (id.is_empty() || id.len() > 256)
+        {
+            return bad("the agent id must be 1 to 256 bytes");
+        }
+        Ok(())
+    }
+}
+
+/// Outbox errors. Each says whether anything changed.
+#[derive(Debug, thiserror::Error)]
+pub enum OutboxError {
+    /// The outbox file cannot be used (operator: corrupt, foreign, or in use). Nothing
+    /// was changed in the file.
+    #[error("outbox {path}: {reason}")]
+    Open {
+        /// The file.
+        path: String,
+        /// Why.
+        reason: String,
+    },
+    /// A setting is out of range (operator).
+    #[error("outbox config: {0}")]
+    Config(String),
+    /// No room: the completion was not performed (retry later). Ledgers are down or
+    /// slow, or the disk is.
+    #[error("the usage outbox is full ({held} events held, limit {max}); nothing was changed")]
+    Full {
+        /// Events held.
+        held: u64,
+        /// The bound that was hit.
+        max: u64,
+    },
+    /// The record was taken but its commit did not finish in time (disk failing or
+    /// slow). It stays queued; retrying the completion is safe (idempotent).
+    #[error("the usage record was not committed within {0:?}; it stays queued, retry later")]
+    NotDurable(Duration),
+    /// Reading or writing the file failed (disk or bug).
+    #[error("outbox storage: {0}")]
+    Storage(String),
+}
+
+fn storage(e: impl std::fmt::Display) -> OutboxError {
+    OutboxError::Storage(e.to_string())
+}
+
+/// A usage record as queued: fixed size, no heap allocation to make one.
+pub(crate) struct Pending {
+    id: InlineId,
+    outcome: Outcome,
+    usage: Option<Usage>,
+    reserved_input_tokens: u64,
+    admitted_at_ns: u64,
+    limits: [Option<LeaseLimit>; MAX_LIMITS_PER_REQUEST],
+}
+
+impl Pending {
+    fn from_record(r: &UsageRecord<'_>) -> Pending {
+        let mut limits: [Option<LeaseLimit>; MAX_LIMITS_PER_REQUEST] = Default::default();
+        for (dst, src) in limits.iter_mut().zip(r.limits.iter()) {
+            dst.clone_from(src);
+        }
+        Pending {
+            id: InlineId::new(r.request_id),
+            outcome: r.outcome,
+            usage: r.usage,
+            reserved_input_tokens: r.reserved_input_tokens,
+            admitted_at_ns: r.admitted_at_ns,
+            limits,
+        }
+    }
+}
+
+/// Counters for `/metrics`.
+#[derive(Debug, Default)]
+pub struct OutboxStats {
+    /// Records committed to the file.
+    pub committed: AtomicU64,
+    /// Write transactions committed.
+    pub commits: AtomicU64,
+    /// Write transactions that failed (retried).
+    pub commit_failures: AtomicU64,
+    /// Events removed after enough ledgers acknowledged them.
+    pub trimmed: AtomicU64,
+    /// Completions refused because the outbox was full (503).
+    pub refused_full: AtomicU64,
+    /// Completions answered 503 because their commit took too long.
+    pub not_durable: AtomicU64,
+    /// Records dropped at the queue's hard bound (expiries during a long disk stall;
+    /// each is also logged). Should stay 0.
+    pub dropped: AtomicU64,
+    /// Records whose event failed validation (a bug; logged). Should stay 0.
+    pub invalid: AtomicU64,
+}
+
+struct Queue {
+    items: VecDeque<Pending>,
+    /// Records ever pushed (the position of the last one).
+    pushed: u64,
+    /// Records ever taken by the writer.
+    taken: u64,
+    /// Delivery acknowledgements to persist: ledger node id -> highest seq.
+    acks: HashMap<String, u64>,
+    stop: bool,
+}
+
+struct Shared {
+    cfg: OutboxConfig,
+    db: Arc<Database>,
+    path: PathBuf,
+    origin: String,
+    q: Mutex<Queue>,
+    cv: Condvar,
+    /// Queue position committed; completions wait on it, forwarders wake on it.
+    committed_tx: watch::Sender<u64>,
+    pushed: AtomicU64,
+    queued: AtomicUsize,
+    /// Events in the file not yet trimmed.
+    on_disk: AtomicU64,
+    /// Highest seq in the file (0: none yet).
+    last_seq: AtomicU64,
+    /// Per ledger node id, the highest seq it acknowledged (forwarders' view; the
+    /// file's copy may lag by one commit).
+    cursors: Mutex<HashMap<String, u64>>,
+    stats: OutboxStats,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Queue> {
+        self.q.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Maps records to ledger events (pure; the writer thread runs it).
+pub struct Mapper {
+    rules: RuleSet,
+    origin: String,
+    tenant_descriptor: String,
+    model_descriptor: String,
+    /// Unix ms at engine time 0.
+    wall_origin_ms: u64,
+}
+
+/// Placeholder for a tenant or model no matched limit named (the ledger needs a value).
+pub const UNKNOWN: &str = "unknown";
+
+impl Mapper {
+    /// A mapper for an engine running `rules`, whose time 0 is `wall_origin_ms`.
+    pub fn new(
+        rules: RuleSet,
+        origin: String,
+        tenant_descriptor: String,
+        model_descriptor: String,
+        wall_origin_ms: u64,
+    ) -> Mapper {
+        Mapper {
+            rules,
+            origin,
+            tenant_descriptor,
+            model_descriptor,
+            wall_origin_ms,
+        }
+    }
+
+    /// The ledger event for one record, with sequence number `seq`.
+    pub fn event(&self, r: &UsageRecord<'_>, seq: u64) -> Event {
+        self.map(
+            r.request_id,
+            r.outcome,
+            r.usage,
+            r.reserved_input_tokens,
+            r.admitted_at_ns,
+            r.limits,
+            seq,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)] // the record's fields, spelled out once
+    fn map(
+        &self,
+        request_id: &str,
+        outcome: Outcome,
+        usage: Option<Usage>,
+        reserved_input_tokens: u64,
+        admitted_at_ns: u64,
+        limits: &[Option<LeaseLimit>],
+        seq: u64,
+    ) -> Event {
+        let mut descriptors: Vec<(String, String)> = Vec::new();
+        for l in limits.iter().flatten() {
+            let key = l.key();
+            let Some(rule) = self.rules.rules().get(key.rule_index()) else {
+                continue;
+            };
+            let mut values = key.values();
+            for (k, p) in &rule.matches {
+                let v = match p {
+                    Pattern::Each => values.next(),
+                    Pattern::Exact(v) => Some(&**v),
+                };
+                if let Some(v) = v
+                    && !descriptors.iter().any(|(dk, _)| dk == k)
+                {
+                    descriptors.push((k.clone(), v.to_string()));
+                }
+            }
+        }
+        let mut take = |name: &str| {
+            descriptors
+                .iter()
+                .position(|(k, _)| k == name)
+                .map(|i| descriptors.remove(i).1)
+        };
+        let tenant = take(&self.tenant_descriptor).unwrap_or_else(|| UNKNOWN.into());
+        let model = take(&self.model_descriptor).unwrap_or_else(|| UNKNOWN.into());
+        descriptors.sort();
+        descriptors.truncate(bursar_ledger::Limits::default().descriptors_max);
+        let time_ms = self.wall_origin_ms + admitted_at_ns / 1_000_000;
+        let status = |s: CompletionStatus| match s {
+            CompletionStatus::Ok => Status::Ok,
+            CompletionStatus::UpstreamError => Status::UpstreamError,
+            CompletionStatus::ClientGone => Status::ClientGone,
+        };
+        let actual = usage.unwrap_or_default();
+        let tokens = |u: Usage| Tokens {
+            input_tokens: u.input_tokens,
+            cached_input_tokens: u.cached_input_tokens.min(u.input_tokens),
+            output_tokens: u.output_tokens,
+        };
+        let (request_id, body) = match outcome {
+            Outcome::Completed(s) => (
+                request_id.to_string(),
+                Body::Usage {
+                    status: status(s),
+                    tokens: tokens(actual),
+                },
+            ),
+            Outcome::Expired => (
+                request_id.to_string(),
+                Body::Usage {
+                    status: Status::Expired,
+                    tokens: expired_tokens(reserved_input_tokens),
+                },
+            ),
+            Outcome::LateCompleted(_) => {
+                let was = expired_tokens(reserved_input_tokens);
+                let now = tokens(actual);
+                (
+                    format!("{request_id}{LATE_SUFFIX}"),
+                    Body::Adjust {
+                        target: bursar_ledger::EventKey::from_request_id(request_id),
+                        deltas: TokenDeltas {
+                            input_tokens: now.input_tokens as i64 - was.input_tokens as i64,
+                            cached_input_tokens: now.cached_input_tokens as i64
+                                - was.cached_input_tokens as i64,
+                            output_tokens: now.output_tokens as i64 - was.output_tokens as i64,
+                        },
+                    },
+                )
+            }
+        };
+        Event {
+            request_id,
+            origin: self.origin.clone(),
+            seq,
+            tenant,
+            descriptors,
+            model,
+            time_ms,
+            body,
+        }
+    }
+}
+
+/// What an `Expired` event counts: the input tokens the caller declared at admission
+/// (the prompt was sent; the proxy counted it), no output (nobody reported any).
+fn expired_tokens(reserved_input_tokens: u64) -> Tokens {
+    Tokens {
+        input_tokens: reserved_input_tokens,
+        cached_input_tokens: 0,
+        output_tokens: 0,
+    }
+}
+
+/// The durable outbox. Create with [`Outbox::open`], hand it to the engine as its
+/// sink, then [`Outbox::start`] the writer.
+pub struct Outbox {
+    sh: Arc<Shared>,
+    writer: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for Outbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Outbox")
+            .field("path", &self.sh.path)
+            .field("origin", &self.sh.origin)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Outbox {
+    /// Opens (or creates) `cfg.dir/outbox.redb`. A damaged, foreign or busy file is
+    /// [`OutboxError::Open`]; nothing is changed in it.
+    pub fn open(cfg: OutboxConfig) -> Result<Outbox, OutboxError> {
+        cfg.validate()?;
+        std::fs::create_dir_all(&cfg.dir).map_err(|e| OutboxError::Open {
+            path: cfg.dir.display().to_string(),
+            reason: format!("cannot create the directory: {e}"),
+        })?;
+        let path = cfg.dir.join(FILE_NAME);
+        let open_err = |reason: String| OutboxError::Open {
+            path: path.display().to_string(),
+            reason,
+        };
+        let existed = path.exists();
+        if existed && std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0) == 0 {
+            return Err(open_err(
+                "the file is empty; refusing to start over it (undelivered usage may be \
+                 missing; move it aside to start a new outbox)"
+                    .into(),
+            ));
+        }
+        let mut db = Database::create(&path).map_err(|e| match e {
+            redb::DatabaseError::DatabaseAlreadyOpen => open_err(
+                "another process holds it open (is another bursar-agent using this \
+                 --outbox-dir?); nothing was changed"
+                    .into(),
+            ),
+            e => open_err(format!(
+                "{e}; the file is corrupt or not a redb database; nothing was changed"
+            )),
+        })?;
+        if existed {
+            let problem = match db.check_integrity() {
+                Ok(true) => None,
+                Ok(false) => Some(
+                    "the file failed its integrity check and redb rolled it back to an \
+                     earlier commit: acknowledged usage may be missing"
+                        .to_string(),
+                ),
+                Err(e) => Some(format!(
+                    "{e}; the file failed its integrity check and cannot be repaired"
+                )),
+            };
+            if let Some(reason) = problem {
+                // redb 3.1.3 panics in `Database::drop` after a failed integrity check
+                // (bursar-ledger's redb_store.rs saw the same): leak the handle, the
+                // caller stops.
+                std::mem::forget(db);
+                return Err(open_err(reason));
+            }
+        }
+        let (origin, next_seq, on_disk, cursors) =
+            init(&db, existed, cfg.agent_id.as_deref()).map_err(open_err)?;
+        let queue_max = cfg.queue_max;
+        let (committed_tx, _) = watch::channel(0u64);
+        let sh = Arc::new(Shared {
+            db: Arc::new(db),
+            path,
+            origin,
+            q: Mutex::new(Queue {
+                items: VecDeque::with_capacity(queue_max),
+                pushed: 0,
+                taken: 0,
+                acks: HashMap::new(),
+                stop: false,
+            }),
+            cv: Condvar::new(),
+            committed_tx,
+            pushed: AtomicU64::new(0),
+            queued: AtomicUsize::new(0),
+            on_disk: AtomicU64::new(on_disk),
+            last_seq: AtomicU64::new(next_seq - 1),
+            cursors: Mutex::new(cursors),
+            stats: OutboxStats::default(),
+            cfg,
+        });
+        Ok(Outbox {
+            sh,
+            writer: Mutex::new(None),
+        })
+    }
+
+    /// Starts the writer thread. `rules` must be the engine's rule set (limit keys
+    /// index into it); `wall_origin_ms` is the unix time, ms, at engine time 0.
+    pub fn start(&self, rules: RuleSet, wall_origin_ms: u64) {
+        let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+        if w.is_some() {
+            return;
+        }
+        let mapper = Mapper::new(
+            rules,
+            self.sh.origin.clone(),
+            self.sh.cfg.tenant_descriptor.clone(),
+            self.sh.cfg.model_descriptor.clone(),
+            wall_origin_ms,
+        );
+        let sh = Arc::clone(&self.sh);
+        *w = Some(
+            std::thread::Builder::new()
+                .name("bursar-outbox".into())
+                .spawn(move || writer(sh, mapper))
+                .expect("spawn the outbox writer thread"),
+        );
+    }
+
+    /// Stops the writer after it has committed everything queued.
+    pub fn close(&self) {
+        self.sh.lock().stop = true;
+        self.sh.cv.notify_all();
+        if let Some(h) = self.writer.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = h.join();
+        }
+    }
+
+    /// The events' origin (the agent id).
+    pub fn origin(&self) -> &str {
+        &self.sh.origin
+    }
+
+    /// The data file.
+    pub fn path(&self) -> &Path {
+        &self.sh.path
+    }
+
+    /// Acknowledgements each event needs before it is trimmed.
+    pub fn ledgers_needed(&self) -> usize {
+        self.sh.cfg.ledgers_needed
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> &OutboxStats {
+        &self.sh.stats
+    }
+
+    /// Events held: in the file, not yet trimmed, plus queued.
+    pub fn held(&self) -> u64 {
+        self.sh.on_disk.load(Ordering::Acquire) + self.sh.queued.load(Ordering::Acquire) as u64
+    }
+
+    /// Records waiting for the writer.
+    pub fn queued(&self) -> usize {
+        self.sh.queued.load(Ordering::Acquire)
+    }
+
+    /// Highest seq written so far (0: none).
+    pub fn last_seq(&self) -> u64 {
+        self.sh.last_seq.load(Ordering::Acquire)
+    }
+
+    /// `Ok` if a completion may proceed; [`OutboxError::Full`] (counted) if not.
+    pub fn check_room(&self) -> Result<(), OutboxError> {
+        let queue_soft = (self.sh.cfg.queue_max - self.sh.cfg.queue_max / 4) as u64;
+        let queued = self.sh.queued.load(Ordering::Acquire) as u64;
+        let held = self.held();
+        let full = if queued >= queue_soft {
+            Some((queued, queue_soft))
+        } else if held >= self.sh.cfg.events_max {
+            Some((held, self.sh.cfg.events_max))
+        } else {
+            None
+        };
+        match full {
+            None => Ok(()),
+            Some((held, max)) => {
+                self.sh.stats.refused_full.fetch_add(1, Ordering::Relaxed);
+                Err(OutboxError::Full { held, max })
+            }
+        }
+    }
+
+    /// Records dropped at the hard bound so far (compare before and after a call).
+    pub fn dropped(&self) -> u64 {
+        self.sh.stats.dropped.load(Ordering::Acquire)
+    }
+
+    /// The queue position of everything recorded so far: once [`Outbox::durable`]
+    /// returns for it, every record pushed before this call is in the file.
+    pub fn ticket(&self) -> u64 {
+        self.sh.pushed.load(Ordering::Acquire)
+    }
+
+    /// Waits until `ticket` is committed, at most the configured timeout.
+    pub async fn durable(&self, ticket: u64) -> Result<(), OutboxError> {
+        let mut rx = self.sh.committed_tx.subscribe();
+        let timeout = self.sh.cfg.durable_timeout;
+        match tokio::time::timeout(timeout, rx.wait_for(|c| *c >= ticket)).await {
+            Ok(Ok(_)) => Ok(()),
+            _ => {
+                self.sh.stats.not_durable.fetch_add(1, Ordering::Relaxed);
+                Err(OutboxError::NotDurable(timeout))
+            }
+        }
+    }
+
+    /// Blocking form of [`Outbox::durable`] (for tests and non-async callers).
+    pub fn durable_blocking(&self, ticket: u64, timeout: Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        while *self.sh.committed_tx.borrow() < ticket {
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        true
+    }
+
+    /// A receiver that changes after every commit (forwarders wait on it).
+    pub fn commits(&self) -> watch::Receiver<u64> {
+        self.sh.committed_tx.subscribe()
+    }
+
+    /// The highest seq `node` acknowledged (0: none).
+    pub fn cursor(&self, node: &str) -> u64 {
+        let c = self.sh.cursors.lock().unwrap_or_else(|e| e.into_inner());
+        c.get(node).copied().unwrap_or(0)
+    }
+
+    /// Records that ledger node `node` holds every event up to `seq`. Persisted (and
+    /// the trim it allows applied) by the writer's next commit.
+    pub fn ack(&self, node: &str, seq: u64) {
+        {
+            let mut c = self.sh.cursors.lock().unwrap_or_else(|e| e.into_inner());
+            let e = c.entry(node.to_string()).or_insert(0);
+            *e = (*e).max(seq);
+        }
+        let mut q = self.sh.lock();
+        let e = q.acks.entry(node.to_string()).or_insert(0);
+        *e = (*e).max(seq);
+        drop(q);
+        self.sh.cv.notify_one();
+    }
+
+    /// Up to `max` events with seq above `after`, in seq order (read from the file,
+    /// MVCC: never blocks the writer).
+    pub fn read_after(&self, after: u64, max: usize) -> Result<Vec<(u64, Event)>, OutboxError> {
+        let txn = self.sh.db.begin_read().map_err(storage)?;
+        let t = txn.open_table(EVENTS).map_err(storage)?;
+        let mut out = Vec::new();
+        for row in t.range(after.saturating_add(1)..).map_err(storage)? {
+            let (k, v) = row.map_err(storage)?;
+            let e = Event::decode(v.value()).map_err(|e| {
+                OutboxError::Storage(format!(
+                    "event {} in the outbox does not decode ({e:?}); the file is damaged",
+                    k.value()
+                ))
+            })?;
+            out.push((k.value(), e));
+            if out.len() >= max {
+                break;
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl UsageSink for Outbox {
+    fn record(&self, r: &UsageRecord<'_>) {
+        let p = Pending::from_record(r);
+        let mut q = self.sh.lock();
+        if q.items.len() >= self.sh.cfg.queue_max {
+            drop(q);
+            self.sh.stats.dropped.fetch_add(1, Ordering::Relaxed);
+            eprintln!(
+                "bursar-agent: ERROR usage outbox queue full ({} records): the record of \
+                 request {:?} ({:?}) is LOST (counted in bursar_outbox_dropped_total)",
+                self.sh.cfg.queue_max, r.request_id, r.outcome
+            );
+            return;
+        }
+        q.items.push_back(p);
+        q.pushed += 1;
+        self.sh.pushed.store(q.pushed, Ordering::Release);
+        self.sh.queued.store(q.items.len(), Ordering::Release);
+        drop(q);
+        self.sh.cv.notify_one();
+    }
+}
+
+type Init = (String, u64, u64, HashMap<String, u64>);
+
+fn init(db: &Database, existed: bool, agent_id: Option<&str>) -> Result<Init, String> {
+    let run = || -> Result<Init, redb::Error> {
+        let txn = db.begin_write()?;
+        let out = {
+            let mut meta = txn.open_table(META)?;
+            let format = meta.get("format")?.map(|v| v.value());
+            match (format, existed) {
+                (Some(FORMAT), _) => {}
+                (Some(other), _) => {
+                    return Ok((format!("\0format {other}"), 0, 0, HashMap::new()));
+                }
+                (None, true) if meta.len()? > 0 || txn.list_tables()?.count() > 1 => {
+                    return Ok(("\0foreign".into(), 0, 0, HashMap::new()));
+                }
+                (None, _) => {
+                    meta.insert("format", FORMAT)?;
+                }
+            }
+            let next_seq = meta.get("next_seq")?.map_or(1, |v| v.value());
+            let mut origin_t = txn.open_table(ORIGIN)?;
+            let stored = origin_t.get("origin")?.map(|v| v.value().to_string());
+            let origin = match (agent_id, stored) {
+                (Some(id), _) => id.to_string(),
+                (None, Some(s)) => s,
+                (None, None) => {
+                    let ms = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| d.as_millis());
+                    format!("agent-{}-{ms}", std::process::id())
+                }
+            };
+            origin_t.insert("origin", origin.as_str())?;
+            let events = txn.open_table(EVENTS)?;
+            let on_disk = events.len()?;
+            let cur = txn.open_table(CURSORS)?;
+            let mut cursors = HashMap::new();
+            for row in cur.iter()? {
+                let (k, v) = row?;
+                cursors.insert(k.value().to_string(), v.value());
+            }
+            (origin, next_seq, on_disk, cursors)
+        };
+        txn.commit()?;
+        Ok(out)
+    };
+    let out = run().map_err(|e| format!("{e}; nothing was changed"))?;
+    if let Some(why) = out.0.strip_prefix('\0') {
+        return Err(format!(
+            "not a bursar-agent outbox ({why}): a redb file without the outbox's format \
+             marker; nothing was changed"
+        ));
+    }
+    Ok(out)
+}
+
+fn writer(sh: Arc<Shared>, mapper: Mapper) {
+    let max = sh.cfg.commit_records_max;
+    let need = sh.cfg.ledgers_needed;
+    let mut batch: Vec<Pending> = Vec::with_capacity(max.min(sh.cfg.queue_max));
+    let mut encoded: Vec<(u64, Vec<u8>)> = Vec::new();
+    let limits = bursar_ledger::Limits::default();
+    loop {
+        let (acks, taken, stop) = {
+            let mut q = sh.lock();
+            while q.items.is_empty() && q.acks.is_empty() && !q.stop {
+                q = sh.cv.wait(q).unwrap_or_else(|e| e.into_inner());
+            }
+            let n = q.items.len().min(max);
+            batch.extend(q.items.drain(..n));
+            q.taken += n as u64;
+            sh.queued.store(q.items.len(), Ordering::Release);
+            (std::mem::take(&mut q.acks), q.taken, q.stop)
+        };
+        if batch.is_empty() && acks.is_empty() {
+            if stop {
+                return;
+            }
+            continue;
+        }
+        let mut next_seq = sh.last_seq.load(Ordering::Acquire) + 1;
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        encoded.clear();
+        for p in batch.drain(..) {
+            let e = mapper.map(
+                p.id.as_str(),
+                p.outcome,
+                p.usage,
+                p.reserved_input_tokens,
+                p.admitted_at_ns,
+                &p.limits,
+                next_seq,
+            );
+            if let Err(err) = e.validate(now_ms, &limits) {
+                // A bug in the mapping (every field is bounded by the engine's own
+                // limits): say so loudly rather than block delivery forever.
+                sh.stats.invalid.fetch_add(1, Ordering::Relaxed);
+                eprintln!(
+                    "bursar-agent: ERROR usage event for request {:?} is invalid ({err}); \
+                     NOT stored (counted in bursar_outbox_invalid_total)",
+                    p.id.as_str()
+                );
+                continue;
+            }
+            encoded.push((next_seq, e.encode()));
+            next_seq += 1;
+        }
+        let mut backoff = Duration::from_millis(10);
+        let trimmed = loop {
+            match commit(&sh.db, &encoded, next_seq, &acks, need) {
+                Ok(t) => break Some(t),
+                Err(e) => {
+                    sh.stats.commit_failures.fetch_add(1, Ordering::Relaxed);
+                    eprintln!(
+                        "bursar-agent: outbox commit of {} records failed ({e}); retrying",
+                        encoded.len()
+                    );
+                    if sh.lock().stop && backoff >= Duration::from_secs(1) {
+                        eprintln!(
+                            "bursar-agent: ERROR stopping with {} usage records not \
+                             committed (their completions were not acknowledged)",
+                            encoded.len()
+                        );
+                        break None;
+                    }
+                    std::thread::sleep(backoff);
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                }
+            }
+        };
+        let Some(trimmed) = trimmed else { return };
+        let n = encoded.len() as u64;
+        sh.last_seq.store(next_seq - 1, Ordering::Release);
+        sh.on_disk.fetch_add(n, Ordering::AcqRel);
+        sh.on_disk.fetch_sub(trimmed, Ordering::AcqRel);
+        sh.stats.committed.fetch_add(n, Ordering::Relaxed);
+        sh.stats.commits.fetch_add(1, Ordering::Relaxed);
+        sh.stats.trimmed.fetch_add(trimmed, Ordering::Relaxed);
+        sh.committed_tx.send_replace(taken);
+    }
+}
+
+/// One write transaction: new events, `next_seq`, acknowledgements and the trim they
+/// allow. Returns how many events were trimmed.
+fn commit(
+    db: &Database,
+    events: &[(u64, Vec<u8>)],
+    next_seq: u64,
+    acks: &HashMap<String, u64>,
+    need: usize,
+) -> Result<u64, redb::Error> {
+    let txn = db.begin_write()?;
+    let mut trimmed = 0;
+    {
+        let mut ev = txn.open_table(EVENTS)?;
+        for (seq, bytes) in events {
+            ev.insert(*seq, bytes.as_slice())?;
+        }
+        let mut meta = txn.open_table(META)?;
+        meta.insert("next_seq", next_seq)?;
+        if !acks.is_empty() {
+            let mut cur = txn.open_table(CURSORS)?;
+            for (node, seq) in acks {
+                let old = cur.get(node.as_str())?.map_or(0, |v| v.value());
+                if *seq > old {
+                    cur.insert(node.as_str(), *seq)?;
+                }
+            }
+            let mut all: Vec<u64> = Vec::new();
+            for row in cur.iter()? {
+                all.push(row?.1.value());
+            }
+            all.sort_unstable_by(|a, b| b.cmp(a));
+            if let Some(&upto) = all.get(need - 1) {
+                let before = ev.len()?;
+                ev.retain_in(..=upto, |_, _| false)?;
+                trimmed = before - ev.len()?;
+            }
+        }
+    }
+    txn.commit()?;
+    Ok(trimmed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::DEMO_RULES;
+    use crate::{AdmitRequest, Config, Cost, Engine};
+
+    fn config(dir: &Path) -> OutboxConfig {
+        OutboxConfig::new(dir.to_path_buf(), 2)
+    }
+
+    fn tempdir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!(
+            "bursar-outbox-unit-{name}-{}-{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos()
+        ));
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    const RULES: &str = r#"
+        [[rule]]
+        name = "org-tpm"
+        match = { org = "*", model = "*" }
+        dimension = "input_tokens"
+        rate = 1000000
+        per = "minute"
+
+        [[rule]]
+        name = "key-rpm"
+        match = { org = "*", key = "*", tier = "gold" }
+        dimension = "requests"
+        rate = 1000
+        per = "minute"
+    "#;
+
+    /// The unix time of engine time 0 in these tests: one hour ago, whole seconds
+    /// (events must be within the ledger's accepted time range).
+    fn wall_origin_ms() -> u64 {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64;
+        (now - 3_600_000) / 1000 * 1000
+    }
+
+    fn engine_with(outbox: &Arc<Outbox>, rules: &str) -> Engine {
+        let cfg = Config::from_toml(rules).unwrap();
+        let engine = Engine::new(cfg.clone(), Arc::clone(outbox) as Arc<dyn UsageSink>);
+        outbox.start(cfg.rules, wall_origin_ms());
+        engine
+    }
+
+    fn admit(engine: &Engine, id: &str, input: u64) {
+        let d = engine
+            .admit(
+                0,
+                &AdmitRequest {
+                    request_id: id,
+                    domain: None,
+                    descriptors: &[
+                        ("org", "acme"),
+                        ("key", "k1"),
+                        ("model", "gpt-x"),
+                        ("tier", "gold"),
+                    ],
+                    cost: Cost {
+                        requests: 1,
+                        input_tokens: input,
+                        max_output_tokens: Some(100),
+                    },
+                    ttl_ms: Some(1_000),
+                },
+            )
+            .unwrap();
+        assert!(d.is_admitted());
+    }
+
+    #[test]
+    fn a_completion_becomes_a_usage_event_with_tenant_model_and_descriptors() {
+        let dir = tempdir("map");
+        let ob = Arc::new(Outbox::open(config(&dir)).unwrap());
+        let engine = engine_with(&ob, RULES);
+        admit(&engine, "r1", 50);
+        let usage = Usage {
+            input_tokens: 40,
+            cached_input_tokens: 10,
+            output_tokens: 7,
+        };
+        engine
+            .complete(5_000_000, "r1", usage, CompletionStatus::Ok)
+            .unwrap();
+        assert!(ob.durable_blocking(ob.ticket(), Duration::from_secs(10)));
+        let evs = ob.read_after(0, 10).unwrap();
+        assert_eq!(evs.len(), 1);
+        let (seq, e) = &evs[0];
+        assert_eq!(*seq, 1);
+        assert_eq!(e.request_id, "r1");
+        assert_eq!(e.tenant, "acme");
+        assert_eq!(e.model, "gpt-x");
+        assert_eq!(
+            e.descriptors,
+            vec![
+                ("key".to_string(), "k1".to_string()),
+                ("tier".to_string(), "gold".to_string())
+            ]
+        );
+        assert!(
+            e.time_ms.abs_diff(wall_origin_ms()) <= 1000,
+            "the admission time (engine time 0)"
+        );
+        assert_eq!(
+            e.body,
+            Body::Usage {
+                status: Status::Ok,
+                tokens: Tokens {
+                    input_tokens: 40,
+                    cached_input_tokens: 10,
+                    output_tokens: 7
+                }
+            }
+        );
+        ob.close();
+    }
+
+    #[test]
+    fn an_expiry_and_a_late_completion_add_up_to_the_actual_usage() {
+        let dir = tempdir("late");
+        let ob = Arc::new(Outbox::open(config(&dir)).unwrap());
+        let engine = engine_with(&ob, RULES);
+        admit(&engine, "r2", 300);
+        // The lease (1 s) expires; then the completion arrives.
+        engine.maintain(2_000_000_000);
+        let late = Usage {
+            input_tokens: 280,
+            cached_input_tokens: 0,
+            output_tokens: 90,
+        };
+        let c = engine
+            .complete(2_500_000_000, "r2", late, CompletionStatus::Ok)
+            .unwrap();
+        assert_eq!(c, crate::Completion::Late);
+        assert!(ob.durable_blocking(ob.ticket(), Duration::from_secs(10)));
+        let evs = ob.read_after(0, 10).unwrap();
+        assert_eq!(evs.len(), 2);
+        let (exp, adj) = (&evs[0].1, &evs[1].1);
+        assert_eq!(
+            exp.body,
+            Body::Usage {
+                status: Status::Expired,
+                tokens: Tokens {
+                    input_tokens: 300,
+                    cached_input_tokens: 0,
+                    output_tokens: 0
+                }
+            }
+        );
+        assert_eq!(adj.request_id, "r2#late-completion");
+        assert_eq!(adj.tenant, exp.tenant);
+        assert_eq!(
+            adj.time_ms, exp.time_ms,
+            "the adjust lands in its target's hour"
+        );
+        assert_eq!(
+            adj.body,
+            Body::Adjust {
+                target: exp.key(),
+                deltas: TokenDeltas {
+                    input_tokens: -20,
+                    cached_input_tokens: 0,
+                    output_tokens: 90
+                }
+            }
+        );
+        // Through the ledger's own totals: exactly the actual usage.
+        let store = bursar_ledger::MemStore::new();
+        use bursar_ledger::Store as _;
+        store.apply(&[exp.clone(), adj.clone()]).unwrap();
+        let hour = exp.hour();
+        let t = bursar_ledger::store::usage_totals(
+            &store,
+            &exp.tenant,
+            hour,
+            hour + 1,
+            false,
+            Default::default(),
+        )
+        .unwrap();
+        assert_eq!(t.total.requests, 1);
+        assert_eq!(t.total.input_tokens, 280);
+        assert_eq!(t.total.output_tokens, 90);
+        assert_eq!(t.adjusted, 1);
+        assert_eq!(t.unresolved_corrections, 0);
+        ob.close();
+    }
+
+    #[test]
+    fn seq_survives_a_reopen_and_acks_from_two_ledgers_trim() {
+        let dir = tempdir("reopen");
+        {
+            let ob = Arc::new(Outbox::open(config(&dir)).unwrap());
+            let engine = engine_with(&ob, DEMO_RULES);
+            for i in 0..5 {
+                let id = format!("q{i}");
+                engine
+                    .admit(
+                        0,
+                        &AdmitRequest {
+                            request_id: &id,
+                            domain: None,
+                            descriptors: &[("org", "o"), ("key", "k")],
+                            cost: Cost::ONE_REQUEST,
+                            ttl_ms: None,
+                        },
+                    )
+                    .unwrap();
+                engine
+                    .complete(1, &id, Usage::default(), CompletionStatus::Ok)
+                    .unwrap();
+            }
+            assert!(ob.durable_blocking(ob.ticket(), Duration::from_secs(10)));
+            ob.ack("ledger-a", 3);
+            ob.close();
+        }
+        let ob = Arc::new(Outbox::open(config(&dir)).unwrap());
+        assert_eq!(ob.last_seq(), 5);
+        assert_eq!(ob.held(), 5, "one ledger of two is not enough to trim");
+        assert_eq!(ob.cursor("ledger-a"), 3);
+        let _engine = engine_with(&ob, DEMO_RULES);
+        ob.ack("ledger-b", 4);
+        let t = ob.ticket();
+        // An ack alone commits too; wait for the trim to show.
+        for _ in 0..1000 {
+            if ob.held() == 2 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert!(ob.durable_blocking(t, Duration::from_secs(1)));
+        assert_eq!(ob.held(), 2, "events 1..=3 are held by two ledgers");
+        let left: Vec<u64> = ob
+            .read_after(0, 10)
+            .unwrap()
+            .into_iter()
+            .map(|(s, _)| s)
+            .collect();
+        assert_eq!(left, vec![4, 5]);
+        ob.close();
+    }
+
+    #[test]
+    fn a_garbage_or_foreign_file_is_refused_at_open() {
+        let dir = tempdir("garbage");
+        std::fs::write(dir.join(FILE_NAME), vec![0xA5u8; 8192]).unwrap();
+        let e = Outbox::open(config(&dir)).unwrap_err().to_string();
+        assert!(e.contains("corrupt or not a redb database"), "{e}");
+        let dir = tempdir("empty");
+        std::fs::write(dir.join(FILE_NAME), b"").unwrap();
+        let e = Outbox::open(config(&dir)).unwrap_err().to_string();
+        assert!(e.contains("empty"), "{e}");
+        let dir = tempdir("foreign");
+        {
+            let db = Database::create(dir.join(FILE_NAME)).unwrap();
+            let t = db.begin_write().unwrap();
+            {
+                let def: TableDefinition<&str, &str> = TableDefinition::new("other");
+                t.open_table(def).unwrap().insert("a", "b").unwrap();
+            }
+            t.commit().unwrap();
+        }
+        let e = Outbox::open(config(&dir)).unwrap_err().to_string();
+        assert!(e.contains("not a bursar-agent outbox"), "{e}");
+    }
+
+    #[test]
+    fn a_full_outbox_refuses_before_anything_changes() {
+        let dir = tempdir("full");
+        let mut cfg = config(&dir);
+        cfg.queue_max = 16;
+        cfg.events_max = 16;
+        let ob = Arc::new(Outbox::open(cfg).unwrap());
+        let engine = engine_with(&ob, DEMO_RULES);
+        let mut refused = 0;
+        for i in 0..40 {
+            let id = format!("f{i}");
+            engine
+                .admit(
+                    0,
+                    &AdmitRequest {
+                        request_id: &id,
+                        domain: None,
+                        descriptors: &[("org", "o"), ("key", "k")],
+                        cost: Cost::ONE_REQUEST,
+                        ttl_ms: None,
+                    },
+                )
+                .unwrap();
+            if ob.check_room().is_err() {
+                refused += 1;
+                continue;
+            }
+            engine
+                .complete(1, &id, Usage::default(), CompletionStatus::Ok)
+                .unwrap();
+            assert!(ob.durable_blocking(ob.ticket(), Duration::from_secs(10)));
+        }
+        assert_eq!(ob.held(), 16, "nothing is trimmed without ledgers");
+        assert_eq!(refused, 24);
+        assert_eq!(ob.stats().refused_full.load(Ordering::Relaxed), 24);
+        assert_eq!(ob.dropped(), 0);
+        ob.close();
+    }
+}
