@@ -110,11 +110,11 @@ impl Status {
         Status::ALL.into_iter().find(|st| st.as_str() == s)
     }
 
-    fn code(self) -> u8 {
+    pub(crate) fn code(self) -> u8 {
         self as u8
     }
 
-    fn from_code(c: u8) -> Option<Status> {
+    pub(crate) fn from_code(c: u8) -> Option<Status> {
         Status::ALL.get(c as usize).copied()
     }
 }

@@ -49,6 +49,8 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+#[cfg(feature = "cluster")]
+pub mod cluster;
 pub mod conformance;
 pub mod digest;
 pub mod event;

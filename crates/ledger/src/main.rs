@@ -1,42 +1,79 @@
-//! `bursar-ledger`: one ledger node. Durable, exact usage records over HTTP JSON.
-//!
-//! Clustering is **not built yet**: `--gossip` and `--peer` are accepted (so
-//! deployment files can name them) and ignored with a warning; each node is a
-//! standalone ledger.
+//! `bursar-ledger`: one ledger node. Durable, exact usage records over HTTP JSON;
+//! with `--gossip`, a member of a cluster (QUIC with mutual TLS, SWIM membership,
+//! push and digest-driven pull). `bursar-ledger certs` makes a development CA and node
+//! certificates.
 
 use std::path::PathBuf;
 
 use anyhow::Context as _;
+use std::time::Duration;
+
 use bursar_ledger::RedbStore;
-use bursar_ledger::server::{ServerConfig, serve};
-use clap::Parser;
+use bursar_ledger::cluster::{ClusterConfig, TlsFiles, tls};
+use bursar_ledger::server::{ServerConfig, serve, serve_cluster};
+use clap::{Parser, Subcommand};
 
 /// One Bursar ledger node: durable, exact usage records for billing.
 ///
 /// HTTP JSON API: POST /v1/events, GET /v1/usage, GET /v1/digest, GET /v1/export,
-/// GET /v1/conflicts, GET /healthz, GET /metrics (see docs/ledger.md).
+/// GET /v1/conflicts, GET /v1/cluster, GET /healthz, GET /metrics (docs/ledger.md).
 ///
-/// CLUSTERING IS NOT BUILT YET: --gossip and --peer are accepted and ignored; every
-/// node is a standalone single-node ledger and nothing is replicated.
+/// Without --gossip the node runs standalone. With --gossip it joins a cluster: QUIC
+/// with mutual TLS (every node's certificate signed by the cluster CA; make a
+/// development set with `bursar-ledger certs`), SWIM membership, push of new events
+/// and anti-entropy pull. Every node holds every event.
+///
+/// Example, three nodes on one machine:
+///   bursar-ledger certs --out certs --node a --node b --node c
+///   bursar-ledger --data-dir d/a --node-id a --http 127.0.0.1:7480 \
+///       --gossip 127.0.0.1:7490 --tls-dir certs --peer 127.0.0.1:7491
+///   (and b, c likewise, each with the others as --peer)
 #[derive(Parser, Debug)]
-#[command(name = "bursar-ledger", version)]
+#[command(name = "bursar-ledger", version, subcommand_negates_reqs = true)]
 struct Args {
+    #[command(subcommand)]
+    cmd: Option<Cmd>,
     /// Directory of the data file (ledger.redb); created if missing.
-    #[arg(long)]
-    data_dir: PathBuf,
-    /// This node's id (appears in /healthz and /metrics).
-    #[arg(long)]
-    node_id: String,
+    #[arg(long, required = true)]
+    data_dir: Option<PathBuf>,
+    /// This node's id (appears in /healthz and /metrics; names its certificate files
+    /// in --tls-dir).
+    #[arg(long, required = true)]
+    node_id: Option<String>,
     /// HTTP listen address; port 0 picks a free port (the chosen address is printed
     /// on stdout as `listening on http://ADDR`).
     #[arg(long, default_value = "127.0.0.1:7480")]
     http: String,
-    /// NOT BUILT YET: gossip (cluster) listen address. Accepted and ignored.
+    /// Cluster listen address (UDP, QUIC). Without it the node runs standalone.
+    /// Port 0 picks a free port (printed as `gossip on ADDR`).
     #[arg(long)]
-    gossip: Option<String>,
-    /// NOT BUILT YET: a peer's gossip address (repeatable). Accepted and ignored.
+    gossip: Option<std::net::SocketAddr>,
+    /// A seed peer's --gossip address (repeatable). Membership finds the rest.
+    #[arg(long, requires = "gossip")]
+    peer: Vec<std::net::SocketAddr>,
+    /// Directory with ca.pem, <node-id>.pem and <node-id>.key (as `bursar-ledger certs`
+    /// writes them). Required with --gossip unless --ca, --cert and --key are given.
+    #[arg(long, requires = "gossip")]
+    tls_dir: Option<PathBuf>,
+    /// Cluster CA certificate (PEM); overrides --tls-dir's.
+    #[arg(long, requires = "gossip")]
+    ca: Option<PathBuf>,
+    /// This node's certificate (PEM, signed by the cluster CA); overrides --tls-dir's.
+    #[arg(long, requires = "gossip")]
+    cert: Option<PathBuf>,
+    /// This node's private key (PEM); overrides --tls-dir's.
+    #[arg(long, requires = "gossip")]
+    key: Option<PathBuf>,
+    /// Peers each new local batch is pushed to.
+    #[arg(long, default_value_t = 2)]
+    push_fanout: usize,
+    /// Milliseconds between anti-entropy rounds.
+    #[arg(long, default_value_t = 1000)]
+    sync_interval_ms: u64,
+    /// Accept POST /v1/cluster/isolate?on=true|false, which cuts this node off from
+    /// its peers (for partition tests). Never in production.
     #[arg(long)]
-    peer: Vec<String>,
+    fault_injection: bool,
     /// Most events per durable write transaction (group commit).
     #[arg(long, default_value_t = ServerConfig::default().commit_events_max)]
     commit_events_max: usize,
@@ -45,24 +82,72 @@ struct Args {
     body_max_bytes: usize,
 }
 
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Make a development cluster CA (ca.pem, ca.key; reused when present) and a
+    /// certificate and key per node (<node>.pem, <node>.key) in --out. For production,
+    /// issue node certificates from your own CA with the DNS name
+    /// "bursar-ledger.cluster".
+    Certs {
+        /// Output directory (created if missing).
+        #[arg(long)]
+        out: PathBuf,
+        /// A node id (repeatable).
+        #[arg(long = "node", required = true)]
+        nodes: Vec<String>,
+    },
+}
+
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    if args.gossip.is_some() || !args.peer.is_empty() {
-        eprintln!(
-            "bursar-ledger: warning: clustering is not built yet; --gossip and --peer are \
-             ignored and this node runs standalone"
-        );
+    if let Some(Cmd::Certs { out, nodes }) = &args.cmd {
+        let made = tls::make_certs(out, nodes)?;
+        if !made.ca_created {
+            println!("using the existing CA in {}", out.display());
+        }
+        for p in made.written {
+            println!("wrote {}", p.display());
+        }
+        return Ok(());
     }
+    let node_id = args.node_id.clone().expect("required by clap");
+    let data_dir = args.data_dir.clone().expect("required by clap");
+    let cluster = match args.gossip {
+        None => None,
+        Some(listen) => {
+            let base = args.tls_dir.as_ref().map(|d| TlsFiles::in_dir(d, &node_id));
+            let pick = |flag: &Option<PathBuf>, from_dir: Option<PathBuf>, name: &str| {
+                flag.clone().or(from_dir).with_context(|| {
+                    format!("--gossip needs TLS files: give --tls-dir or --{name}")
+                })
+            };
+            let tls = TlsFiles {
+                ca: pick(&args.ca, base.as_ref().map(|b| b.ca.clone()), "ca")?,
+                cert: pick(&args.cert, base.as_ref().map(|b| b.cert.clone()), "cert")?,
+                key: pick(&args.key, base.as_ref().map(|b| b.key.clone()), "key")?,
+            };
+            let mut c = ClusterConfig::new(&node_id, listen, tls);
+            c.seeds = args.peer.clone();
+            c.push_fanout = args.push_fanout;
+            c.sync_interval = Duration::from_millis(args.sync_interval_ms);
+            c.fault_injection = args.fault_injection;
+            c.rng_seed = node_id.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+            });
+            c.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
+            Some(c)
+        }
+    };
     let cfg = ServerConfig {
-        node_id: args.node_id.clone(),
+        node_id: node_id.clone(),
         commit_events_max: args.commit_events_max,
         body_max_bytes: args.body_max_bytes,
         ..ServerConfig::default()
     };
     cfg.validate()?;
-    std::fs::create_dir_all(&args.data_dir)
-        .with_context(|| format!("creating data dir {}", args.data_dir.display()))?;
-    let store = RedbStore::open_dir(&args.data_dir)
+    std::fs::create_dir_all(&data_dir)
+        .with_context(|| format!("creating data dir {}", data_dir.display()))?;
+    let store = RedbStore::open_dir(&data_dir)
         .context("refusing to start: the ledger data file could not be opened")?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -76,11 +161,20 @@ fn main() -> anyhow::Result<()> {
         println!("listening on http://{addr}");
         eprintln!(
             "bursar-ledger: node {} serving {} from {}",
-            args.node_id,
+            node_id,
             addr,
-            args.data_dir.display()
+            data_dir.display()
         );
-        serve(listener, store, cfg, shutdown_signal()).await?;
+        match cluster {
+            None => serve(listener, store, cfg, shutdown_signal()).await?,
+            Some(c) => {
+                let on_ready = |gossip| {
+                    println!("gossip on {gossip}");
+                    eprintln!("bursar-ledger: cluster member on {gossip} (QUIC, mutual TLS)");
+                };
+                serve_cluster(listener, store, cfg, c, on_ready, shutdown_signal()).await?
+            }
+        }
         eprintln!("bursar-ledger: stopped cleanly");
         Ok(())
     })

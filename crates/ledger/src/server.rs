@@ -130,15 +130,52 @@ pub struct Metrics {
     rejected_invalid: AtomicU64,
     rejected_busy: AtomicU64,
     queued: AtomicU64,
+    push_dropped: AtomicU64,
 }
 
 struct Job {
     events: Vec<Event>,
+    /// From this node's HTTP ingest (pushed to peers once committed), not from a peer.
+    local: bool,
     reply: oneshot::Sender<Result<ApplyReport, String>>,
+}
+
+/// A handle on the node's single writer, for the cluster shell: batches from peers are
+/// applied in the same group commits as local ingest.
+#[derive(Clone)]
+pub struct Writer {
+    tx: mpsc::Sender<Job>,
+    metrics: Arc<Metrics>,
+}
+
+impl Writer {
+    /// Applies events received from a peer, durably; waits for room in the queue
+    /// (peers are back-pressured, never refused) and for the commit.
+    pub async fn apply_from_peer(&self, events: Vec<Event>) -> Result<ApplyReport, String> {
+        let (reply, rx) = oneshot::channel();
+        self.metrics.queued.fetch_add(1, Ordering::Relaxed);
+        if self
+            .tx
+            .send(Job {
+                events,
+                local: false,
+                reply,
+            })
+            .await
+            .is_err()
+        {
+            self.metrics.queued.fetch_sub(1, Ordering::Relaxed);
+            return Err("the writer has stopped".into());
+        }
+        rx.await
+            .map_err(|_| "the writer stopped before committing".to_string())?
+    }
 }
 
 #[derive(Clone)]
 struct AppState {
+    #[cfg(feature = "cluster")]
+    cluster: Option<Arc<crate::cluster::Cluster>>,
     tx: mpsc::Sender<Job>,
     store: RedbStore,
     cfg: Arc<ServerConfig>,
@@ -156,17 +193,69 @@ pub fn system_now_ms() -> u64 {
 }
 
 /// Serves the API on `listener` until `shutdown` resolves, then drains the writer
-/// (every accepted batch is committed and answered) and returns.
+/// (every accepted batch is committed and answered) and returns. A single node: no
+/// cluster.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     store: RedbStore,
     cfg: ServerConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServerError> {
+    serve_inner(listener, store, cfg, None, shutdown).await
+}
+
+/// [`serve`], as a member of a cluster: starts the cluster shell (QUIC with mutual
+/// TLS, membership, push and pull) beside the HTTP API, and adds `GET /v1/cluster`
+/// (and `POST /v1/cluster/isolate` when fault injection is on). `on_ready` receives
+/// the bound gossip address once the cluster is up.
+#[cfg(feature = "cluster")]
+pub async fn serve_cluster(
+    listener: tokio::net::TcpListener,
+    store: RedbStore,
+    cfg: ServerConfig,
+    cluster: crate::cluster::ClusterConfig,
+    on_ready: impl FnOnce(std::net::SocketAddr) + Send,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServerError> {
+    serve_inner(
+        listener,
+        store,
+        cfg,
+        Some((cluster, Box::new(on_ready))),
+        shutdown,
+    )
+    .await
+}
+
+#[cfg(feature = "cluster")]
+type ClusterStart<'a> = (
+    crate::cluster::ClusterConfig,
+    Box<dyn FnOnce(std::net::SocketAddr) + Send + 'a>,
+);
+#[cfg(not(feature = "cluster"))]
+type ClusterStart<'a> = std::convert::Infallible;
+
+async fn serve_inner(
+    listener: tokio::net::TcpListener,
+    store: RedbStore,
+    cfg: ServerConfig,
+    cluster: Option<ClusterStart<'_>>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServerError> {
     cfg.validate()?;
     let (tx, rx) = mpsc::channel(cfg.queue_max);
     let metrics = Arc::new(Metrics::default());
     let writer_alive = Arc::new(AtomicBool::new(true));
+    #[cfg(feature = "cluster")]
+    let (push_tx, push_rx) = match &cluster {
+        Some((c, _)) => {
+            let (t, r) = mpsc::channel(c.push_queue_max);
+            (Some(t), Some(r))
+        }
+        None => (None, None),
+    };
+    #[cfg(not(feature = "cluster"))]
+    let push_tx: Option<mpsc::Sender<Vec<Event>>> = None;
     let writer = {
         let store = store.clone();
         let metrics = metrics.clone();
@@ -175,11 +264,34 @@ pub async fn serve(
         std::thread::Builder::new()
             .name("ledger-writer".into())
             .spawn(move || {
-                writer_loop(rx, &store, max, &metrics);
+                writer_loop(rx, &store, max, &metrics, push_tx.as_ref());
                 alive.store(false, Ordering::Release);
             })?
     };
+    #[cfg(feature = "cluster")]
+    let cluster = match cluster {
+        Some((c, on_ready)) => {
+            let w = Writer {
+                tx: tx.clone(),
+                metrics: metrics.clone(),
+            };
+            let started = crate::cluster::Cluster::start(
+                c,
+                store.clone(),
+                w,
+                push_rx.expect("a push channel with a cluster"),
+            )
+            .map_err(|e| ServerError::Config(e.to_string()))?;
+            on_ready(started.local_addr());
+            Some(Arc::new(started))
+        }
+        None => None,
+    };
+    #[cfg(not(feature = "cluster"))]
+    let _ = cluster;
     let state = AppState {
+        #[cfg(feature = "cluster")]
+        cluster: cluster.clone(),
         tx,
         store,
         cfg: Arc::new(cfg.clone()),
@@ -193,18 +305,33 @@ pub async fn serve(
         .route("/v1/export", get(get_export))
         .route("/v1/conflicts", get(get_conflicts))
         .route("/healthz", get(healthz))
-        .route("/metrics", get(metrics_text))
+        .route("/metrics", get(metrics_text));
+    #[cfg(feature = "cluster")]
+    let app = app
+        .route("/v1/cluster", get(get_cluster))
+        .route("/v1/cluster/isolate", post(post_isolate));
+    let app = app
         .layer(DefaultBodyLimit::max(cfg.body_max_bytes))
         .with_state(state);
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await?;
+    #[cfg(feature = "cluster")]
+    if let Some(c) = cluster {
+        c.shutdown().await;
+    }
     // The router (and every sender) is dropped: the writer drains and stops.
     let _ = tokio::task::spawn_blocking(move || writer.join()).await;
     Ok(())
 }
 
-fn writer_loop(mut rx: mpsc::Receiver<Job>, store: &RedbStore, max: usize, m: &Metrics) {
+fn writer_loop(
+    mut rx: mpsc::Receiver<Job>,
+    store: &RedbStore,
+    max: usize,
+    m: &Metrics,
+    push: Option<&mpsc::Sender<Vec<Event>>>,
+) {
     while let Some(first) = rx.blocking_recv() {
         let mut jobs = vec![first];
         let mut n = jobs[0].events.len();
@@ -235,6 +362,26 @@ fn writer_loop(mut rx: mpsc::Receiver<Job>, store: &RedbStore, max: usize, m: &M
                     .fetch_add(report.duplicate, Ordering::Relaxed);
                 m.events_conflict
                     .fetch_add(report.conflict, Ordering::Relaxed);
+                if let Some(push) = push {
+                    // Events new here from local ingest go to peers (after the commit).
+                    let mut fresh = Vec::new();
+                    let mut at = 0;
+                    for (j, len) in jobs.iter().zip(&lens) {
+                        if j.local {
+                            for (e, o) in
+                                all[at..at + len].iter().zip(&report.outcomes[at..at + len])
+                            {
+                                if *o == crate::merge::Outcome::New {
+                                    fresh.push(e.clone());
+                                }
+                            }
+                        }
+                        at += len;
+                    }
+                    if !fresh.is_empty() && push.try_send(fresh).is_err() {
+                        m.push_dropped.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
                 let mut outcomes = report.outcomes.into_iter();
                 for (j, len) in jobs.into_iter().zip(lens) {
                     let mut r = ApplyReport::default();
@@ -305,7 +452,11 @@ async fn post_events(State(s): State<AppState>, body: Bytes) -> Response {
     let (reply, rx) = oneshot::channel();
     // Count the batch as queued before the writer can see (and uncount) it.
     s.metrics.queued.fetch_add(1, Ordering::Relaxed);
-    match s.tx.try_send(Job { events, reply }) {
+    match s.tx.try_send(Job {
+        events,
+        local: true,
+        reply,
+    }) {
         Ok(()) => {}
         Err(mpsc::error::TrySendError::Full(_)) => {
             s.metrics.queued.fetch_sub(1, Ordering::Relaxed);
@@ -602,6 +753,48 @@ async fn get_conflicts(State(s): State<AppState>, Query(p): Params) -> Response 
     }
 }
 
+#[cfg(feature = "cluster")]
+async fn get_cluster(State(s): State<AppState>) -> Response {
+    match &s.cluster {
+        Some(c) => {
+            let mut v = c.status_json();
+            v["push"]["dropped"] = json!(s.metrics.push_dropped.load(Ordering::Relaxed));
+            axum::Json(v).into_response()
+        }
+        None => error(
+            StatusCode::NOT_FOUND,
+            "this node runs standalone (no --gossip)",
+        )
+        .into_response(),
+    }
+}
+
+/// Fault injection: `POST /v1/cluster/isolate?on=true|false`. Only with
+/// `--fault-injection`; otherwise 404.
+#[cfg(feature = "cluster")]
+async fn post_isolate(State(s): State<AppState>, Query(p): Params) -> Response {
+    let Some(c) = s.cluster.as_ref().filter(|c| c.fault_injection()) else {
+        return error(
+            StatusCode::NOT_FOUND,
+            "fault injection is off (start the node with --fault-injection)",
+        )
+        .into_response();
+    };
+    let on = match p.get("on").map(String::as_str) {
+        Some("true") => true,
+        Some("false") => false,
+        _ => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "query parameter on=true|false is required",
+            )
+            .into_response();
+        }
+    };
+    c.set_isolated(on);
+    axum::Json(json!({ "isolated": on })).into_response()
+}
+
 async fn healthz(State(s): State<AppState>) -> Response {
     if s.writer_alive.load(Ordering::Acquire) {
         axum::Json(json!({ "status": "ok", "node_id": s.cfg.node_id })).into_response()
@@ -670,6 +863,94 @@ async fn metrics_text(State(s): State<AppState>) -> Response {
         "Ingest requests refused with 503 (queue full).",
         l(&m.rejected_busy),
     );
+    counter(
+        "push_dropped_total",
+        "Local batches not pushed to peers because the push queue was full (pull repairs).",
+        l(&m.push_dropped),
+    );
+    #[cfg(feature = "cluster")]
+    if let Some(c) = &s.cluster {
+        let cs = c.stats();
+        for (name, help, v) in [
+            (
+                "cluster_push_ok_total",
+                "Push exchanges completed.",
+                &cs.push_ok,
+            ),
+            (
+                "cluster_push_failed_total",
+                "Push exchanges failed (pull repairs).",
+                &cs.push_failed,
+            ),
+            (
+                "cluster_push_events_total",
+                "Events pushed, once per peer.",
+                &cs.push_events,
+            ),
+            (
+                "cluster_push_bytes_total",
+                "Bytes of push frames sent.",
+                &cs.push_bytes,
+            ),
+            (
+                "cluster_sync_in_sync_total",
+                "Anti-entropy rounds with equal roots.",
+                &cs.sync_in_sync,
+            ),
+            (
+                "cluster_sync_reconciled_total",
+                "Anti-entropy rounds that reconciled.",
+                &cs.sync_reconciled,
+            ),
+            (
+                "cluster_sync_failed_total",
+                "Anti-entropy rounds that failed.",
+                &cs.sync_failed,
+            ),
+            (
+                "cluster_sync_events_sent_total",
+                "Events sent by anti-entropy.",
+                &cs.sync_events_sent,
+            ),
+            (
+                "cluster_sync_events_received_total",
+                "Events received by anti-entropy.",
+                &cs.sync_events_received,
+            ),
+            (
+                "cluster_bytes_sent_total",
+                "Frame bytes sent to peers.",
+                &cs.bytes_sent,
+            ),
+            (
+                "cluster_bytes_received_total",
+                "Frame bytes received from peers.",
+                &cs.bytes_received,
+            ),
+            (
+                "cluster_frames_rejected_total",
+                "Malformed frames refused.",
+                &cs.frames_rejected,
+            ),
+            (
+                "cluster_handshakes_failed_total",
+                "Incoming handshakes that failed (e.g. unknown CA).",
+                &cs.handshakes_failed,
+            ),
+        ] {
+            counter(name, help, l(v));
+        }
+        let _ = writeln!(
+            out,
+            "# HELP bursar_ledger_cluster_members Live peers seen by membership."
+        );
+        let _ = writeln!(out, "# TYPE bursar_ledger_cluster_members gauge");
+        let _ = writeln!(
+            out,
+            "bursar_ledger_cluster_members{{node=\"{id}\"}} {}",
+            c.members().len()
+        );
+    }
     let _ = writeln!(
         out,
         "# HELP bursar_ledger_queue_batches Batches waiting for the writer."

@@ -1,0 +1,524 @@
+//! Exchanges over QUIC streams: push of new batches, and the anti-entropy round (the
+//! steps of [`crate::reconcile`] carried over one bidirectional stream). Every event
+//! received is applied through the node's single writer, durably, before the
+//! exchange moves on: a peer's acknowledgement means the events are on its disk.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use rand::RngExt as _;
+use tokio::sync::mpsc;
+
+use super::Inner;
+use super::frame::{self, EventBatch, FrameError, Msg, WireBucket};
+use crate::digest::Bucket;
+use crate::event::Event;
+use crate::merge::ApplyReport;
+use crate::reconcile::{self, Offer};
+
+/// Why an exchange ended early. Nothing after the failing step was applied; whatever
+/// was applied before it was applied durably and is correct on its own (merge is a
+/// set union).
+#[derive(Debug, thiserror::Error)]
+pub enum ExchangeError {
+    /// A malformed frame.
+    #[error("{0}")]
+    Frame(#[from] FrameError),
+    /// The connection or stream failed.
+    #[error("transport: {0}")]
+    Transport(String),
+    /// The peer sent an unexpected message or an error.
+    #[error("protocol: {0}")]
+    Protocol(String),
+    /// The local store or writer failed.
+    #[error("local: {0}")]
+    Local(String),
+    /// The deadline passed.
+    #[error("timed out")]
+    Timeout,
+}
+
+fn transport(e: impl std::fmt::Display) -> ExchangeError {
+    ExchangeError::Transport(e.to_string())
+}
+
+/// One side of a stream.
+pub(crate) struct Channel<'a> {
+    inner: &'a Inner,
+    send: quinn::SendStream,
+    recv: quinn::RecvStream,
+}
+
+impl Channel<'_> {
+    async fn send(&mut self, msg: &Msg) -> Result<usize, ExchangeError> {
+        let b = frame::encode(msg);
+        self.send.write_all(&b).await.map_err(transport)?;
+        self.inner
+            .stats
+            .bytes_sent
+            .fetch_add(b.len() as u64, Ordering::Relaxed);
+        Ok(b.len())
+    }
+
+    async fn recv(&mut self) -> Result<Msg, ExchangeError> {
+        let mut head = [0u8; frame::HEADER_BYTES];
+        read_exact(&mut self.recv, &mut head).await?;
+        let h = frame::decode_header(&head, self.inner.cfg.frame_max).inspect_err(|_| {
+            self.inner
+                .stats
+                .frames_rejected
+                .fetch_add(1, Ordering::Relaxed);
+        })?;
+        let mut payload = vec![0u8; h.len];
+        read_exact(&mut self.recv, &mut payload).await?;
+        self.inner
+            .stats
+            .bytes_received
+            .fetch_add((frame::HEADER_BYTES + h.len) as u64, Ordering::Relaxed);
+        let msg = frame::decode_payload(h, &payload).inspect_err(|_| {
+            self.inner
+                .stats
+                .frames_rejected
+                .fetch_add(1, Ordering::Relaxed);
+        })?;
+        if let Msg::Error(e) = msg {
+            return Err(ExchangeError::Protocol(format!("peer: {e}")));
+        }
+        Ok(msg)
+    }
+
+    fn events(&self, b: &EventBatch) -> Result<Vec<Event>, ExchangeError> {
+        frame::decode_events(
+            b,
+            &self.inner.cfg.limits,
+            self.inner.cfg.reconcile.events_max.max(PUSH_EVENTS_MAX) * 2,
+        )
+        .inspect_err(|_| {
+            self.inner
+                .stats
+                .frames_rejected
+                .fetch_add(1, Ordering::Relaxed);
+        })
+        .map_err(ExchangeError::from)
+    }
+
+    async fn finish(mut self) {
+        let _ = self.send.finish();
+        // Give the peer a moment to read the last frame before the stream is dropped.
+        let _ = tokio::time::timeout(Duration::from_secs(1), self.send.stopped()).await;
+    }
+}
+
+async fn read_exact(r: &mut quinn::RecvStream, buf: &mut [u8]) -> Result<(), ExchangeError> {
+    r.read_exact(buf).await.map_err(|e| match e {
+        quinn::ReadExactError::FinishedEarly(_) => {
+            ExchangeError::Frame(FrameError::Truncated("stream ended"))
+        }
+        quinn::ReadExactError::ReadError(e) => transport(e),
+    })
+}
+
+/// Most events in one push batch.
+pub const PUSH_EVENTS_MAX: usize = 50_000;
+
+async fn apply(inner: &Inner, events: Vec<Event>) -> Result<ApplyReport, ExchangeError> {
+    if events.is_empty() {
+        return Ok(ApplyReport::default());
+    }
+    let w = inner
+        .writer()
+        .ok_or_else(|| ExchangeError::Local("shutting down".into()))?;
+    w.apply_from_peer(events)
+        .await
+        .map_err(ExchangeError::Local)
+}
+
+async fn blocking<T: Send + 'static>(
+    inner: &Arc<Inner>,
+    f: impl FnOnce(&crate::RedbStore) -> Result<T, crate::StoreError> + Send + 'static,
+) -> Result<T, ExchangeError> {
+    let store = inner.store.clone();
+    tokio::task::spawn_blocking(move || f(&store))
+        .await
+        .map_err(|e| ExchangeError::Local(e.to_string()))?
+        .map_err(|e| ExchangeError::Local(e.to_string()))
+}
+
+// ---- Serving peers ----
+
+/// Serves a connection's incoming streams until it closes.
+pub(crate) async fn serve_streams(inner: Arc<Inner>, conn: quinn::Connection) {
+    while let Ok((send, recv)) = conn.accept_bi().await {
+        if inner.isolated() {
+            conn.close(1u32.into(), b"isolated");
+            return;
+        }
+        let inner = inner.clone();
+        tokio::spawn(async move {
+            let timeout = inner.cfg.exchange_timeout;
+            let mut ch = Channel {
+                inner: &inner,
+                send,
+                recv,
+            };
+            let r = tokio::time::timeout(timeout, respond(&inner, &mut ch)).await;
+            let r = r.unwrap_or(Err(ExchangeError::Timeout));
+            inner.stats.exchanges_served.fetch_add(1, Ordering::Relaxed);
+            if let Err(e) = r {
+                let _ = ch.send(&Msg::Error(e.to_string())).await;
+            }
+            ch.finish().await;
+        });
+    }
+}
+
+async fn respond(inner: &Arc<Inner>, ch: &mut Channel<'_>) -> Result<(), ExchangeError> {
+    match ch.recv().await? {
+        Msg::Push(batch) => {
+            let events = ch.events(&batch)?;
+            let r = apply(inner, events).await?;
+            ch.send(&Msg::PushAck {
+                new: r.new,
+                duplicate: r.duplicate,
+                conflict: r.conflict,
+            })
+            .await?;
+            Ok(())
+        }
+        Msg::Root(root) => {
+            let theirs = frame::digest(&root)?;
+            let mine = blocking(inner, |s| crate::Store::root(s)).await?;
+            if mine == theirs {
+                ch.send(&Msg::Done).await?;
+                return Ok(());
+            }
+            ch.send(&Msg::Differ).await?;
+            let Msg::Offer {
+                root,
+                buckets,
+                from_hour,
+                to_hour,
+            } = ch.recv().await?
+            else {
+                return Err(ExchangeError::Protocol("expected an offer".into()));
+            };
+            let offer = Offer {
+                root: frame::digest(&root)?,
+                buckets: frame::digests(buckets)?,
+                from_hour,
+                to_hour,
+            };
+            let limits = inner.cfg.reconcile;
+            let ans = blocking(inner, move |s| reconcile::answer(s, &offer, &limits)).await?;
+            let mut split = Vec::with_capacity(ans.split.len());
+            for (b, subs) in &ans.split {
+                split.push((
+                    WireBucket::from(b),
+                    subs.iter().map(|d| d.to_bytes().to_vec()).collect(),
+                ));
+            }
+            inner
+                .stats
+                .sync_events_sent
+                .fetch_add(ans.events.len() as u64, Ordering::Relaxed);
+            ch.send(&Msg::Answer {
+                events: frame::encode_events(&ans.events),
+                want: ans.want.iter().map(WireBucket::from).collect(),
+                split,
+                truncated: ans.truncated,
+            })
+            .await?;
+            let Msg::Serve { events, sub_wants } = ch.recv().await? else {
+                return Err(ExchangeError::Protocol("expected serve".into()));
+            };
+            let events = ch.events(&events)?;
+            inner
+                .stats
+                .sync_events_received
+                .fetch_add(events.len() as u64, Ordering::Relaxed);
+            let wants: Vec<(Bucket, Vec<u8>)> = sub_wants
+                .into_iter()
+                .map(|(b, s)| (Bucket::from(b), s))
+                .collect();
+            // Serve the sub-buckets before applying, so the initiator does not get its
+            // own events back.
+            let mut back =
+                blocking(inner, move |s| reconcile::serve_subs(s, &wants, &limits)).await?;
+            let report = apply(inner, events.clone()).await?;
+            let won = blocking(inner, move |s| reconcile::winners(s, &events, &report)).await?;
+            back.extend(won);
+            inner
+                .stats
+                .sync_events_sent
+                .fetch_add(back.len() as u64, Ordering::Relaxed);
+            ch.send(&Msg::Back(frame::encode_events(&back))).await?;
+            let Msg::Last(last) = ch.recv().await? else {
+                return Err(ExchangeError::Protocol("expected last".into()));
+            };
+            let last = ch.events(&last)?;
+            inner
+                .stats
+                .sync_events_received
+                .fetch_add(last.len() as u64, Ordering::Relaxed);
+            apply(inner, last).await?;
+            ch.send(&Msg::Done).await?;
+            Ok(())
+        }
+        other => Err(ExchangeError::Protocol(format!(
+            "unexpected first message (type {})",
+            other.type_byte()
+        ))),
+    }
+}
+
+// ---- Initiating ----
+
+async fn open(
+    inner: &Arc<Inner>,
+    peer: SocketAddr,
+) -> Result<(quinn::SendStream, quinn::RecvStream), ExchangeError> {
+    let conn = inner
+        .exchange_connection(peer)
+        .await
+        .map_err(ExchangeError::Transport)?;
+    conn.open_bi().await.map_err(transport)
+}
+
+/// Pushes `batch` (already encoded) to `peer`; returns the peer's counts.
+pub(crate) async fn push_to(
+    inner: &Arc<Inner>,
+    peer: SocketAddr,
+    batch: &EventBatch,
+) -> Result<(u64, u64, u64), ExchangeError> {
+    let (send, recv) = open(inner, peer).await?;
+    let mut ch = Channel { inner, send, recv };
+    let bytes = ch.send(&Msg::Push(batch.clone())).await?;
+    inner
+        .stats
+        .push_bytes
+        .fetch_add(bytes as u64, Ordering::Relaxed);
+    let r = match ch.recv().await? {
+        Msg::PushAck {
+            new,
+            duplicate,
+            conflict,
+        } => Ok((new, duplicate, conflict)),
+        _ => Err(ExchangeError::Protocol("expected a push ack".into())),
+    };
+    ch.finish().await;
+    r
+}
+
+/// What one anti-entropy round did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RoundReport {
+    /// The roots were equal: nothing was exchanged beyond them.
+    pub in_sync: bool,
+    /// Events sent.
+    pub sent: u64,
+    /// Events received.
+    pub received: u64,
+    /// The round was cut at a bound or covered only part of the range: run another.
+    pub more: bool,
+}
+
+/// One anti-entropy round with `peer`, as initiator.
+pub(crate) async fn sync_with(
+    inner: &Arc<Inner>,
+    peer: SocketAddr,
+) -> Result<RoundReport, ExchangeError> {
+    let (send, recv) = open(inner, peer).await?;
+    let mut ch = Channel { inner, send, recv };
+    let root = blocking(inner, |s| crate::Store::root(s)).await?;
+    ch.send(&Msg::Root(root.to_bytes().to_vec())).await?;
+    match ch.recv().await? {
+        Msg::Done => {
+            ch.finish().await;
+            *inner.sync_to_hour.lock().expect("sync_to_hour") = u64::MAX;
+            return Ok(RoundReport {
+                in_sync: true,
+                ..RoundReport::default()
+            });
+        }
+        Msg::Differ => {}
+        _ => return Err(ExchangeError::Protocol("expected done or differ".into())),
+    }
+    let limits = inner.cfg.reconcile;
+    let to = *inner.sync_to_hour.lock().expect("sync_to_hour");
+    let offer = blocking(inner, move |s| reconcile::offer(s, to, &limits)).await?;
+    ch.send(&Msg::Offer {
+        root: offer.root.to_bytes().to_vec(),
+        buckets: frame::wire_digests(&offer.buckets),
+        from_hour: offer.from_hour,
+        to_hour: offer.to_hour,
+    })
+    .await?;
+    let Msg::Answer {
+        events,
+        want,
+        split,
+        truncated,
+    } = ch.recv().await?
+    else {
+        return Err(ExchangeError::Protocol("expected an answer".into()));
+    };
+    let theirs = ch.events(&events)?;
+    let want: Vec<Bucket> = want.into_iter().map(Bucket::from).collect();
+    let mut split_in = Vec::with_capacity(split.len());
+    for (b, subs) in split {
+        let subs = subs
+            .iter()
+            .map(|d| frame::digest(d))
+            .collect::<Result<Vec<_>, _>>()?;
+        if subs.len() != reconcile::SUB_BUCKETS {
+            return Err(ExchangeError::Protocol("wrong sub-digest count".into()));
+        }
+        split_in.push((Bucket::from(b), subs));
+    }
+    let nothing_differs = want.is_empty() && split_in.is_empty();
+    let (mut mine, serve_cut, sub_wants) = blocking(inner, move |s| {
+        let (mut events, cut) = reconcile::serve(s, &want, &limits)?;
+        let (sub_wants, sub_events) = reconcile::split_request(s, &split_in, &limits)?;
+        events.extend(sub_events);
+        Ok((events, cut, sub_wants))
+    })
+    .await?;
+    let received_first = theirs.len() as u64;
+    let report = apply(inner, theirs.clone()).await?;
+    let won = blocking(inner, move |s| reconcile::winners(s, &theirs, &report)).await?;
+    mine.extend(won);
+    let sent_first = mine.len() as u64;
+    ch.send(&Msg::Serve {
+        events: frame::encode_events(&mine),
+        sub_wants: sub_wants
+            .into_iter()
+            .map(|(b, s)| (WireBucket::from(&b), s))
+            .collect(),
+    })
+    .await?;
+    let Msg::Back(back) = ch.recv().await? else {
+        return Err(ExchangeError::Protocol("expected back".into()));
+    };
+    let back = ch.events(&back)?;
+    let received_back = back.len() as u64;
+    let report = apply(inner, back.clone()).await?;
+    let last = blocking(inner, move |s| reconcile::winners(s, &back, &report)).await?;
+    let sent_last = last.len() as u64;
+    ch.send(&Msg::Last(frame::encode_events(&last))).await?;
+    match ch.recv().await? {
+        Msg::Done => {}
+        _ => return Err(ExchangeError::Protocol("expected done".into())),
+    }
+    ch.finish().await;
+    if nothing_differs {
+        // This range agrees: move to older buckets, or start over from the newest.
+        *inner.sync_to_hour.lock().expect("sync_to_hour") = if offer.from_hour == 0 {
+            u64::MAX
+        } else {
+            offer.from_hour
+        };
+    }
+    let r = RoundReport {
+        in_sync: false,
+        sent: sent_first + sent_last,
+        received: received_first + received_back,
+        more: truncated || serve_cut || nothing_differs || !mine.is_empty(),
+    };
+    inner
+        .stats
+        .sync_events_sent
+        .fetch_add(r.sent, Ordering::Relaxed);
+    inner
+        .stats
+        .sync_events_received
+        .fetch_add(r.received, Ordering::Relaxed);
+    Ok(r)
+}
+
+// ---- Background loops ----
+
+/// Pushes newly committed local batches to `push_fanout` random live peers.
+pub(crate) async fn push_loop(inner: Arc<Inner>, mut rx: mpsc::Receiver<Vec<Event>>) {
+    while let Some(mut events) = rx.recv().await {
+        // Coalesce what is waiting, up to one push's bound.
+        while events.len() < PUSH_EVENTS_MAX {
+            match rx.try_recv() {
+                Ok(mut more) => events.append(&mut more),
+                Err(_) => break,
+            }
+        }
+        if inner.isolated() {
+            inner.stats.push_failed.fetch_add(1, Ordering::Relaxed);
+            continue;
+        }
+        let batch = Arc::new(frame::encode_events(&events));
+        let n = events.len() as u64;
+        let peers = inner.pick_peers(inner.cfg.push_fanout);
+        let mut tasks = Vec::with_capacity(peers.len());
+        for p in peers {
+            let inner = inner.clone();
+            let batch = batch.clone();
+            tasks.push(tokio::spawn(async move {
+                let t = inner.cfg.exchange_timeout;
+                let r = tokio::time::timeout(t, push_to(&inner, p, &batch)).await;
+                match r {
+                    Ok(Ok(_)) => {
+                        inner.stats.push_ok.fetch_add(1, Ordering::Relaxed);
+                        inner.stats.push_events.fetch_add(n, Ordering::Relaxed);
+                    }
+                    _ => {
+                        inner.stats.push_failed.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }));
+        }
+        for t in tasks {
+            let _ = t.await;
+        }
+    }
+}
+
+/// Runs an anti-entropy round with a random live peer every `sync_interval` (with
+/// jitter), and again at once while rounds move data.
+pub(crate) async fn sync_loop(inner: Arc<Inner>) {
+    loop {
+        let base = inner.cfg.sync_interval;
+        let jitter = {
+            let mut rng = inner.rng.lock().expect("rng");
+            rng.random_range(0..=base.as_millis() as u64 / 4)
+        };
+        tokio::time::sleep(base + Duration::from_millis(jitter)).await;
+        if inner.isolated() {
+            continue;
+        }
+        let Some(peer) = inner.pick_peers(1).pop() else {
+            continue;
+        };
+        for _ in 0..64 {
+            let t = inner.cfg.exchange_timeout;
+            match tokio::time::timeout(t, sync_with(&inner, peer)).await {
+                Ok(Ok(r)) if r.in_sync => {
+                    inner.stats.sync_in_sync.fetch_add(1, Ordering::Relaxed);
+                    break;
+                }
+                Ok(Ok(r)) => {
+                    inner.stats.sync_reconciled.fetch_add(1, Ordering::Relaxed);
+                    if !r.more {
+                        break;
+                    }
+                }
+                Ok(Err(e)) => {
+                    inner.stats.sync_failed.fetch_add(1, Ordering::Relaxed);
+                    let _ = e;
+                    break;
+                }
+                Err(_) => {
+                    inner.stats.sync_failed.fetch_add(1, Ordering::Relaxed);
+                    break;
+                }
+            }
+        }
+    }
+}
