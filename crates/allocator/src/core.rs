@@ -52,7 +52,7 @@ use std::hash::{BuildHasher, Hash, Hasher};
 use std::sync::Arc;
 
 use bursar_agent::config::Pattern;
-use bursar_agent::{Config, MAX_COST, Posture, RuleLimit};
+use bursar_agent::{Config, Dimension, MAX_COST, Posture, RuleLimit};
 use foldhash::fast::FixedState;
 
 use crate::config::{AllocatorConfig, MAX_AGENT_ID_BYTES};
@@ -60,6 +60,9 @@ use crate::error::AllocError;
 use crate::msg::{Ack, Grant, HeldGrant, Hello, KeyName, KeyReport, Report};
 use crate::waterfill::{Claim, Fill, to_units, water_fill};
 use smallvec::SmallVec;
+
+mod reload;
+pub use reload::{ReloadSummary, RuleStatus};
 
 /// Grants remembered per key and agent before the oldest two are merged (into one
 /// record as large as both, so that accounting stays conservative).
@@ -182,6 +185,75 @@ struct RuleInfo {
     period_ns: u64,
     concurrency: bool,
     posture: Posture,
+    /// The largest limit this rule has had in this process: a held grant above it is
+    /// absurd (one below it may have been issued before a reload shrank the limit).
+    held_cap: Slice,
+}
+
+/// What gives a rule's keys their meaning; a reload that changes any of it replaces
+/// the rule (its keys are released and start afresh).
+#[derive(Clone, Debug, PartialEq)]
+struct RuleMeta {
+    name: String,
+    dimension: Dimension,
+    matches: Vec<(String, Pattern)>,
+    period_ns: u64,
+    concurrency: bool,
+}
+
+/// Builds the core's view of `rules`: per rule its numbers and meaning, and the index
+/// by name.
+fn build_rules(
+    rules: &Config,
+    overdraft_permille: u32,
+) -> (
+    Vec<RuleInfo>,
+    Vec<RuleMeta>,
+    HashMap<String, u32, FixedState>,
+) {
+    let mut infos = Vec::new();
+    let mut meta = Vec::new();
+    let mut rule_index = HashMap::with_hasher(FixedState::with_seed(0));
+    for (i, r) in rules.rules.rules().iter().enumerate() {
+        let wildcards = r
+            .matches
+            .iter()
+            .filter(|(_, p)| *p == Pattern::Each)
+            .count();
+        let mut info = match r.limit {
+            RuleLimit::Rate { rate, per, burst } => RuleInfo {
+                wildcards,
+                rate,
+                rate_cap: rate + rate * overdraft_permille as u64 / 1000,
+                burst,
+                period_ns: per.as_ns(),
+                concurrency: false,
+                posture: r.posture,
+                held_cap: Slice::ZERO,
+            },
+            RuleLimit::Concurrency { max_in_flight } => RuleInfo {
+                wildcards,
+                rate: 0,
+                rate_cap: 0,
+                burst: max_in_flight,
+                period_ns: 0,
+                concurrency: true,
+                posture: r.posture,
+                held_cap: Slice::ZERO,
+            },
+        };
+        info.held_cap = info.limit();
+        meta.push(RuleMeta {
+            name: r.name.clone(),
+            dimension: r.dimension,
+            matches: r.matches.clone(),
+            period_ns: info.period_ns,
+            concurrency: info.concurrency,
+        });
+        infos.push(info);
+        rule_index.insert(r.name.clone(), i as u32);
+    }
+    (infos, meta, rule_index)
 }
 
 impl RuleInfo {
@@ -414,7 +486,15 @@ struct Agent {
 pub struct Allocator {
     cfg: AllocatorConfig,
     rules: Vec<RuleInfo>,
+    /// Per rule (same index): its name and what gives its keys their meaning.
+    rule_meta: Vec<RuleMeta>,
     rule_index: HashMap<String, u32, FixedState>,
+    /// Names of rules a reload removed or replaced (at most `MAX_RELOADED_RULES`, the
+    /// latest): report and ack lines naming them in their old form are ignored, not
+    /// refused, so that agents still on the old rules keep their other keys.
+    reloaded_rules: Vec<String>,
+    /// Lines ignored for naming a rule a reload removed or replaced.
+    ignored_lines: u64,
     term: u64,
     learn_until_ns: u64,
     learning: bool,
@@ -477,42 +557,15 @@ impl Allocator {
         now: u64,
     ) -> Result<Allocator, crate::config::ConfigError> {
         cfg.validate()?;
-        let mut infos = Vec::new();
-        let mut rule_index = HashMap::with_hasher(FixedState::with_seed(0));
-        for (i, r) in rules.rules.rules().iter().enumerate() {
-            let wildcards = r
-                .matches
-                .iter()
-                .filter(|(_, p)| *p == Pattern::Each)
-                .count();
-            let info = match r.limit {
-                RuleLimit::Rate { rate, per, burst } => RuleInfo {
-                    wildcards,
-                    rate,
-                    rate_cap: rate + rate * cfg.overdraft_permille as u64 / 1000,
-                    burst,
-                    period_ns: per.as_ns(),
-                    concurrency: false,
-                    posture: r.posture,
-                },
-                RuleLimit::Concurrency { max_in_flight } => RuleInfo {
-                    wildcards,
-                    rate: 0,
-                    rate_cap: 0,
-                    burst: max_in_flight,
-                    period_ns: 0,
-                    concurrency: true,
-                    posture: r.posture,
-                },
-            };
-            infos.push(info);
-            rule_index.insert(r.name.clone(), i as u32);
-        }
+        let (infos, meta, rule_index) = build_rules(rules, cfg.overdraft_permille);
         let learn = AllocatorConfig::ns(cfg.lease_ms + cfg.reclaim_margin_ms);
         Ok(Allocator {
             next_sweep_ns: now,
             rules: infos,
+            rule_meta: meta,
             rule_index,
+            reloaded_rules: Vec::new(),
+            ignored_lines: 0,
             term,
             learn_until_ns: now.saturating_add(learn),
             learning: true,
@@ -697,6 +750,16 @@ impl Allocator {
         id
     }
 
+    /// A line naming a rule that a reload removed, or naming a replaced rule in its old
+    /// form, comes from an agent still on the old rules: it is ignored rather than
+    /// refusing the whole message (its other keys still count).
+    fn ignorable(&self, name: &KeyName, e: &AllocError) -> bool {
+        matches!(
+            e,
+            AllocError::UnknownRule(_) | AllocError::InvalidKey { .. }
+        ) && self.reloaded_rules.contains(&name.rule)
+    }
+
     fn key_has_free_probe(&self, hash: Fp) -> bool {
         (0..MAX_PROBE).any(|p| !self.key_index.contains_key(&hash.hash.wrapping_add(p)))
     }
@@ -800,8 +863,8 @@ impl Allocator {
                 seq: h.seq,
             });
         }
-        let limit = self.rules[rule as usize].limit();
-        if h.rate > limit.rate || h.burst > limit.burst {
+        let cap = self.rules[rule as usize].held_cap;
+        if h.rate > cap.rate || h.burst > cap.burst {
             return Err(AllocError::AbsurdGrant(name.clone()));
         }
         Ok(())
@@ -943,7 +1006,14 @@ impl Allocator {
         let mut resolved = Vec::with_capacity(hello.held.len());
         let mut new_keys = 0;
         for h in hello.held.iter() {
-            let (key, rule, hash) = self.resolve(&h.key)?;
+            let (key, rule, hash) = match self.resolve(&h.key) {
+                Ok(r) => r,
+                Err(e) if self.ignorable(&h.key, &e) => {
+                    resolved.push(None);
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
             self.validate_held(&h.key, rule, &h.grant)?;
             if key.is_none() {
                 if !self.key_has_free_probe(hash) {
@@ -953,12 +1023,12 @@ impl Allocator {
                 }
                 new_keys += 1;
             }
-            resolved.push((key, rule, hash));
+            resolved.push(Some((key, rule, hash)));
         }
         let mut ids: Vec<(u64, u64, usize)> = resolved
             .iter()
             .enumerate()
-            .map(|(i, r)| (r.2.hash, r.2.check, i))
+            .filter_map(|(i, r)| r.map(|r| (r.2.hash, r.2.check, i)))
             .collect();
         ids.sort_unstable();
         if let Some(w) = ids
@@ -996,7 +1066,11 @@ impl Allocator {
         ag.report_ts = hello.agent_time_ns;
         ag.report_recv_ns = now;
         ag.renew_due_ns = now;
-        for (h, (key, rule, hash)) in hello.held.iter().zip(resolved) {
+        for (h, r) in hello.held.iter().zip(resolved) {
+            let Some((key, rule, hash)) = r else {
+                self.ignored_lines += 1;
+                continue;
+            };
             let k = match key.or_else(|| self.find_key(hash)) {
                 Some(k) => k,
                 None => self.create_key(&h.key, rule, hash),
@@ -1099,7 +1173,7 @@ impl Allocator {
                 max: self.cfg.max_keys_per_message,
             });
         }
-        let mut resolved: Vec<Resolved> = Vec::with_capacity(report.keys.len());
+        let mut resolved: Vec<Option<Resolved>> = Vec::with_capacity(report.keys.len());
         let mut new_keys = 0usize;
         let mut new_entries = 0usize;
         // Lookups in phases, each a tight loop over the report, so that the cache misses
@@ -1115,7 +1189,14 @@ impl Allocator {
             .map(|k| k.and_then(|k| self.entry_pos(a, k)))
             .collect();
         for (i, kr) in report.keys.iter().enumerate() {
-            let (key, rule, hash) = self.resolve_found(&kr.key, fps[i], found[i])?;
+            let (key, rule, hash) = match self.resolve_found(&kr.key, fps[i], found[i]) {
+                Ok(r) => r,
+                Err(e) if self.ignorable(&kr.key, &e) => {
+                    resolved.push(None);
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
             if let Some(h) = &kr.held {
                 self.validate_held(&kr.key, rule, h)?;
             }
@@ -1134,17 +1215,17 @@ impl Allocator {
                 Some(_) if entry.is_none() => new_entries += 1,
                 Some(_) => {}
             }
-            resolved.push(Resolved {
+            resolved.push(Some(Resolved {
                 key,
                 rule,
                 hash,
                 entry,
-            });
+            }));
         }
         let mut ids: Vec<(u64, u64, usize)> = resolved
             .iter()
             .enumerate()
-            .map(|(i, r)| (r.hash.hash, r.hash.check, i))
+            .filter_map(|(i, r)| r.as_ref().map(|r| (r.hash.hash, r.hash.check, i)))
             .collect();
         ids.sort_unstable();
         if let Some(w) = ids
@@ -1171,6 +1252,10 @@ impl Allocator {
         ag.connected = true;
         let soon = now + AllocatorConfig::ns(self.cfg.recompute_delay_ms);
         for (kr, r) in report.keys.iter().zip(resolved) {
+            let Some(r) = r else {
+                self.ignored_lines += 1;
+                continue;
+            };
             let k = match r.key.or_else(|| self.find_key(r.hash)) {
                 Some(k) => k,
                 None => self.create_key(&kr.key, r.rule, r.hash),
@@ -1418,7 +1503,11 @@ impl Allocator {
                     seq: s.seq,
                 });
             }
-            let (key, _, _) = self.resolve(&s.key)?;
+            let key = match self.resolve(&s.key) {
+                Ok((key, _, _)) => key,
+                Err(e) if self.ignorable(&s.key, &e) => None,
+                Err(e) => return Err(e),
+            };
             // An ack for a key or entry no longer tracked (forgotten, released) is
             // harmless: nothing to update.
             found.push(key.and_then(|k| self.entry_pos(a, k).map(|p| (k, p))));
@@ -1494,21 +1583,27 @@ impl Allocator {
     pub fn reallocate_all(&mut self, now: u64) {
         self.outbox.reserve(self.entry_count);
         for k in 0..self.keys.len() as u32 {
-            let Some(key) = self.keys[k as usize].as_mut() else {
-                continue;
-            };
-            if self.outbox.len() + key.entries.len() > self.cfg.max_outbox {
-                // The shell must drain first: leave it marked, due now.
-                key.dirty = true;
-                key.due_ns = now;
-                self.dirty.push(Reverse((now, k)));
-                self.recompute_at_ns = Some(now);
-                continue;
+            if self.keys[k as usize].is_some() {
+                self.recompute_now(now, k);
             }
-            // Any heap entry for it goes stale (its `dirty` is cleared).
-            key.dirty = false;
-            self.recompute(now, k);
         }
+    }
+
+    /// Recomputes key `k` now, or, if the outbox has no room for its grants, leaves it
+    /// marked, due now (the shell must drain first). True if it was recomputed.
+    fn recompute_now(&mut self, now: u64, k: u32) -> bool {
+        let key = self.keys[k as usize].as_mut().expect("live key");
+        if self.outbox.len() + key.entries.len() > self.cfg.max_outbox {
+            key.dirty = true;
+            key.due_ns = now;
+            self.dirty.push(Reverse((now, k)));
+            self.recompute_at_ns = Some(now);
+            return false;
+        }
+        // Any heap entry for it goes stale (its `dirty` is cleared).
+        key.dirty = false;
+        self.recompute(now, k);
+        true
     }
 
     fn sweep(&mut self, now: u64) {

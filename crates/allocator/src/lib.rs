@@ -99,6 +99,8 @@ pub mod testing;
 pub mod waterfill;
 
 pub use config::{AllocatorConfig, ConfigError, MAX_AGENT_ID_BYTES};
-pub use core::{AgentSlice, Allocator, KeyStatus, OvershootBound, Slice};
+pub use core::{
+    AgentSlice, Allocator, KeyStatus, OvershootBound, ReloadSummary, RuleStatus, Slice,
+};
 pub use error::AllocError;
 pub use msg::{Ack, Grant, HeldGrant, HeldSlice, Hello, KeyName, KeyReport, Report, SliceAck};

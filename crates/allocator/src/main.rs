@@ -23,9 +23,14 @@ protocol bursar.allocator.v1) and report their demand every 250 ms; the allocato
 with grants (rate, burst, lease) whose sum per limit key never exceeds the rule's limit \
 (plus --overdraft-permille). Rules come from the same TOML file the agents read.\n\nIt prints \
 one line `bursar-allocator listening: grpc=ADDR admin=ADDR` once bound (port 0 picks a free \
-port) and stops on Ctrl-C or SIGTERM. The admin endpoint is read-only JSON: GET /v1/keys \
-(per key: limit, demand, committed, per-agent grants, the overshoot bound), GET /v1/status, \
-GET /healthz.\n\n`bursar-allocator local` starts a whole cluster on loopback (this allocator \
+port) and stops on Ctrl-C or SIGTERM. The admin endpoint is JSON: GET /v1/keys \
+(per key: limit, demand, committed, per-agent grants, the overshoot bound), GET /v1/status \
+(with the rules in force, their version and the last reload error), GET /healthz, and \
+POST /v1/admin/reload.\n\nSIGHUP (or POST /v1/admin/reload) re-reads the --config file: a \
+file that does not parse or validate is refused with an error naming the file, rule and \
+field, and the rules in force stay unchanged; a valid one is applied at once (shrunk limits \
+revoke before anything grows, removed rules' grants are released) and its version is sent \
+to the agents.\n\n`bursar-allocator local` starts a whole cluster on loopback (this allocator \
 and three agents) with synthetic traffic and a live summary.\n\nA new term first learns, for one lease plus the reclaim margin, what agents \
 hold, and grants nothing beyond that meanwhile (invariant 4): expect the first grants \
 --lease-ms + --reclaim-margin-ms after start.\n\nHigh availability: run replicas with \
@@ -178,13 +183,19 @@ fn serve(args: ServeArgs) -> Result<()> {
         hash_seed: random_seed(),
         ..AllocatorConfig::default()
     };
+    cfg.rules_path = args.config.clone();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .context("tokio runtime")?;
     rt.block_on(async move {
         let (tx, rx) = tokio::sync::watch::channel(false);
-        let bound = shell::start(&rules, cfg, rx).await?;
+        let (bound, handle) = shell::start_with_handle(&rules, cfg, rx).await?;
+        // Handlers before the listening line: a signal right after it is handled.
+        let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .context("SIGTERM handler")?;
+        let mut sighup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+            .context("SIGHUP handler")?;
         println!(
             "bursar-allocator listening: grpc={} admin={}",
             bound.grpc,
@@ -197,11 +208,12 @@ fn serve(args: ServeArgs) -> Result<()> {
         );
         use std::io::Write;
         let _ = std::io::stdout().flush();
-        let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .context("SIGTERM handler")?;
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = sigterm.recv() => {}
+        loop {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => break,
+                _ = sigterm.recv() => break,
+                _ = sighup.recv() => reload(&handle).await,
+            }
         }
         eprintln!("bursar-allocator: shutting down");
         let _ = tx.send(true);
@@ -226,7 +238,7 @@ fn allocator_config(args: &ServeArgs) -> AllocatorConfig {
 /// Serves as one replica of an elected allocator: standby (redirecting agents) until
 /// elected, then the allocator with the election's term, until stopped or the etcd
 /// lease is lost (then exit 1: step down).
-fn serve_elected(args: ServeArgs, rules: Config) -> Result<()> {
+fn serve_elected(args: ServeArgs, mut rules: Config) -> Result<()> {
     let endpoint = args.etcd.clone().context("--etcd")?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -253,18 +265,37 @@ fn serve_elected(args: ServeArgs, rules: Config) -> Result<()> {
         ));
         let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
             .context("SIGTERM handler")?;
-        let leadership = tokio::select! {
-            won = election.win(&advertise) => won?,
-            _ = tokio::signal::ctrl_c() => return Ok(()),
-            _ = sigterm.recv() => return Ok(()),
+        let mut sighup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+            .context("SIGHUP handler")?;
+        let win = election.win(&advertise);
+        tokio::pin!(win);
+        let leadership = loop {
+            tokio::select! {
+                won = &mut win => break won?,
+                _ = tokio::signal::ctrl_c() => return Ok(()),
+                _ = sigterm.recv() => return Ok(()),
+                // A standby has no core: it re-reads the file now and serves the new
+                // rules if elected (a refused file leaves the rules it has).
+                _ = sighup.recv() => match &args.config {
+                    None => eprintln!("bursar-allocator: SIGHUP: no --config file to reload"),
+                    Some(p) => match shell::reload_rules(p) {
+                        Ok(r) => {
+                            eprintln!("bursar-allocator: standby: rules re-read ({} rules)", r.rules.len());
+                            rules = r;
+                        }
+                        Err(e) => eprintln!("bursar-allocator: reload refused: {e}; the rules read before are unchanged"),
+                    },
+                },
+            }
         };
         let _ = sb_tx.send(true);
         let _ = standby.await;
         let term = leadership.term;
         let mut cfg = ShellConfig::new(grpc, Some(args.admin), term);
         cfg.allocator = allocator_config(&args);
+        cfg.rules_path = args.config.clone();
         let (tx, rx) = tokio::sync::watch::channel(false);
-        let bound = shell::start(&rules, cfg, rx).await?;
+        let (bound, handle) = shell::start_with_handle(&rules, cfg, rx).await?;
         println!(
             "bursar-allocator listening: grpc={} admin={} term={term}",
             bound.grpc,
@@ -276,13 +307,16 @@ fn serve_elected(args: ServeArgs, rules: Config) -> Result<()> {
         );
         let _ = std::io::stdout().flush();
         let mut lost = leadership.lost;
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = sigterm.recv() => {}
-            _ = lost.wait_for(|l| *l) => {
-                eprintln!("bursar-allocator: etcd lease not renewed for {} s: stepping down", args.election_ttl_s);
-                let _ = tx.send(true);
-                std::process::exit(1);
+        loop {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => break,
+                _ = sigterm.recv() => break,
+                _ = sighup.recv() => reload(&handle).await,
+                _ = lost.wait_for(|l| *l) => {
+                    eprintln!("bursar-allocator: etcd lease not renewed for {} s: stepping down", args.election_ttl_s);
+                    let _ = tx.send(true);
+                    std::process::exit(1);
+                }
             }
         }
         eprintln!("bursar-allocator: shutting down");
@@ -290,6 +324,15 @@ fn serve_elected(args: ServeArgs, rules: Config) -> Result<()> {
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         Ok(())
     })
+}
+
+/// SIGHUP: re-read the rules file. The core task logs the outcome (a refused file
+/// names the file, rule and field; the rules in force stay unchanged).
+async fn reload(handle: &shell::Handle) {
+    eprintln!("bursar-allocator: SIGHUP: reloading the rules");
+    if handle.reload().await.is_none() {
+        eprintln!("bursar-allocator: reload: the core task has stopped");
+    }
 }
 
 /// A random 64-bit seed from the standard library's per-process hasher keys.

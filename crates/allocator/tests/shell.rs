@@ -70,18 +70,30 @@ impl Allocator {
     }
 
     fn get_json(&self, path: &str) -> serde_json::Value {
+        let (status, v) = self.request("GET", path);
+        assert_eq!(status, 200, "{v}");
+        v
+    }
+
+    /// One admin request: the status code and the JSON body.
+    fn request(&self, method: &str, path: &str) -> (u16, serde_json::Value) {
         let mut s = TcpStream::connect(self.admin).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         write!(
             s,
-            "GET {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
+            "{method} {path} HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
         )
         .unwrap();
         let mut raw = String::new();
         let _ = s.read_to_string(&mut raw);
         let (head, body) = raw.split_once("\r\n\r\n").unwrap();
-        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-        serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"))
+        let status = head
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or_else(|| panic!("{head}"));
+        let v = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"));
+        (status, v)
     }
 }
 
@@ -441,4 +453,163 @@ async fn a_restarted_agent_releases_its_old_grants_at_once() {
         "released only after the lease ({:?})",
         started.elapsed()
     );
+}
+
+/// `org-rps`'s limit as the admin endpoint shows it: in the rules in force and on the
+/// tracked key.
+fn shown_limits(status: &serde_json::Value, keys: &serde_json::Value) -> (u64, u64, u64, u64) {
+    let rule = &status["config"]["rules"][0];
+    assert_eq!(rule["name"], "org-rps", "{status}");
+    let key = &keys["keys"][0];
+    assert_eq!(key["key"], "org-rps{acme}", "{keys}");
+    (
+        rule["limit"]["rate"].as_u64().unwrap(),
+        rule["limit"]["burst"].as_u64().unwrap(),
+        key["limit"]["rate"].as_u64().unwrap(),
+        key["limit"]["burst"].as_u64().unwrap(),
+    )
+}
+
+#[tokio::test]
+async fn a_malformed_rules_file_is_refused_with_the_old_limits_kept_and_a_valid_one_applies() {
+    let a = Allocator::start(&["--term", "13"]);
+    // An agent on the stream, with a key the allocator tracks.
+    let (tx, r) = open(a.grpc, hello("node-c", pb::PROTOCOL_VERSION, 10)).await;
+    let mut inbound = r.expect("hello accepted");
+    let first = inbound.message().await.unwrap().unwrap();
+    let Some(pb::allocator_message::Msg::Welcome(w)) = first.msg else {
+        panic!("{first:?}");
+    };
+    let old_version = w.config_version.clone();
+    assert!(!old_version.is_empty());
+    tx.send(pb::AgentMessage {
+        msg: Some(Msg::Report(pb::Report {
+            agent_time_ns: 20,
+            keys: vec![pb::KeyReport {
+                key: Some(pb::Key {
+                    rule: "org-rps".into(),
+                    values: vec!["acme".into()],
+                }),
+                admitted: 5,
+                rejected: 5,
+                counting_since_ns: 10,
+                in_flight: 0,
+                held: None,
+            }],
+        })),
+    })
+    .await
+    .unwrap();
+    let pid = a.child.id().to_string();
+    let config = a.config.clone();
+    let a = tokio::task::spawn_blocking(move || {
+        let wait_for = |what: &str, pred: &dyn Fn(&serde_json::Value) -> bool| {
+            let start = std::time::Instant::now();
+            loop {
+                let v = a.get_json("/v1/status");
+                if pred(&v) {
+                    return v;
+                }
+                assert!(start.elapsed() < Duration::from_secs(10), "{what}: {v}");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        };
+        wait_for("the report is recorded", &|v| v["keys"] == 1);
+        let status = a.get_json("/v1/status");
+        assert_eq!(status["config"]["version"], old_version.as_str());
+        assert_eq!(
+            shown_limits(&status, &a.get_json("/v1/keys")),
+            (100, 20, 100, 20)
+        );
+
+        // 1. An invalid value, then SIGHUP: refused, named, logged; the old rules stay.
+        std::fs::write(&config, RULES.replace("rate = 100", "rate = -5")).unwrap();
+        let hup = Command::new("kill").args(["-HUP", &pid]).status().unwrap();
+        assert!(hup.success());
+        let v = wait_for("the refused reload", &|v| {
+            v["config"]["reloads_failed"] == 1
+        });
+        let err = v["config"]["last_reload_error"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert!(err.contains(&config.display().to_string()), "{err}");
+        assert!(err.contains("org-rps") && err.contains("`rate`"), "{err}");
+        assert!(err.contains("unchanged"), "{err}");
+        assert_eq!(v["config"]["reloads"], 0);
+        assert_eq!(v["config"]["version"], old_version.as_str());
+        assert_eq!(
+            shown_limits(&v, &a.get_json("/v1/keys")),
+            (100, 20, 100, 20)
+        );
+
+        // 2. Not TOML at all, through the admin POST: 422, the line and the rule named.
+        std::fs::write(&config, RULES.replace("burst = 20", "burst = 20 20")).unwrap();
+        let (code, body) = a.request("POST", "/v1/admin/reload");
+        assert_eq!(code, 422, "{body}");
+        assert_eq!(body["ok"], false);
+        let err = body["error"].as_str().unwrap();
+        assert!(err.contains(&config.display().to_string()), "{err}");
+        assert!(
+            err.contains("[[rule]] #1 \"org-rps\"") && err.contains("line 8"),
+            "{err}"
+        );
+        let v = a.get_json("/v1/status");
+        assert_eq!(v["config"]["reloads_failed"], 2);
+        assert_eq!(v["config"]["last_reload_error"].as_str().unwrap(), err);
+        assert_eq!(
+            shown_limits(&v, &a.get_json("/v1/keys")),
+            (100, 20, 100, 20)
+        );
+
+        // 3. A valid file with a smaller limit, through SIGHUP: applied at once.
+        std::fs::write(
+            &config,
+            RULES
+                .replace("rate = 100", "rate = 60")
+                .replace("burst = 20", "burst = 12"),
+        )
+        .unwrap();
+        let hup = Command::new("kill").args(["-HUP", &pid]).status().unwrap();
+        assert!(hup.success());
+        let v = wait_for("the applied reload", &|v| v["config"]["reloads"] == 1);
+        assert!(v["config"]["last_reload_error"].is_null(), "{v}");
+        assert_ne!(v["config"]["version"], old_version.as_str());
+        assert!(
+            v["config"]["last_reload"]
+                .as_str()
+                .unwrap()
+                .contains("changed: org-rps"),
+            "{v}"
+        );
+        assert_eq!(shown_limits(&v, &a.get_json("/v1/keys")), (60, 12, 60, 12));
+
+        // 4. The same file again through the POST: applied, nothing changed.
+        let (code, body) = a.request("POST", "/v1/admin/reload");
+        assert_eq!(code, 200, "{body}");
+        assert_eq!(
+            (body["ok"].clone(), body["changed"].clone()),
+            (true.into(), false.into())
+        );
+        a
+    })
+    .await
+    .unwrap();
+    // The agent was told the new version, once.
+    let new_version = a.get_json("/v1/status")["config"]["version"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let told = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            let m = inbound.message().await.unwrap().expect("stream open");
+            if let Some(pb::allocator_message::Msg::ConfigVersion(v)) = m.msg {
+                break v.version;
+            }
+        }
+    })
+    .await
+    .expect("a ConfigVersion message");
+    assert_eq!(told, new_version);
+    drop(tx);
 }

@@ -1,20 +1,28 @@
-//! The read-only JSON admin endpoint.
+//! The JSON admin endpoint.
 //!
 //! - `GET /v1/keys`: per key, the limit, summed demand, committed budget, each agent's
 //!   grant (demand, granted, committed, partition fallback) and the overshoot bound.
-//! - `GET /v1/status`: term, learning, agents, keys, shell counters.
+//! - `GET /v1/status`: term, learning, agents, keys, shell counters, and `config`: the
+//!   rules in force, their version, and reloads (count, last error, last change).
 //! - `GET /healthz`: `ok`.
+//! - `POST /v1/admin/reload`: re-reads the rules file (as SIGHUP does). 200 with the
+//!   new version and what changed; 422 with the error (naming file, rule and field)
+//!   when the file is refused, the rules in force unchanged; 409 when the allocator
+//!   runs on embedded rules. The only request that changes anything; it takes no input
+//!   (the file is the one given at start), so it can do no more than SIGHUP can. Bind
+//!   the admin address to loopback or a private network.
 //!
-//! Every request asks the core task for a snapshot over the bounded input channel
-//! (it never reads the core directly); at most `admin_max_keys` keys are listed.
+//! Every request asks the core task for a snapshot (or a reload) over the bounded input
+//! channel (it never reads the core directly); at most `admin_max_keys` keys are listed.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use axum::Router;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use serde_json::{Value, json};
 use tokio::sync::{mpsc, oneshot};
 
@@ -24,12 +32,13 @@ use crate::{KeyStatus, Slice};
 /// Shared state of the admin endpoint.
 pub struct Admin {
     inputs: mpsc::Sender<Input>,
+    rules_path: Option<PathBuf>,
 }
 
 impl Admin {
-    /// Admin over the core task's input channel.
-    pub fn new(inputs: mpsc::Sender<Input>) -> Admin {
-        Admin { inputs }
+    /// Admin over the core task's input channel; reloads re-read `rules_path`.
+    pub fn new(inputs: mpsc::Sender<Input>, rules_path: Option<PathBuf>) -> Admin {
+        Admin { inputs, rules_path }
     }
 
     async fn snapshot(&self) -> Option<Snapshot> {
@@ -45,6 +54,7 @@ pub fn router(admin: Arc<Admin>) -> Router {
         .route("/healthz", get(|| async { "ok" }))
         .route("/v1/keys", get(keys))
         .route("/v1/status", get(status))
+        .route("/v1/admin/reload", post(reload))
         .with_state(admin)
 }
 
@@ -115,6 +125,24 @@ fn status_json(s: &Snapshot) -> Value {
             "grants_dropped": c.grants_dropped,
         },
         "last_error": s.last_error,
+        "config": {
+            "version": s.config_version,
+            "path": s.reload.path,
+            "reloads": s.reload.applied,
+            "reloads_failed": s.reload.failed,
+            "last_reload_error": s.reload.last_error,
+            "last_reload": s.reload.last_applied,
+            "versions_sent": s.reload.versions_sent,
+            "ignored_lines": s.ignored_lines,
+            "rules": s.rules.iter().map(|r| json!({
+                "name": r.name,
+                "limit": slice(r.limit),
+                "rate_capacity": r.rate_capacity,
+                "period_ns": r.period_ns,
+                "concurrency": r.concurrency,
+                "posture": format!("{:?}", r.posture).to_lowercase(),
+            })).collect::<Vec<_>>(),
+        },
     })
 }
 
@@ -133,5 +161,40 @@ async fn status(State(admin): State<Arc<Admin>>) -> Response {
     match admin.snapshot().await {
         Some(s) => json_response(status_json(&s)),
         None => unavailable(),
+    }
+}
+
+async fn reload(State(admin): State<Arc<Admin>>) -> Response {
+    if admin.rules_path.is_none() {
+        return (
+            StatusCode::CONFLICT,
+            [(axum::http::header::CONTENT_TYPE, "application/json")],
+            json!({
+                "ok": false,
+                "error": "no rules file: the allocator runs on its embedded rules (start it with --config FILE to reload)",
+            })
+            .to_string(),
+        )
+            .into_response();
+    }
+    match super::reload_via(&admin.inputs, admin.rules_path.as_deref()).await {
+        None => unavailable(),
+        Some(Ok(r)) => json_response(json!({
+            "ok": true,
+            "version": r.version,
+            "previous_version": r.previous_version,
+            "changed": !r.summary.is_empty(),
+            "summary": r.summary.to_string(),
+            "added": r.summary.added,
+            "changed_rules": r.summary.changed,
+            "replaced": r.summary.replaced,
+            "removed": r.summary.removed,
+        })),
+        Some(Err(e)) => (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            [(axum::http::header::CONTENT_TYPE, "application/json")],
+            json!({ "ok": false, "error": e }).to_string(),
+        )
+            .into_response(),
     }
 }

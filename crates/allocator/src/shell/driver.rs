@@ -12,7 +12,9 @@ use bursar_proto::allocator as pb;
 use tokio::sync::{mpsc, oneshot, watch};
 
 use super::ShellClock;
-use crate::{Ack, AllocError, Allocator, Grant, Hello, KeyStatus, Report};
+use crate::{
+    Ack, AllocError, Allocator, Grant, Hello, KeyStatus, ReloadSummary, Report, RuleStatus,
+};
 
 /// What the response stream of one agent carries.
 pub type Outbound = mpsc::Sender<Result<pb::AllocatorMessage, tonic::Status>>;
@@ -58,6 +60,42 @@ pub enum Input {
         /// The answer.
         reply: oneshot::Sender<Snapshot>,
     },
+    /// Reload the rules: the file read, parsed and validated (`Ok`), or why not (then
+    /// nothing changes but the recorded error).
+    Reload {
+        /// The new rules, or the error naming file, rule and field.
+        rules: Result<bursar_agent::Config, String>,
+        /// The outcome.
+        reply: oneshot::Sender<Result<Reloaded, String>>,
+    },
+}
+
+/// A reload that was applied.
+#[derive(Clone, Debug)]
+pub struct Reloaded {
+    /// The rules version now in force.
+    pub version: String,
+    /// The version before.
+    pub previous_version: String,
+    /// What changed.
+    pub summary: ReloadSummary,
+}
+
+/// Reloads so far, for the admin endpoint.
+#[derive(Clone, Debug, Default)]
+pub struct ReloadStatus {
+    /// The rules file (`None`: embedded rules).
+    pub path: Option<String>,
+    /// Reloads applied.
+    pub applied: u64,
+    /// Reloads refused (the rules in force stayed unchanged).
+    pub failed: u64,
+    /// The last refused reload's error, if the last reload failed.
+    pub last_error: Option<String>,
+    /// What the last applied reload changed.
+    pub last_applied: Option<String>,
+    /// `ConfigVersion` messages queued on agents' streams.
+    pub versions_sent: u64,
 }
 
 /// Counters of the shell, for the admin endpoint.
@@ -100,6 +138,14 @@ pub struct Snapshot {
     pub counters: ShellCounters,
     /// The last error the core reported for a message, if any.
     pub last_error: Option<String>,
+    /// The rules version in force (what agents are told).
+    pub config_version: String,
+    /// The rules in force.
+    pub rules: Vec<RuleStatus>,
+    /// Reloads so far.
+    pub reload: ReloadStatus,
+    /// Report, hello and ack lines ignored for naming a removed or replaced rule.
+    pub ignored_lines: u64,
 }
 
 struct Route {
@@ -120,18 +166,20 @@ pub struct Driver {
     counters: ShellCounters,
     last_error: Option<String>,
     batch: HashMap<Arc<str>, Vec<pb::Grant>>,
+    reload: ReloadStatus,
 }
 
 /// Inputs handled before grants are routed, at most.
 const INPUT_BATCH_MAX: usize = 256;
 
 impl Driver {
-    /// A driver for `core`.
+    /// A driver for `core`, whose rules came from `rules_path` (`None`: embedded).
     pub fn new(
         core: Allocator,
         clock: ShellClock,
         config_version: String,
         admin_max_keys: usize,
+        rules_path: Option<String>,
     ) -> Driver {
         Driver {
             core,
@@ -143,6 +191,10 @@ impl Driver {
             counters: ShellCounters::default(),
             last_error: None,
             batch: HashMap::new(),
+            reload: ReloadStatus {
+                path: rules_path,
+                ..ReloadStatus::default()
+            },
         }
     }
 
@@ -264,7 +316,60 @@ impl Driver {
             Input::Snapshot { reply } => {
                 let _ = reply.send(self.snapshot());
             }
+            Input::Reload { rules, reply } => {
+                let _ = reply.send(self.reload(now, rules));
+            }
         }
+    }
+
+    /// Applies new rules, or records why not (the rules in force stay unchanged).
+    fn reload(
+        &mut self,
+        now: u64,
+        rules: Result<bursar_agent::Config, String>,
+    ) -> Result<Reloaded, String> {
+        let rules = match rules {
+            Ok(r) => r,
+            Err(e) => {
+                let msg = format!(
+                    "{e}; the rules in force (version {}) are unchanged",
+                    self.config_version
+                );
+                eprintln!("bursar-allocator: reload refused: {msg}");
+                self.reload.failed += 1;
+                self.reload.last_error = Some(msg.clone());
+                return Err(msg);
+            }
+        };
+        let summary = self.core.reload(now, &rules);
+        let version = super::config_version(&rules);
+        let previous_version = std::mem::replace(&mut self.config_version, version.clone());
+        self.reload.applied += 1;
+        self.reload.last_error = None;
+        self.reload.last_applied = Some(summary.to_string());
+        eprintln!(
+            "bursar-allocator: rules reloaded (version {previous_version} -> {version}): {summary}"
+        );
+        if version != previous_version {
+            // Agents log a mismatch with their own rules (they reload on their own).
+            let msg = pb::AllocatorMessage {
+                msg: Some(pb::allocator_message::Msg::ConfigVersion(
+                    pb::ConfigVersion {
+                        version: version.clone(),
+                    },
+                )),
+            };
+            for r in self.routes.values() {
+                if r.tx.try_send(Ok(msg.clone())).is_ok() {
+                    self.reload.versions_sent += 1;
+                }
+            }
+        }
+        Ok(Reloaded {
+            version,
+            previous_version,
+            summary,
+        })
     }
 
     fn snapshot(&self) -> Snapshot {
@@ -291,6 +396,10 @@ impl Driver {
             truncated,
             counters: self.counters,
             last_error: self.last_error.clone(),
+            config_version: self.config_version.clone(),
+            rules: self.core.rules().collect(),
+            reload: self.reload.clone(),
+            ignored_lines: self.core.ignored_lines(),
         }
     }
 

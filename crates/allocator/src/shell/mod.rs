@@ -8,9 +8,16 @@
 //! - **The agents' streams** ([`grpc`]): one tonic bidirectional stream per agent
 //!   (`bursar.allocator.v1.Allocator/Sync`), hello first (protocol version checked),
 //!   then reports and acks in, welcome and grants out.
-//! - **The admin endpoint** ([`admin`]): read-only JSON, `GET /v1/keys` (per key:
-//!   limit, demand, committed, per-agent grants, the overshoot bound), `GET /v1/status`
-//!   and `GET /healthz`.
+//! - **The admin endpoint** ([`admin`]): JSON, `GET /v1/keys` (per key: limit,
+//!   demand, committed, per-agent grants, the overshoot bound), `GET /v1/status` (with
+//!   the rules in force, their version and the last reload's outcome), `GET /healthz`,
+//!   and `POST /v1/admin/reload`.
+//! - **Reload** ([`reload_rules`], [`Handle::reload`]): SIGHUP (in `main.rs`) or the
+//!   admin POST re-reads the rules file. A file that does not read, parse or validate is
+//!   refused with an error naming the file, the rule and the field (logged, and shown
+//!   by the admin endpoint as `last_reload_error`); the rules in force stay unchanged.
+//!   A valid one is applied to the core ([`crate::Allocator::reload`]) and its version
+//!   is pushed to every connected agent (`ConfigVersion`).
 //!
 //! # Bounds and what happens at them
 //!
@@ -39,6 +46,7 @@ pub mod election;
 pub mod grpc;
 
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -68,6 +76,9 @@ pub struct ShellConfig {
     pub hello_timeout: Duration,
     /// Keys listed per admin response at most. Default 1,000.
     pub admin_max_keys: usize,
+    /// The file the rules came from: what a reload re-reads. `None` (embedded rules):
+    /// reloads are refused.
+    pub rules_path: Option<PathBuf>,
 }
 
 impl ShellConfig {
@@ -82,6 +93,7 @@ impl ShellConfig {
             agent_queue_max: 64,
             hello_timeout: Duration::from_secs(5),
             admin_max_keys: 1_000,
+            rules_path: None,
         }
     }
 }
@@ -153,12 +165,13 @@ pub fn config_version(rules: &Config) -> String {
     bursar_proto::allocator::config_version(&format!("{:?}", rules.rules))
 }
 
-/// A way into the running core task (for in-process callers such as
-/// `bursar-allocator local`): snapshots over the same bounded channel the admin
-/// endpoint uses.
+/// A way into the running core task (for `main.rs`'s SIGHUP handler and in-process
+/// callers such as `bursar-allocator local`): snapshots and reloads over the same
+/// bounded channel the admin endpoint uses.
 #[derive(Clone, Debug)]
 pub struct Handle {
     inputs: mpsc::Sender<driver::Input>,
+    rules_path: Option<PathBuf>,
 }
 
 impl Handle {
@@ -171,6 +184,120 @@ impl Handle {
             .ok()?;
         answer.await.ok()
     }
+
+    /// Re-reads the rules file and applies it (see [`reload_rules`]); the error names
+    /// the file, rule and field, and the rules in force stay unchanged. `None` once the
+    /// core task stopped.
+    pub async fn reload(&self) -> Option<Result<driver::Reloaded, String>> {
+        reload_via(&self.inputs, self.rules_path.as_deref()).await
+    }
+}
+
+/// Reads, parses and validates the rules file at `path` for a reload. Errors name the
+/// file and, as far as the file lets us know, the rule and the field (a TOML syntax
+/// error names its line and the `[[rule]]` it sits in).
+///
+/// Refused beyond the agent's own validation: a file with no rule at all (an emptied
+/// or truncated file would otherwise release every limit).
+pub fn reload_rules(path: &Path) -> Result<Config, String> {
+    let shown = path.display();
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("rules file {shown}: cannot read it: {e}"))?;
+    let rules = Config::from_toml(&text).map_err(|e| {
+        let mut msg = format!("rules file {shown}: {e}");
+        if let bursar_agent::ConfigError::Syntax(s) = &e
+            && let Some(rule) = syntax_error_rule(&text, s)
+        {
+            msg = format!("rules file {shown}: in {rule}: {e}");
+        }
+        one_line(&msg)
+    })?;
+    if rules.rules.is_empty() {
+        return Err(format!(
+            "rules file {shown}: no [[rule]] at all; refusing to release every limit (an \
+             emptied or truncated file?)"
+        ));
+    }
+    Ok(rules)
+}
+
+/// One line for logs and JSON: TOML's error spans several (position, an excerpt of
+/// the file with a caret, the message); the excerpt is kept, quoted.
+fn one_line(msg: &str) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    for l in msg.lines() {
+        let t = l.trim();
+        if t.is_empty() || t.starts_with('|') {
+            continue;
+        }
+        match t.split_once(" | ") {
+            Some((n, src)) if n.bytes().all(|b| b.is_ascii_digit()) => {
+                parts.push(format!("(`{}`)", src.trim()))
+            }
+            _ => parts.push(t.to_string()),
+        }
+    }
+    parts.join(" ")
+}
+
+/// For a TOML syntax error at "line N", the `[[rule]]` table that line sits in, named
+/// by its `name` if it has one (`[[rule]] #3 "org-rps"`).
+fn syntax_error_rule(text: &str, error: &str) -> Option<String> {
+    let at = error.find("line ")? + "line ".len();
+    let line: usize = error[at..]
+        .split(|c: char| !c.is_ascii_digit())
+        .next()?
+        .parse()
+        .ok()?;
+    let lines: Vec<&str> = text.lines().collect();
+    let mut index = 0;
+    let mut start = None;
+    for (i, l) in lines.iter().enumerate().take(line.min(lines.len())) {
+        let t = l.trim();
+        if t.starts_with("[[rule]]") {
+            index += 1;
+            start = Some(i);
+        } else if t.starts_with('[') {
+            start = None;
+        }
+    }
+    let start = start?;
+    let name = lines[start + 1..]
+        .iter()
+        .take_while(|l| !l.trim().starts_with('['))
+        .find_map(|l| {
+            let (k, v) = l.split_once('=')?;
+            (k.trim() == "name").then(|| v.trim().trim_matches('"').to_string())
+        });
+    Some(match name {
+        Some(n) => format!("[[rule]] #{index} {n:?}"),
+        None => format!("[[rule]] #{index}"),
+    })
+}
+
+async fn reload_via(
+    inputs: &mpsc::Sender<driver::Input>,
+    path: Option<&Path>,
+) -> Option<Result<driver::Reloaded, String>> {
+    let rules = match path {
+        None => Err(
+            "no rules file: the allocator runs on its embedded rules (start it with \
+             --config FILE to reload)"
+                .to_string(),
+        ),
+        Some(p) => {
+            let p = p.to_path_buf();
+            tokio::task::spawn_blocking(move || reload_rules(&p))
+                .await
+                .unwrap_or_else(|e| Err(format!("reading the rules file: {e}")))
+        }
+    };
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    inputs
+        .send(driver::Input::Reload { rules, reply })
+        .await
+        .ok()?;
+    answer.await.ok()
 }
 
 /// Binds both listeners, starts the core task, the gRPC server and the admin endpoint,
@@ -225,8 +352,17 @@ pub async fn start_with_handle(
         None => None,
     };
     let (tx, rx) = mpsc::channel(cfg.input_queue_max);
-    let handle = Handle { inputs: tx.clone() };
-    let driver = driver::Driver::new(core, clock, config_version(rules), cfg.admin_max_keys);
+    let handle = Handle {
+        inputs: tx.clone(),
+        rules_path: cfg.rules_path.clone(),
+    };
+    let driver = driver::Driver::new(
+        core,
+        clock,
+        config_version(rules),
+        cfg.admin_max_keys,
+        cfg.rules_path.as_ref().map(|p| p.display().to_string()),
+    );
     tokio::spawn(driver.run(rx, shutdown.clone()));
     let svc = grpc::Service::new(tx.clone(), cfg.hello_timeout, cfg.agent_queue_max);
     let mut sd = shutdown.clone();
@@ -252,7 +388,7 @@ pub async fn start_with_handle(
     });
     let admin = match admin_l {
         Some((l, a)) => {
-            let app = admin::router(Arc::new(admin::Admin::new(tx)));
+            let app = admin::router(Arc::new(admin::Admin::new(tx, cfg.rules_path.clone())));
             let mut sd = shutdown;
             tokio::spawn(async move {
                 let _ = axum::serve(l, app)
@@ -272,4 +408,44 @@ pub async fn start_with_handle(
         },
         handle,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(name: &str, text: &str) -> PathBuf {
+        let p = std::env::temp_dir().join(format!("bursar-reload-{}-{name}", std::process::id()));
+        std::fs::write(&p, text).unwrap();
+        p
+    }
+
+    #[test]
+    fn a_refused_rules_file_is_named_with_its_rule_and_field() {
+        let missing = std::env::temp_dir().join("bursar-reload-no-such-file.toml");
+        let e = reload_rules(&missing).unwrap_err();
+        assert!(e.starts_with(&format!("rules file {}: cannot read it", missing.display())));
+
+        let empty = file("empty.toml", "# truncated\n");
+        let e = reload_rules(&empty).unwrap_err();
+        assert!(e.contains("no [[rule]] at all"), "{e}");
+
+        let text = "[[rule]]\nname = \"a\"\nmatch = { org = \"*\" }\ndimension = \"requests\"\n\
+                    rate = 10\nper = \"second\"\n\n[[rule]]\nname = \"b\"\nmatch = { org = \"*\" }\n\
+                    dimension = \"requests\"\nrate = 10 10\nper = \"second\"\n";
+        let bad = file("syntax.toml", text);
+        let e = reload_rules(&bad).unwrap_err();
+        assert!(
+            e.contains("in [[rule]] #2 \"b\"") && e.contains("line 12"),
+            "{e}"
+        );
+        assert!(!e.contains('\n'), "one line: {e}");
+
+        let unknown = file("field.toml", &text.replace("rate = 10 10", "rat = 10"));
+        let e = reload_rules(&unknown).unwrap_err();
+        assert!(e.contains("rule b") && e.contains("`rat`"), "{e}");
+        for p in [empty, bad, unknown] {
+            let _ = std::fs::remove_file(p);
+        }
+    }
 }

@@ -1,0 +1,517 @@
+//! Reloading the rules into a running core ([`Allocator::reload`]).
+//!
+//! The new rules arrive parsed and validated (`bursar_agent::Config`: a file that does
+//! not parse or validate never reaches the core, and the old rules stay in force).
+//! Rules are matched by name:
+//!
+//! - **unchanged**: nothing happens;
+//! - **changed** (same dimension, match, period and kind; a new rate, burst or
+//!   posture): every key of the rule takes the new limit and is recomputed at once.
+//!   When a limit shrinks, grants already sent may exceed it; they keep counting
+//!   (revoke before grant): the excess is recorded as the key's `inherited` excess,
+//!   nothing grows until acknowledged shrinks or expired leases bring the commitments
+//!   under the new limit, and the excess counts in the key's overshoot bound meanwhile.
+//!   The shrinks are sent in the same call;
+//! - **removed**: every key of the rule is released (its grants stop counting: the
+//!   limit no longer exists);
+//! - **replaced** (same name, but another dimension, match, period or kind: its keys
+//!   mean something else): released like a removed rule, then the new rule starts
+//!   with no keys;
+//! - **added**: known from now on.
+//!
+//! Agents reload their own copy of the rules on their own schedule. Until they do,
+//! their report, hello and ack lines naming a removed rule (or a replaced rule in its
+//! old form, e.g. with another number of `*` values) are ignored and counted
+//! ([`Allocator::ignored_lines`]) instead of refusing the whole message, so their other
+//! keys keep being allocated and renewed. A held grant up to the largest limit the rule
+//! has had in this process is accepted (an agent may hold one sent before a shrink).
+
+use bursar_agent::{Config, Posture};
+
+use super::{Allocator, Slice, build_rules};
+
+/// Most names of removed or replaced rules remembered for ignoring old lines (the
+/// latest are kept).
+pub(crate) const MAX_RELOADED_RULES: usize = 1_024;
+
+/// What one [`Allocator::reload`] changed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ReloadSummary {
+    /// Rules new in this file.
+    pub added: Vec<String>,
+    /// Rules no longer in the file (their keys were released).
+    pub removed: Vec<String>,
+    /// Rules with a new rate, burst or posture (their keys were recomputed).
+    pub changed: Vec<String>,
+    /// Rules whose dimension, match, period or kind changed (their keys were released).
+    pub replaced: Vec<String>,
+    /// Keys recomputed under a changed limit.
+    pub keys_recomputed: usize,
+    /// Keys left marked for recomputation because the outbox was full (done once the
+    /// shell drains it).
+    pub keys_deferred: usize,
+    /// Keys released (removed or replaced rules).
+    pub keys_released: usize,
+}
+
+impl ReloadSummary {
+    /// True when the reload changed no rule.
+    pub fn is_empty(&self) -> bool {
+        self.added.is_empty()
+            && self.removed.is_empty()
+            && self.changed.is_empty()
+            && self.replaced.is_empty()
+    }
+}
+
+impl std::fmt::Display for ReloadSummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.is_empty() {
+            return f.write_str("no rule changed");
+        }
+        let mut first = true;
+        for (what, names) in [
+            ("added", &self.added),
+            ("changed", &self.changed),
+            ("replaced", &self.replaced),
+            ("removed", &self.removed),
+        ] {
+            if names.is_empty() {
+                continue;
+            }
+            if !first {
+                f.write_str("; ")?;
+            }
+            first = false;
+            write!(f, "{what}: {}", names.join(", "))?;
+        }
+        write!(
+            f,
+            " ({} keys recomputed, {} deferred, {} released)",
+            self.keys_recomputed, self.keys_deferred, self.keys_released
+        )
+    }
+}
+
+/// One rule as the core applies it (the admin endpoint lists them).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RuleStatus {
+    /// The rule's name.
+    pub name: String,
+    /// `(R, B)` (concurrency: `(0, slots)`).
+    pub limit: Slice,
+    /// `R + O` (concurrency: 0).
+    pub rate_capacity: u64,
+    /// The rate's period in ns (0 for concurrency).
+    pub period_ns: u64,
+    /// A concurrency rule (slots, no rate).
+    pub concurrency: bool,
+    /// Its partition posture.
+    pub posture: Posture,
+}
+
+impl Allocator {
+    /// The rules in force, in file order.
+    pub fn rules(&self) -> impl Iterator<Item = RuleStatus> + '_ {
+        self.rules
+            .iter()
+            .zip(&self.rule_meta)
+            .map(|(info, meta)| RuleStatus {
+                name: meta.name.clone(),
+                limit: Slice {
+                    rate: info.rate,
+                    burst: info.burst,
+                },
+                rate_capacity: info.rate_cap,
+                period_ns: info.period_ns,
+                concurrency: info.concurrency,
+                posture: info.posture,
+            })
+    }
+
+    /// Report, hello and ack lines ignored because they name a rule a reload removed
+    /// or replaced (agents still on the old rules).
+    pub fn ignored_lines(&self) -> u64 {
+        self.ignored_lines
+    }
+
+    /// Applies new rules (see the module docs): changed limits are recomputed at once
+    /// under budget conservation (revoke before grant), removed and replaced rules'
+    /// keys are released. The shell drains the grants it issues as after any call.
+    pub fn reload(&mut self, now: u64, rules: &Config) -> ReloadSummary {
+        let (mut infos, meta, index) = build_rules(rules, self.cfg.overdraft_permille);
+        let mut summary = ReloadSummary::default();
+        // Per old rule: its new index and whether its numbers changed, or None (its
+        // keys are released).
+        let mut fate: Vec<Option<(u32, bool)>> = Vec::with_capacity(self.rules.len());
+        for (old, old_meta) in self.rules.iter().zip(&self.rule_meta) {
+            let Some(&j) = index.get(&old_meta.name) else {
+                summary.removed.push(old_meta.name.clone());
+                fate.push(None);
+                continue;
+            };
+            let new = &mut infos[j as usize];
+            // A held grant may come from before the reload, under the old limit.
+            new.held_cap = new.held_cap.max(old.held_cap);
+            if meta[j as usize] != *old_meta {
+                summary.replaced.push(old_meta.name.clone());
+                fate.push(None);
+                continue;
+            }
+            let changed = (old.rate, old.rate_cap, old.burst, old.posture)
+                != (new.rate, new.rate_cap, new.burst, new.posture);
+            if changed {
+                summary.changed.push(old_meta.name.clone());
+            }
+            fate.push(Some((j, changed)));
+        }
+        for m in &meta {
+            if !self.rule_index.contains_key(&m.name) {
+                summary.added.push(m.name.clone());
+            }
+        }
+        for name in summary.removed.iter().chain(&summary.replaced) {
+            self.reloaded_rules.retain(|r| r != name);
+            self.reloaded_rules.push(name.clone());
+        }
+        let over = self.reloaded_rules.len().saturating_sub(MAX_RELOADED_RULES);
+        self.reloaded_rules.drain(..over);
+
+        // Release the keys of removed and replaced rules, renumber the others.
+        let mut changed_keys = Vec::new();
+        for k in 0..self.keys.len() as u32 {
+            let Some(key) = self.keys[k as usize].as_mut() else {
+                continue;
+            };
+            match fate[key.rule as usize] {
+                None => {
+                    self.release_key(now, k);
+                    summary.keys_released += 1;
+                }
+                Some((j, changed)) => {
+                    key.rule = j;
+                    if changed {
+                        changed_keys.push(k);
+                    }
+                }
+            }
+        }
+        self.rules = infos;
+        self.rule_meta = meta;
+        self.rule_index = index;
+
+        // New limits: grants already sent keep counting; what exceeds a shrunk limit
+        // is inherited excess (nothing grows meanwhile, and it counts in the bound).
+        for k in changed_keys {
+            let limit = self.rules[self.key(k).rule as usize].limit();
+            let key = self.key_mut(k);
+            let old = key.limit;
+            key.limit = limit;
+            let excess = key.excess();
+            key.inherited = Slice {
+                rate: if limit.rate < old.rate {
+                    excess.rate
+                } else {
+                    key.inherited.rate.min(excess.rate)
+                },
+                burst: if limit.burst < old.burst {
+                    excess.burst
+                } else {
+                    key.inherited.burst.min(excess.burst)
+                },
+            };
+            key.pool = key
+                .pool
+                .min(limit.burst.saturating_sub(key.committed.burst));
+            if self.recompute_now(now, k) {
+                summary.keys_recomputed += 1;
+            } else {
+                summary.keys_deferred += 1;
+            }
+        }
+        summary
+    }
+
+    /// Drops every entry of key `k` and the key itself: its grants stop counting.
+    fn release_key(&mut self, _now: u64, k: u32) {
+        let n = self.key(k).entries.len();
+        for pos in (0..n).rev() {
+            self.remove_entry(k, pos as u32);
+        }
+        self.remove_key(k);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::msg::{Grant, HeldGrant};
+    use crate::testing::*;
+
+    fn rules_with(rps_rate: u64, rps_burst: u64, extra: &str) -> Config {
+        Config::from_toml(&format!(
+            r#"
+[[rule]]
+name = "rps"
+match = {{ org = "*" }}
+dimension = "requests"
+rate = {rps_rate}
+per = "second"
+burst = {rps_burst}
+posture = "conservative"
+{extra}
+"#
+        ))
+        .unwrap()
+    }
+
+    const OPEN: &str = r#"
+[[rule]]
+name = "open-rps"
+match = { org = "*" }
+dimension = "requests"
+rate = 1000
+per = "second"
+burst = 500
+posture = "open"
+"#;
+
+    /// Two agents each granted about half of `rps` (1,000/s) for org x, grants applied.
+    fn two_halves() -> (Allocator, u64, Vec<Grant>) {
+        let mut now = 5 * SEC;
+        let mut a = warm_allocator(1, now);
+        a.reload(now, &rules_with(1000, 1000, OPEN));
+        a.handle_hello(now, &hello("a", 1, 1)).unwrap();
+        a.handle_hello(now, &hello("b", 1, 1)).unwrap();
+        let mut held: Vec<Option<HeldGrant>> = vec![None, None];
+        let mut last = Vec::new();
+        for round in 1..=8u64 {
+            for (i, agent) in ["a", "b"].iter().enumerate() {
+                a.handle_report(
+                    now,
+                    &report(
+                        agent,
+                        1,
+                        round * 250 * MS,
+                        vec![line(key("rps", "x"), round * 300, round * 100, held[i])],
+                    ),
+                )
+                .unwrap();
+            }
+            now += 250 * MS;
+            a.handle_timeout(now);
+            a.check_invariants().unwrap();
+            let gs: Vec<Grant> = a.drain_grants().collect();
+            for g in &gs {
+                let i = if &*g.agent == "a" { 0 } else { 1 };
+                held[i] = Some(g.held());
+                a.handle_ack(now, &ack(g, 1, 0)).unwrap();
+                a.check_invariants().unwrap();
+            }
+            if !gs.is_empty() {
+                last = gs;
+            }
+        }
+        (a, now, last)
+    }
+
+    #[test]
+    fn a_shrunk_limit_revokes_before_it_grants_and_bounds_the_excess_meanwhile() {
+        let (mut a, now, _) = two_halves();
+        let k = key("rps", "x");
+        let before = a.key_status(&k).unwrap();
+        assert!(before.committed.rate > 900, "{before:?}");
+
+        let s = a.reload(now, &rules_with(400, 400, OPEN));
+        assert_eq!(s.changed, vec!["rps".to_string()]);
+        assert!(s.removed.is_empty() && s.added.is_empty() && s.replaced.is_empty());
+        assert_eq!((s.keys_recomputed, s.keys_released), (1, 0));
+        a.check_invariants().unwrap();
+        let st = a.key_status(&k).unwrap();
+        assert_eq!(
+            st.limit,
+            Slice {
+                rate: 400,
+                burst: 400
+            }
+        );
+        // The old grants still count until acknowledged: the excess is in the bound.
+        assert_eq!(st.committed, before.committed);
+        assert_eq!(st.bound.rate, before.committed.rate - 400);
+        assert_eq!(st.bound.burst, before.committed.burst - 400);
+        // Only shrinks were sent, summing to at most the new limit.
+        let gs: Vec<Grant> = a.drain_grants().collect();
+        assert_eq!(gs.len(), 2, "{gs:?}");
+        let (r, b) = gs
+            .iter()
+            .fold((0, 0), |(r, b), g| (r + g.rate, b + g.burst));
+        assert!(r <= 400 && b <= 400, "({r}, {b})");
+        for g in &gs {
+            let was = before.agents.iter().find(|x| x.agent == g.agent).unwrap();
+            assert!(g.rate < was.granted.rate, "{g:?} grows from {was:?}");
+        }
+        // Acknowledged: the commitments fall under the new limit, the excess is gone.
+        for g in &gs {
+            a.handle_ack(now, &ack(g, 1, 0)).unwrap();
+            a.check_invariants().unwrap();
+        }
+        let st = a.key_status(&k).unwrap();
+        assert!(
+            st.committed.rate <= 400 && st.committed.burst <= 400,
+            "{st:?}"
+        );
+        assert_eq!((st.bound.rate, st.bound.burst), (0, 0));
+        // The agents still hold grants from before the shrink: not absurd.
+        a.handle_report(
+            now + MS,
+            &report(
+                "a",
+                1,
+                9 * 250 * MS,
+                vec![line(
+                    k.clone(),
+                    2700,
+                    900,
+                    Some(HeldGrant {
+                        epoch: 1,
+                        seq: 1,
+                        rate: 900,
+                        burst: 900,
+                    }),
+                )],
+            ),
+        )
+        .unwrap();
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_grown_limit_is_granted_at_once() {
+        let (mut a, now, _) = two_halves();
+        let s = a.reload(now, &rules_with(3000, 3000, OPEN));
+        assert_eq!(s.changed, vec!["rps".to_string()]);
+        a.check_invariants().unwrap();
+        let gs: Vec<Grant> = a.drain_grants().collect();
+        let (r, b) = gs
+            .iter()
+            .fold((0, 0), |(r, b), g| (r + g.rate, b + g.burst));
+        assert!(r > 1000 && r <= 3000 && b <= 3000, "({r}, {b}) {gs:?}");
+        let st = a.key_status(&key("rps", "x")).unwrap();
+        assert_eq!(
+            st.limit,
+            Slice {
+                rate: 3000,
+                burst: 3000
+            }
+        );
+        assert_eq!((st.bound.rate, st.bound.burst), (0, 0));
+    }
+
+    #[test]
+    fn a_removed_rule_releases_its_keys_and_old_lines_are_ignored_not_refused() {
+        let (mut a, now, _) = two_halves();
+        a.handle_report(
+            now,
+            &report(
+                "a",
+                1,
+                10 * SEC,
+                vec![line(key("open-rps", "y"), 10, 10, None)],
+            ),
+        )
+        .unwrap();
+        assert_eq!(a.key_count(), 2);
+        // open-rps removed; rps unchanged.
+        let s = a.reload(now, &rules_with(1000, 1000, ""));
+        assert_eq!(s.removed, vec!["open-rps".to_string()]);
+        assert!(s.changed.is_empty());
+        assert_eq!(s.keys_released, 1);
+        a.check_invariants().unwrap();
+        assert_eq!(a.key_count(), 1);
+        assert!(a.key_status(&key("open-rps", "y")).is_none());
+        assert!(a.rules().all(|r| r.name != "open-rps"));
+        // An agent still on the old rules: its line for open-rps is ignored, its rps
+        // line still counts.
+        let before = a.key_status(&key("rps", "x")).unwrap();
+        a.handle_report(
+            now,
+            &report(
+                "a",
+                1,
+                11 * SEC,
+                vec![
+                    line(key("open-rps", "y"), 20, 20, None),
+                    line(key("rps", "x"), 9_000, 3_000, None),
+                ],
+            ),
+        )
+        .unwrap();
+        assert_eq!(a.ignored_lines(), 1);
+        assert!(a.key_status(&key("open-rps", "y")).is_none());
+        assert_ne!(
+            a.key_status(&key("rps", "x")).unwrap().demand,
+            before.demand
+        );
+        // A rule never known is still refused whole.
+        let e = a
+            .handle_report(
+                now,
+                &report("a", 1, 12 * SEC, vec![line(key("nope", "x"), 1, 1, None)]),
+            )
+            .unwrap_err();
+        assert!(matches!(e, crate::AllocError::UnknownRule(_)), "{e}");
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_rule_whose_match_changes_is_replaced_and_its_keys_start_afresh() {
+        let (mut a, now, _) = two_halves();
+        let keyed = Config::from_toml(
+            r#"
+[[rule]]
+name = "rps"
+match = { org = "*", key = "*" }
+dimension = "requests"
+rate = 1000
+per = "second"
+"#,
+        )
+        .unwrap();
+        let s = a.reload(now, &keyed);
+        assert_eq!(s.replaced, vec!["rps".to_string()]);
+        assert_eq!(s.removed, vec!["open-rps".to_string()]);
+        assert_eq!(s.keys_released, 1);
+        assert_eq!(a.key_count(), 0);
+        a.check_invariants().unwrap();
+        // Old-form lines (one value) are ignored; new-form lines are allocated.
+        a.handle_report(
+            now,
+            &report(
+                "a",
+                1,
+                10 * SEC,
+                vec![
+                    line(key("rps", "x"), 1, 1, None),
+                    line(KeyName::new("rps", &["x", "k1"]), 1, 1, None),
+                ],
+            ),
+        )
+        .unwrap();
+        assert_eq!(a.ignored_lines(), 1);
+        assert_eq!(a.key_count(), 1);
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn the_same_rules_again_change_nothing() {
+        let (mut a, now, _) = two_halves();
+        let before = a.key_status(&key("rps", "x")).unwrap();
+        let s = a.reload(now, &rules_with(1000, 1000, OPEN));
+        assert!(s.is_empty(), "{s}");
+        assert_eq!(s.to_string(), "no rule changed");
+        assert_eq!(a.pending_grants(), 0);
+        assert_eq!(a.key_status(&key("rps", "x")).unwrap(), before);
+    }
+
+    use crate::msg::KeyName;
+}
