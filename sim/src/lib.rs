@@ -25,8 +25,9 @@
 //! - [`policy`]: baseline policies for `--policy` (static split, Doorman-like,
 //!   Gubernator-GLOBAL-like).
 //! - [`rng`]: the seeded generator.
+//! - [`sweep`]: `bursar-sim sweep` (report interval, TTL, burst, overdraft).
 //! - [`wire`]: encoded sizes of the control messages (bytes per agent per second).
-//! - `main.rs`: the `bursar-sim` binary (`run`, `list`).
+//! - `main.rs`: the `bursar-sim` binary (`run`, `sweep`, `list`).
 //! - `tests/sweep.rs`: a short seed sweep over every built-in scenario.
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
@@ -35,4 +36,5 @@ pub mod policy;
 pub mod rng;
 pub mod scenario;
 pub mod sim;
+pub mod sweep;
 pub mod wire;

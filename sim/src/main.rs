@@ -6,9 +6,10 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use bursar_sim::scenario::{BUILT_INS, Scenario};
+use bursar_sim::scenario::{BUILT_INS, Overrides, Scenario};
 use bursar_sim::sim::{Sim, replay_command};
-use clap::{Parser, Subcommand};
+use bursar_sim::sweep::{SweepSpec, sweep};
+use clap::{Args, Parser, Subcommand};
 
 #[derive(Parser)]
 #[command(
@@ -20,6 +21,20 @@ struct Cli {
     cmd: Cmd,
 }
 
+/// Overrides of the scenario's fleet and run length.
+#[derive(Args)]
+struct FleetArgs {
+    /// Override the number of gateways.
+    #[arg(long)]
+    gateways: Option<usize>,
+    /// Override the number of keys.
+    #[arg(long)]
+    keys: Option<usize>,
+    /// Override the virtual duration of traffic, seconds.
+    #[arg(long)]
+    duration_s: Option<f64>,
+}
+
 #[derive(Subcommand)]
 enum Cmd {
     /// Run one scenario (a TOML file or a built-in name).
@@ -29,21 +44,60 @@ enum Cmd {
         /// Seed (the same seed and scenario replay bit for bit).
         #[arg(long, default_value_t = 1)]
         seed: u64,
-        /// Override the number of gateways.
+        #[command(flatten)]
+        fleet: FleetArgs,
+        /// Override `allocator.report_interval_ms` (and the Gubernator-like sync).
         #[arg(long)]
-        gateways: Option<usize>,
-        /// Override the number of keys.
+        report_interval_ms: Option<u64>,
+        /// Override `allocator.lease_ms` (the grants' TTL).
         #[arg(long)]
-        keys: Option<usize>,
-        /// Override the virtual duration of traffic, seconds.
+        lease_ms: Option<u64>,
+        /// Override `limit.burst`.
         #[arg(long)]
-        duration_s: Option<f64>,
+        burst: Option<u64>,
+        /// Override `allocator.overdraft_permille`.
+        #[arg(long)]
+        overdraft_permille: Option<u32>,
         /// Allocation policy: `bursar` (the real allocator), `static` (R/N each),
         /// `doorman` (proportional shares without revoke-before-grant) or `gubernator`
         /// (every gateway holds the full limit and syncs hits every report interval).
         #[arg(long, default_value = "bursar")]
         policy: String,
         /// Write the JSON report here.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// Run one scenario over ranges of report interval, lease TTL, burst and overdraft,
+    /// and print each point's measured overshoot beside its stated bound. Exits 1 if
+    /// any point measured above its bound.
+    Sweep {
+        /// Scenario file, or the name of a built-in.
+        scenario: String,
+        /// Seeds: every point runs each of 1..=N (the same seeds for every point).
+        #[arg(long, default_value_t = 1)]
+        seeds: u64,
+        #[command(flatten)]
+        fleet: FleetArgs,
+        /// Report intervals, ms, comma-separated (default 50,100,250,500,1000).
+        #[arg(long, value_delimiter = ',')]
+        report_interval_ms: Vec<u64>,
+        /// Lease TTLs, ms (default 1000,2000,5000,10000).
+        #[arg(long, value_delimiter = ',')]
+        lease_ms: Vec<u64>,
+        /// Bursts, tokens (default 0.5, 1, 2 and 4 x the scenario's, those that fit the
+        /// largest request).
+        #[arg(long, value_delimiter = ',')]
+        burst: Vec<u64>,
+        /// Overdrafts, permille of R (default 0,50,100,200).
+        #[arg(long, value_delimiter = ',')]
+        overdraft_permille: Vec<u32>,
+        /// Run every combination instead of one axis at a time.
+        #[arg(long)]
+        grid: bool,
+        /// Allocation policy (as for `run`).
+        #[arg(long, default_value = "bursar")]
+        policy: String,
+        /// Write the sweep as JSON here.
         #[arg(long)]
         json: Option<PathBuf>,
     },
@@ -70,27 +124,120 @@ fn real_main() -> Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
+        Cmd::Sweep {
+            scenario,
+            seeds,
+            fleet,
+            report_interval_ms,
+            lease_ms,
+            burst,
+            overdraft_permille,
+            grid,
+            policy,
+            json,
+        } => {
+            let sc = Scenario::load(&scenario)?;
+            let base = Overrides {
+                gateways: fleet.gateways,
+                keys: fleet.keys,
+                duration_s: fleet.duration_s,
+                ..Overrides::default()
+            };
+            let mut sized = sc.clone();
+            base.apply(&mut sized)?;
+            let defaults = SweepSpec::defaults_for(&sized);
+            let pick = |given: Vec<u64>, default: Vec<u64>| {
+                if given.is_empty() { default } else { given }
+            };
+            let spec = SweepSpec {
+                report_interval_ms: pick(report_interval_ms, defaults.report_interval_ms),
+                lease_ms: pick(lease_ms, defaults.lease_ms),
+                burst: pick(burst, defaults.burst),
+                overdraft_permille: if overdraft_permille.is_empty() {
+                    defaults.overdraft_permille
+                } else {
+                    overdraft_permille
+                },
+                grid,
+            };
+            let seed_list: Vec<u64> = (1..=seeds.max(1)).collect();
+            println!(
+                "sweep {} policy {policy}: {} gateways x {} keys x {} virtual s, seeds 1..={}",
+                sc.name,
+                sized.gateways,
+                sized.keys,
+                sized.duration_s,
+                seed_list.len()
+            );
+            println!(
+                "{:>9} {:>8} {:>8} {:>5} {:>12} {:>10} {:>13} {:>12} {:>13}  result",
+                "report_ms",
+                "lease_ms",
+                "burst",
+                "O_pm",
+                "overshoot/B",
+                "bound/B",
+                "utilization",
+                "msgs/agent/s",
+                "bytes/agent/s"
+            );
+            let started = Instant::now();
+            let report = sweep(&scenario, &sc, &base, &spec, &seed_list, &policy, |p| {
+                println!(
+                    "{:>9} {:>8} {:>8} {:>5} {:>12.4} {:>10.4} {:>13} {:>12.1} {:>13.0}  {}",
+                    p.report_interval_ms,
+                    p.lease_ms,
+                    p.burst,
+                    p.overdraft_permille,
+                    p.overshoot_max_fraction_of_burst,
+                    p.bound_fraction_of_burst,
+                    format!("{:.3}-{:.3}", p.utilization_min, p.utilization_max),
+                    p.control_messages_per_agent_per_s,
+                    p.control_bytes_per_agent_per_s,
+                    if p.within { "within" } else { "ABOVE BOUND" }
+                );
+            })?;
+            let wall_s = started.elapsed().as_secs_f64();
+            println!(
+                "{} points x {} seeds in {wall_s:.1} s wall",
+                report.points.len(),
+                seed_list.len()
+            );
+            if let Some(path) = json {
+                std::fs::write(&path, serde_json::to_string_pretty(&report)?)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
+            if report.failed_points > 0 {
+                for p in report.points.iter().filter(|p| !p.within) {
+                    println!("FAILED: replay with: {}", p.replay);
+                }
+                return Ok(ExitCode::FAILURE);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         Cmd::Run {
             scenario,
             seed,
-            gateways,
-            keys,
-            duration_s,
+            fleet,
+            report_interval_ms,
+            lease_ms,
+            burst,
+            overdraft_permille,
             policy,
             json,
         } => {
             let mut sc = Scenario::load(&scenario)?;
-            let replay = replay_command(&scenario, seed, gateways, keys, duration_s, &policy);
-            if let Some(g) = gateways {
-                sc.gateways = g;
-            }
-            if let Some(k) = keys {
-                sc.keys = k;
-            }
-            if let Some(d) = duration_s {
-                sc.duration_s = d;
-            }
-            sc.validate()?;
+            let overrides = Overrides {
+                gateways: fleet.gateways,
+                keys: fleet.keys,
+                duration_s: fleet.duration_s,
+                report_interval_ms,
+                lease_ms,
+                burst,
+                overdraft_permille,
+            };
+            let replay = replay_command(&scenario, seed, &overrides, &policy);
+            overrides.apply(&mut sc)?;
             let sim = Sim::new(&sc, seed, &policy)?;
             let started = Instant::now();
             let report = sim.run();

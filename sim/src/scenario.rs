@@ -321,6 +321,78 @@ pub struct FaultSpec {
     pub agents: Vec<usize>,
 }
 
+/// Settings given on the command line over a scenario's own (`run` and `sweep` flags);
+/// `None` keeps the scenario's value.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Overrides {
+    /// `gateways`.
+    pub gateways: Option<usize>,
+    /// `keys`.
+    pub keys: Option<usize>,
+    /// `duration_s`.
+    pub duration_s: Option<f64>,
+    /// `allocator.report_interval_ms` (also the Gubernator-like policy's sync interval).
+    pub report_interval_ms: Option<u64>,
+    /// `allocator.lease_ms` (the grants' TTL).
+    pub lease_ms: Option<u64>,
+    /// `limit.burst`.
+    pub burst: Option<u64>,
+    /// `allocator.overdraft_permille`.
+    pub overdraft_permille: Option<u32>,
+}
+
+impl Overrides {
+    /// Applies every override given, then validates the result.
+    pub fn apply(&self, sc: &mut Scenario) -> Result<(), ScenarioError> {
+        if let Some(g) = self.gateways {
+            sc.gateways = g;
+        }
+        if let Some(k) = self.keys {
+            sc.keys = k;
+        }
+        if let Some(d) = self.duration_s {
+            sc.duration_s = d;
+        }
+        if let Some(r) = self.report_interval_ms {
+            sc.allocator.report_interval_ms = r;
+        }
+        if let Some(l) = self.lease_ms {
+            sc.allocator.lease_ms = l;
+        }
+        if let Some(b) = self.burst {
+            sc.limit.burst = b;
+        }
+        if let Some(o) = self.overdraft_permille {
+            sc.allocator.overdraft_permille = o;
+        }
+        sc.validate()
+    }
+
+    /// The flags that give these overrides, in a fixed order (for replay commands).
+    pub fn flags(&self) -> String {
+        let mut c = String::new();
+        let mut flag = |name: &str, v: Option<String>| {
+            if let Some(v) = v {
+                c += &format!(" --{name} {v}");
+            }
+        };
+        flag("gateways", self.gateways.map(|x| x.to_string()));
+        flag("keys", self.keys.map(|x| x.to_string()));
+        flag("duration-s", self.duration_s.map(|x| x.to_string()));
+        flag(
+            "report-interval-ms",
+            self.report_interval_ms.map(|x| x.to_string()),
+        );
+        flag("lease-ms", self.lease_ms.map(|x| x.to_string()));
+        flag("burst", self.burst.map(|x| x.to_string()));
+        flag(
+            "overdraft-permille",
+            self.overdraft_permille.map(|x| x.to_string()),
+        );
+        c
+    }
+}
+
 impl Scenario {
     /// Parses TOML; `name` labels errors.
     pub fn from_toml(name: &str, text: &str) -> Result<Scenario, ScenarioError> {
@@ -382,6 +454,15 @@ impl Scenario {
             return bad("limit.posture", "must be strict, conservative or open");
         }
         let a = &self.allocator;
+        if a.lease_ms <= 200 || a.lease_ms > 3_600_000 {
+            return bad(
+                "allocator.lease_ms",
+                "must be above the allocator's drift margin (200 ms) and at most 3,600,000",
+            );
+        }
+        if a.overdraft_permille > 1_000 {
+            return bad("allocator.overdraft_permille", "must be 0 to 1,000");
+        }
         if a.report_interval_ms == 0 || a.new_key_poll_ms == 0 || a.full_report_every == 0 {
             return bad(
                 "allocator",

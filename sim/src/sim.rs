@@ -22,7 +22,7 @@ use serde::Serialize;
 
 use crate::policy::{POLICIES, Policy, Proportional};
 use crate::rng::Rng;
-use crate::scenario::{FaultKind, Scenario, WorkloadKind};
+use crate::scenario::{FaultKind, Overrides, Scenario, WorkloadKind};
 use crate::wire;
 
 const MS: u64 = 1_000_000;
@@ -1604,25 +1604,12 @@ fn p95(xs: &mut [f64]) -> Option<f64> {
     Some(xs[i])
 }
 
-/// The one command that replays a run: scenario, seed and every override given.
-pub fn replay_command(
-    scenario: &str,
-    seed: u64,
-    gateways: Option<usize>,
-    keys: Option<usize>,
-    duration_s: Option<f64>,
-    policy: &str,
-) -> String {
-    let mut c = format!("bursar-sim run {scenario} --seed {seed}");
-    if let Some(g) = gateways {
-        c += &format!(" --gateways {g}");
-    }
-    if let Some(k) = keys {
-        c += &format!(" --keys {k}");
-    }
-    if let Some(d) = duration_s {
-        c += &format!(" --duration-s {d}");
-    }
+/// The one command that replays a run: scenario, seed, every override given, policy.
+pub fn replay_command(scenario: &str, seed: u64, overrides: &Overrides, policy: &str) -> String {
+    let mut c = format!(
+        "bursar-sim run {scenario} --seed {seed}{}",
+        overrides.flags()
+    );
     if policy != "bursar" {
         c += &format!(" --policy {policy}");
     }
@@ -1793,13 +1780,32 @@ mod tests {
     #[test]
     fn the_replay_command_names_the_seed_and_every_override() {
         assert_eq!(
-            replay_command("steady", 7, None, None, None, "bursar"),
+            replay_command("steady", 7, &Overrides::default(), "bursar"),
             "bursar-sim run steady --seed 7"
         );
+        let o = Overrides {
+            gateways: Some(3),
+            keys: Some(2),
+            duration_s: Some(1.5),
+            report_interval_ms: Some(100),
+            lease_ms: Some(5_000),
+            burst: Some(800),
+            overdraft_permille: Some(50),
+        };
         assert_eq!(
-            replay_command("x.toml", 1, Some(3), Some(2), Some(1.5), "static"),
-            "bursar-sim run x.toml --seed 1 --gateways 3 --keys 2 --duration-s 1.5 --policy static"
+            replay_command("x.toml", 1, &o, "static"),
+            "bursar-sim run x.toml --seed 1 --gateways 3 --keys 2 --duration-s 1.5 \
+             --report-interval-ms 100 --lease-ms 5000 --burst 800 --overdraft-permille 50 \
+             --policy static"
         );
+        // The overrides it names are the ones applied.
+        let mut sc = Scenario::load("steady").unwrap();
+        o.apply(&mut sc).unwrap();
+        assert_eq!(
+            (sc.gateways, sc.allocator.lease_ms, sc.limit.burst),
+            (3, 5_000, 800)
+        );
+        assert_eq!(sc.allocator.overdraft_permille, 50);
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! allocator (or with the `strict` posture under a partition), and measured overshoot
 //! within the allocator's stated bound everywhere.
 
-use bursar_sim::scenario::{BUILT_INS, Scenario};
+use bursar_sim::scenario::{BUILT_INS, Overrides, Scenario};
 use bursar_sim::sim::{replay_command, run};
 
 const SEEDS: [u64; 2] = [0x5EED_0001, 0x5EED_0002];
@@ -17,7 +17,11 @@ fn every_built_in_scenario_stays_within_its_overshoot_bound_over_a_seed_sweep() 
         for seed in SEEDS {
             let r = run(&sc, seed).unwrap();
             let s = &r.summary;
-            let replay = replay_command(name, seed, None, None, Some(sc.duration_s), "bursar");
+            let overrides = Overrides {
+                duration_s: Some(sc.duration_s),
+                ..Overrides::default()
+            };
+            let replay = replay_command(name, seed, &overrides, "bursar");
             println!(
                 "{name:<16} seed {seed:#x}: overshoot {:.4} B, bound {:.4} B, utilization {:.3}, {} events",
                 s.overshoot_max_fraction_of_burst,
