@@ -556,3 +556,192 @@ pub fn decode_events(
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::HOUR_MS;
+    use crate::testing::{correction, usage_stream};
+
+    const NOW: u64 = 490_000 * HOUR_MS;
+
+    fn sample() -> Vec<Event> {
+        let mut v = usage_stream(7, "req", "agent-a", 200, NOW);
+        v[3].descriptors = vec![("key".into(), "k1".into()), ("region".into(), "eu".into())];
+        let void = correction("fix-1", &v[0], None);
+        let adjust = correction(
+            "fix-2",
+            &v[1],
+            Some(TokenDeltas {
+                input_tokens: -5,
+                cached_input_tokens: 0,
+                output_tokens: 7,
+            }),
+        );
+        v.push(void);
+        v.push(adjust);
+        v
+    }
+
+    #[test]
+    fn events_round_trip_through_the_compact_encoding() {
+        let events = sample();
+        let b = encode_events(&events);
+        assert_eq!(b.count as usize, events.len());
+        let back = decode_events(&b, &Limits::default(), 10_000).unwrap();
+        assert_eq!(back, events);
+        // Out-of-order times (a late event after a new one) survive the deltas.
+        let mut mixed = events.clone();
+        mixed.swap(0, 150);
+        mixed[5].time_ms = 1;
+        let back = decode_events(&encode_events(&mixed), &Limits::default(), 10_000).unwrap();
+        assert_eq!(back, mixed);
+    }
+
+    #[test]
+    fn a_typical_event_takes_well_under_100_bytes_on_the_wire() {
+        // UUID-sized request ids, a few tenants and models: the common shape.
+        let mut events = usage_stream(9, "r", "agent-7", 10_000, NOW);
+        for (i, e) in events.iter_mut().enumerate() {
+            e.request_id = format!("0190c3a2-7b1e-7c4d-9e8f-{i:012x}");
+        }
+        let frame = encode(&Msg::Push(encode_events(&events)));
+        let per_event = frame.len() as f64 / events.len() as f64;
+        let canonical: usize = events.iter().map(|e| e.encode().len()).sum();
+        let canonical = canonical as f64 / events.len() as f64;
+        println!("wire bytes per event: {per_event:.1} (canonical store encoding {canonical:.1})");
+        assert!(per_event < 100.0, "{per_event} bytes per event");
+        assert!(per_event < canonical, "{per_event} vs {canonical}");
+    }
+
+    #[test]
+    fn every_message_round_trips_through_the_envelope() {
+        let d = Digest::default().to_bytes().to_vec();
+        let wb = WireBucket {
+            hour: 5,
+            tenant: "t".into(),
+        };
+        let msgs = vec![
+            Msg::Push(encode_events(&sample())),
+            Msg::PushAck {
+                new: 1,
+                duplicate: 2,
+                conflict: 3,
+            },
+            Msg::Root(d.clone()),
+            Msg::Differ,
+            Msg::Offer {
+                root: d.clone(),
+                buckets: vec![(wb.clone(), d.clone())],
+                from_hour: 0,
+                to_hour: u64::MAX,
+            },
+            Msg::Answer {
+                events: EventBatch::default(),
+                want: vec![wb.clone()],
+                split: vec![(wb.clone(), vec![d.clone(); 3])],
+                truncated: true,
+            },
+            Msg::Serve {
+                events: EventBatch::default(),
+                sub_wants: vec![(wb, vec![1, 2, 255])],
+            },
+            Msg::Back(EventBatch::default()),
+            Msg::Last(EventBatch::default()),
+            Msg::Done,
+            Msg::Error("nope".into()),
+        ];
+        let mut types = std::collections::HashSet::new();
+        for m in msgs {
+            assert!(types.insert(m.type_byte()), "type bytes are distinct");
+            let b = encode(&m);
+            assert_eq!(decode(&b, FRAME_MAX_DEFAULT).unwrap(), m);
+        }
+    }
+
+    #[test]
+    fn bad_envelopes_are_refused_with_their_reason() {
+        let good = encode(&Msg::Push(encode_events(&sample())));
+        // Truncated anywhere: a clear error, never a panic.
+        for cut in 0..good.len() {
+            let e = decode(&good[..cut], FRAME_MAX_DEFAULT).unwrap_err();
+            assert!(
+                matches!(e, FrameError::Truncated(_)),
+                "cut at {cut}: {e:?}"
+            );
+        }
+        let mut b = good.clone();
+        b[0] = b'X';
+        assert!(matches!(decode(&b, FRAME_MAX_DEFAULT), Err(FrameError::Magic(_))));
+        let mut b = good.clone();
+        b[4] = 9;
+        assert_eq!(decode(&b, FRAME_MAX_DEFAULT), Err(FrameError::Version(9)));
+        let mut b = good.clone();
+        b[6] = 1;
+        assert!(matches!(decode(&b, FRAME_MAX_DEFAULT), Err(FrameError::Reserved(_))));
+        let mut b = good.clone();
+        b[5] = Msg::Done.type_byte();
+        assert!(matches!(
+            decode(&b, FRAME_MAX_DEFAULT),
+            Err(FrameError::TypeMismatch { .. })
+        ));
+        // A length beyond the bound is refused from the header alone.
+        let e = decode_header(&good[..HEADER_BYTES], 100).unwrap_err();
+        assert!(matches!(e, FrameError::TooLarge { .. }), "{e:?}");
+        let mut b = good.clone();
+        b.push(0);
+        assert!(decode(&b, FRAME_MAX_DEFAULT).is_err(), "trailing bytes");
+    }
+
+    #[test]
+    fn bad_event_batches_are_refused() {
+        let good = encode_events(&sample());
+        let lim = Limits::default();
+        // Too many for the bound.
+        assert!(decode_events(&good, &lim, 10).is_err());
+        // Every truncation of the bytes.
+        for cut in 0..good.bytes.len() {
+            let b = EventBatch {
+                count: good.count,
+                bytes: good.bytes[..cut].to_vec(),
+            };
+            assert!(decode_events(&b, &lim, 10_000).is_err(), "cut at {cut}");
+        }
+        // A count that does not match the bytes.
+        let b = EventBatch {
+            count: good.count + 1,
+            bytes: good.bytes.clone(),
+        };
+        assert!(decode_events(&b, &lim, 10_000).is_err());
+        let b = EventBatch {
+            count: good.count - 1,
+            bytes: good.bytes.clone(),
+        };
+        assert!(decode_events(&b, &lim, 10_000).is_err());
+        // Values that fail validation: output tokens beyond the bound.
+        let mut e = sample();
+        if let Body::Usage { tokens, .. } = &mut e[0].body {
+            tokens.output_tokens = lim.tokens_max + 1;
+        }
+        let err = decode_events(&encode_events(&e), &lim, 10_000).unwrap_err();
+        assert!(err.to_string().contains("event 0"), "{err}");
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(300))]
+        /// Random corruption of a frame never panics, and anything that still decodes
+        /// is a well-formed message whose events validate.
+        #[test]
+        fn corrupt_frames_never_panic(flips in proptest::collection::vec((0usize..4096, proptest::prelude::any::<u8>()), 1..8)) {
+            let good = encode(&Msg::Push(encode_events(&sample()[..20])));
+            let mut b = good.clone();
+            for (at, v) in flips {
+                let i = at % b.len();
+                b[i] ^= v.max(1);
+            }
+            if let Ok(Msg::Push(batch)) = decode(&b, FRAME_MAX_DEFAULT) {
+                let _ = decode_events(&batch, &Limits::default(), 10_000);
+            }
+        }
+    }
+}
