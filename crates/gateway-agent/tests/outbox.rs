@@ -1,0 +1,685 @@
+//! The durable usage outbox against real processes: real `bursar-ledger` binaries and
+//! real `bursar-agent` binaries on loopback, completions through the agent's HTTP API,
+//! and the ledgers' own export to see what arrived.
+//!
+//! The ledger binary is the one cargo built beside the agent (`target/*/bursar-ledger`);
+//! if it is missing the test builds it with `cargo build -p bursar-ledger`. Set
+//! `BURSAR_LEDGER_BIN` to use another.
+//!
+//! Run with `--nocapture` to see the counts each test prints.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde_json::{Value, json};
+
+const RULES: &str = r#"
+[[rule]]
+name = "org-rpm"
+match = { org = "*" }
+dimension = "requests"
+rate = 10000000
+per = "minute"
+
+[[rule]]
+name = "model-tpm"
+match = { org = "*", model = "*" }
+dimension = "input_tokens"
+rate = 100000000000
+per = "minute"
+"#;
+
+static N: AtomicU64 = AtomicU64::new(0);
+
+fn tempdir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!(
+        "bursar-outbox-it-{name}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("temp dir");
+    d
+}
+
+fn ledger_bin() -> PathBuf {
+    if let Ok(p) = std::env::var("BURSAR_LEDGER_BIN") {
+        return PathBuf::from(p);
+    }
+    let bin = Path::new(env!("CARGO_BIN_EXE_bursar-agent")).with_file_name("bursar-ledger");
+    if !bin.exists() {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let st = Command::new(cargo)
+            .args(["build", "-p", "bursar-ledger", "--bin", "bursar-ledger"])
+            .status()
+            .expect("run cargo build -p bursar-ledger");
+        assert!(st.success(), "cargo build -p bursar-ledger failed");
+    }
+    assert!(bin.exists(), "no ledger binary at {}", bin.display());
+    bin
+}
+
+/// A real ledger process on loopback; SIGKILLed on drop.
+struct Ledger {
+    child: Option<Child>,
+    addr: SocketAddr,
+    dir: PathBuf,
+    node_id: String,
+}
+
+impl Ledger {
+    fn start(node_id: &str) -> Ledger {
+        Ledger::start_at(&tempdir(node_id), node_id, "127.0.0.1:0")
+    }
+
+    fn start_at(dir: &Path, node_id: &str, http: &str) -> Ledger {
+        let mut child = Command::new(ledger_bin())
+            .arg("--data-dir")
+            .arg(dir)
+            .args(["--node-id", node_id, "--http", http])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn bursar-ledger");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().expect("stdout"))
+            .read_line(&mut line)
+            .expect("read the ledger's stdout");
+        let addr = line
+            .trim()
+            .strip_prefix("listening on http://")
+            .unwrap_or_else(|| panic!("bursar-ledger did not start: {line:?}"))
+            .parse()
+            .expect("address");
+        Ledger {
+            child: Some(child),
+            addr,
+            dir: dir.to_path_buf(),
+            node_id: node_id.to_string(),
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Restarts on the same data dir and the same port (the agent knows this URL).
+    fn restart(&mut self) {
+        self.kill9();
+        let http = self.addr.to_string();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            // The port may linger briefly after the kill.
+            let r = std::panic::catch_unwind(|| Ledger::start_at(&self.dir, &self.node_id, &http));
+            match r {
+                Ok(mut l) => {
+                    self.child = l.child.take();
+                    return;
+                }
+                Err(_) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(200))
+                }
+                Err(_) => panic!("the ledger did not restart on {http}"),
+            }
+        }
+    }
+
+    /// Every event the ledger holds, as exported (all pages).
+    fn export(&self) -> Vec<Value> {
+        let h = now_ms() / 3_600_000;
+        let (from, to) = ((h - 3) * 3_600_000, (h + 2) * 3_600_000);
+        let mut out = Vec::new();
+        let mut after: Option<String> = None;
+        loop {
+            let mut path = format!("/v1/export?from={from}&to={to}&limit=5000");
+            if let Some(a) = &after {
+                path.push_str(&format!("&after={a}"));
+            }
+            let r = try_request(self.addr, "GET", &path, b"").expect("export");
+            assert_eq!(r.status, 200, "{}", r.body);
+            for line in r.body.lines() {
+                out.push(serde_json::from_str(line).expect("a JSON line"));
+            }
+            match r.header("x-bursar-next-after") {
+                Some(n) => after = Some(n.to_string()),
+                None => return out,
+            }
+        }
+    }
+
+    fn events(&self) -> u64 {
+        let r = try_request(self.addr, "GET", "/v1/digest", b"").expect("digest");
+        r.json()["root"]["events"].as_u64().expect("root events")
+    }
+
+    fn metric(&self, prefix: &str) -> u64 {
+        let r = try_request(self.addr, "GET", "/metrics", b"").expect("metrics");
+        r.body
+            .lines()
+            .find_map(|l| l.strip_prefix(prefix))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("ledger metric {prefix:?} missing"))
+    }
+}
+
+impl Drop for Ledger {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// A real agent process with a durable outbox; SIGKILLed on drop.
+struct AgentProc {
+    child: Option<Child>,
+    http: SocketAddr,
+    config: PathBuf,
+}
+
+impl AgentProc {
+    fn start(outbox: &Path, ledgers: &[String], extra: &[&str]) -> AgentProc {
+        let config = outbox.with_extension("rules.toml");
+        std::fs::write(&config, RULES).expect("write rules");
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_bursar-agent"));
+        cmd.arg("--config")
+            .arg(&config)
+            .args(["--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
+            .arg("--outbox-dir")
+            .arg(outbox)
+            .args([
+                "--agent-id",
+                "agent-under-test",
+                "--ledger-backoff-max-ms",
+                "500",
+            ]);
+        for l in ledgers {
+            cmd.args(["--ledger", l]);
+        }
+        let mut child = cmd
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn bursar-agent");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().expect("stdout"))
+            .read_line(&mut line)
+            .expect("read the agent's stdout");
+        let http = line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("http="))
+            .and_then(|a| a.parse().ok())
+            .unwrap_or_else(|| panic!("the agent did not start: {line:?}"));
+        AgentProc {
+            child: Some(child),
+            http,
+            config,
+        }
+    }
+
+    fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn metric(&self, prefix: &str) -> u64 {
+        let r = try_request(self.http, "GET", "/metrics", b"").expect("metrics");
+        r.body
+            .lines()
+            .find_map(|l| l.strip_prefix(prefix))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("agent metric {prefix:?} missing"))
+    }
+
+    fn pending(&self) -> u64 {
+        self.metric("bursar_outbox_pending_events ")
+    }
+
+    /// Admits and completes one request; `Some(status)` of the completion, `None` if
+    /// the admission failed or the agent did not answer.
+    fn admit_complete(&self, id: &str, org: &str, input: u64, output: u64) -> Option<Resp> {
+        let a = try_request(
+            self.http,
+            "POST",
+            "/v1/admit",
+            json!({"request_id": id, "descriptors": {"org": org, "model": "m1"},
+                   "cost": {"requests": 1, "input_tokens": input, "output_tokens": output}})
+            .to_string()
+            .as_bytes(),
+        )?;
+        assert_eq!(a.status, 200, "admit: {}", a.body);
+        try_request(
+            self.http,
+            "POST",
+            "/v1/complete",
+            json!({"request_id": id, "usage": {"input_tokens": input, "output_tokens": output}})
+                .to_string()
+                .as_bytes(),
+        )
+    }
+}
+
+impl Drop for AgentProc {
+    fn drop(&mut self) {
+        self.kill9();
+        let _ = std::fs::remove_file(&self.config);
+    }
+}
+
+use common::Resp;
+
+/// One HTTP/1.1 request; `None` if the connection failed or broke (a killed process).
+fn try_request(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> Option<Resp> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(30))).ok()?;
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).ok()?;
+    s.write_all(body).ok()?;
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).ok()?;
+    let text = String::from_utf8_lossy(&raw).to_string();
+    let (head, body) = text.split_once("\r\n\r\n")?;
+    let mut lines = head.lines();
+    let status = lines.next()?.split_whitespace().nth(1)?.parse().ok()?;
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+        .collect();
+    // Chunked bodies (export) are de-chunked; the agent's are plain.
+    let body = if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        dechunk(body)
+    } else {
+        body.to_string()
+    };
+    Some(Resp {
+        status,
+        headers,
+        body,
+    })
+}
+
+fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = s.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 || rest.len() < n {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        s = rest[n..].trim_start_matches("\r\n");
+    }
+    out
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock")
+        .as_millis() as u64
+}
+
+fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Request id -> how many times it is in the export, and (origin, seq) pairs seen.
+fn tally(events: &[Value]) -> (HashMap<String, u32>, HashMap<(String, u64), u32>) {
+    let mut ids = HashMap::new();
+    let mut seqs = HashMap::new();
+    for e in events {
+        *ids.entry(e["request_id"].as_str().expect("request_id").to_string())
+            .or_insert(0) += 1;
+        *seqs
+            .entry((
+                e["origin"].as_str().expect("origin").to_string(),
+                e["seq"].as_u64().expect("seq"),
+            ))
+            .or_insert(0) += 1;
+    }
+    (ids, seqs)
+}
+
+#[test]
+fn completions_reach_both_ledgers_exactly_once_and_catch_up_after_an_outage() {
+    let a = Ledger::start("ledger-a");
+    let mut b = Ledger::start("ledger-b");
+    let outbox = tempdir("agent");
+    let agent = AgentProc::start(&outbox, &[a.url(), b.url()], &[]);
+
+    // Phase 1: both ledgers up.
+    let mut sent: HashMap<String, (u64, u64)> = HashMap::new();
+    for i in 0..300u64 {
+        let id = format!("p1-{i}");
+        let (input, output) = (100 + i, 7 + i % 13);
+        let r = agent
+            .admit_complete(&id, "acme", input, output)
+            .expect("complete");
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(r.json()["result"], "settled");
+        sent.insert(id, (input, output));
+    }
+    wait_until("delivery to both ledgers", Duration::from_secs(30), || {
+        agent.pending() == 0
+    });
+    assert_eq!(a.events(), 300);
+    assert_eq!(b.events(), 300);
+
+    // Phase 2: ledger b down; completions go on and are held for it.
+    b.kill9();
+    for i in 0..300u64 {
+        let id = format!("p2-{i}");
+        let (input, output) = (200 + i, 3 + i % 5);
+        let r = agent
+            .admit_complete(&id, "acme", input, output)
+            .expect("complete");
+        assert_eq!(r.status, 200, "{}", r.body);
+        sent.insert(id, (input, output));
+    }
+    wait_until("ledger a to take phase 2", Duration::from_secs(30), || {
+        a.events() == 600
+    });
+    let held = agent.pending();
+    assert_eq!(
+        held, 300,
+        "one ledger of two acknowledged phase 2: every event is still held"
+    );
+    let failures_during_outage = agent.metric(&format!(
+        "bursar_ledger_failures_total{{ledger=\"{}\"}} ",
+        b.url()
+    ));
+    assert!(failures_during_outage > 0);
+
+    // Phase 3: ledger b is back on the same port and data; delivery catches up.
+    let t = Instant::now();
+    b.restart();
+    wait_until("ledger b to catch up", Duration::from_secs(60), || {
+        agent.pending() == 0
+    });
+    let catch_up = t.elapsed();
+
+    for (name, l) in [("a", &a), ("b", &b)] {
+        let events = l.export();
+        let (ids, seqs) = tally(&events);
+        let missing = sent.keys().filter(|id| !ids.contains_key(*id)).count();
+        let duplicated = ids.values().filter(|&&n| n > 1).count();
+        let phantom = ids.keys().filter(|id| !sent.contains_key(*id)).count();
+        println!(
+            "ledger {name}: sent={} present={} missing={missing} duplicated={duplicated} \
+             phantom={phantom} distinct_seqs={} duplicate_events_received={}",
+            sent.len(),
+            ids.len(),
+            seqs.len(),
+            l.metric(&format!(
+                "bursar_ledger_events_duplicate_total{{node=\"{}\"}} ",
+                l.node_id
+            ))
+        );
+        assert_eq!((missing, duplicated, phantom), (0, 0, 0));
+        assert_eq!(seqs.len(), sent.len(), "every event has its own seq");
+        for e in &events {
+            let id = e["request_id"].as_str().unwrap();
+            let (input, output) = sent[id];
+            assert_eq!(e["input_tokens"].as_u64(), Some(input), "{e}");
+            assert_eq!(e["output_tokens"].as_u64(), Some(output), "{e}");
+            assert_eq!(e["tenant"], "acme");
+            assert_eq!(e["model"], "m1");
+            assert_eq!(e["origin"], "agent-under-test");
+            assert_eq!(e["status"], "ok");
+        }
+    }
+    println!(
+        "outage: held {held} events for ledger b; caught up {:?} after its restart",
+        catch_up
+    );
+}
+
+#[test]
+fn acknowledged_completions_survive_kill_9_of_the_agent() {
+    const CYCLES: usize = 3;
+    const CLIENTS: usize = 3;
+    let a = Ledger::start("ledger-a");
+    let b = Ledger::start("ledger-b");
+    let ledgers = [a.url(), b.url()];
+    let outbox = tempdir("crash");
+    let attempted = Arc::new(Mutex::new(HashSet::<String>::new()));
+    let acked = Arc::new(Mutex::new(HashSet::<String>::new()));
+    let mut indeterminate = 0usize;
+    for cycle in 0..CYCLES {
+        let mut agent = AgentProc::start(&outbox, &ledgers, &[]);
+        let addr = agent.http;
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut clients = Vec::new();
+        for c in 0..CLIENTS {
+            let (attempted, acked, stop) = (
+                Arc::clone(&attempted),
+                Arc::clone(&acked),
+                Arc::clone(&stop),
+            );
+            clients.push(std::thread::spawn(move || {
+                let probe = AgentProc {
+                    child: None,
+                    http: addr,
+                    config: PathBuf::from("/nonexistent"),
+                };
+                let mut lost_answers = 0;
+                let mut i = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let id = format!("c{cycle}-t{c}-{i}");
+                    i += 1;
+                    attempted.lock().unwrap().insert(id.clone());
+                    match probe.admit_complete(&id, "crashco", 10 + i % 90, i % 40) {
+                        Some(r) if r.status == 200 => {
+                            acked.lock().unwrap().insert(id);
+                        }
+                        Some(r) => panic!("completion answered {}: {}", r.status, r.body),
+                        None => {
+                            lost_answers += 1;
+                            break; // the agent died
+                        }
+                    }
+                }
+                lost_answers
+            }));
+        }
+        // Let the clients run, then kill -9 the agent mid-traffic.
+        std::thread::sleep(Duration::from_millis(1500));
+        agent.kill9();
+        stop.store(true, Ordering::Relaxed);
+        for c in clients {
+            indeterminate += c.join().expect("client thread");
+        }
+    }
+    // The last restart delivers whatever the killed agents had not.
+    let agent = AgentProc::start(&outbox, &ledgers, &[]);
+    wait_until(
+        "delivery after the last restart",
+        Duration::from_secs(60),
+        || agent.pending() == 0,
+    );
+    let attempted = attempted.lock().unwrap().clone();
+    let acked = acked.lock().unwrap().clone();
+    assert!(
+        acked.len() > 100,
+        "the clients made progress: {}",
+        acked.len()
+    );
+    for (name, l) in [("a", &a), ("b", &b)] {
+        let events = l.export();
+        let (ids, seqs) = tally(&events);
+        let lost = acked.iter().filter(|id| !ids.contains_key(*id)).count();
+        let duplicated = ids.values().filter(|&&n| n > 1).count();
+        let phantom = ids.keys().filter(|id| !attempted.contains(*id)).count();
+        let seq_reused = seqs.values().filter(|&&n| n > 1).count();
+        println!(
+            "agent crash test, ledger {name}: cycles={CYCLES} attempted={} acknowledged={} \
+             indeterminate_at_kill={indeterminate} present={} lost={lost} \
+             duplicated={duplicated} phantom={phantom} seq_reused={seq_reused}",
+            attempted.len(),
+            acked.len(),
+            ids.len()
+        );
+        assert_eq!(lost, 0, "an acknowledged completion is missing");
+        assert_eq!(duplicated, 0);
+        assert_eq!(phantom, 0);
+        assert_eq!(seq_reused, 0, "the durable seq counter went back");
+    }
+}
+
+#[test]
+fn a_full_outbox_answers_503_and_leaves_the_lease_live() {
+    // A ledger URL where nothing listens: nothing is ever delivered.
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let outbox = tempdir("full");
+    let agent = AgentProc::start(
+        &outbox,
+        &[format!("http://{dead}")],
+        &["--outbox-events-max", "20", "--outbox-queue-max", "16"],
+    );
+    for i in 0..20 {
+        let r = agent
+            .admit_complete(&format!("f{i}"), "acme", 10, 1)
+            .expect("answer");
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    assert_eq!(agent.pending(), 20);
+    let r = agent
+        .admit_complete("f-over", "acme", 10, 1)
+        .expect("answer");
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert_eq!(r.json()["error"], "outbox_full");
+    assert_eq!(r.header("retry-after"), Some("1"));
+    // Nothing changed: the lease is still live and completes once there is room.
+    assert_eq!(agent.metric("bursar_leases_in_flight "), 1);
+    assert_eq!(
+        agent.metric("bursar_outbox_refused_total{reason=\"full\"} "),
+        1
+    );
+    assert_eq!(
+        agent.metric("bursar_outbox_events_total{kind=\"dropped\"} "),
+        0
+    );
+}
+
+#[test]
+fn a_corrupt_outbox_file_stops_the_start_with_a_clear_error() {
+    let outbox = tempdir("corrupt");
+    std::fs::write(outbox.join("outbox.redb"), vec![0x5Au8; 16384]).unwrap();
+    let config = outbox.with_extension("rules.toml");
+    std::fs::write(&config, RULES).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_bursar-agent"))
+        .arg("--config")
+        .arg(&config)
+        .args(["--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
+        .arg("--outbox-dir")
+        .arg(&outbox)
+        .args(["--ledger", "http://127.0.0.1:9"])
+        .output()
+        .expect("run bursar-agent");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "started over a corrupt outbox");
+    assert!(
+        stderr.contains("outbox.redb") && stderr.contains("corrupt or not a redb database"),
+        "{stderr}"
+    );
+    assert!(out.stdout.is_empty(), "nothing was served");
+    // The file was left as it was.
+    assert_eq!(
+        std::fs::read(outbox.join("outbox.redb")).unwrap(),
+        vec![0x5Au8; 16384]
+    );
+}
+
+#[test]
+fn a_late_completion_corrects_the_expired_event_to_the_actual_usage_in_the_ledger() {
+    let a = Ledger::start("ledger-a");
+    let outbox = tempdir("late");
+    let agent = AgentProc::start(&outbox, &[a.url()], &[]);
+    let r = try_request(
+        agent.http,
+        "POST",
+        "/v1/admit",
+        json!({"request_id": "slow-1", "descriptors": {"org": "lateco", "model": "m1"},
+               "cost": {"requests": 1, "input_tokens": 500, "output_tokens": 100},
+               "ttl_ms": 100})
+        .to_string()
+        .as_bytes(),
+    )
+    .expect("admit");
+    assert_eq!(r.status, 200, "{}", r.body);
+    // The maintenance ticker (every 100 ms) expires the lease.
+    wait_until("the lease to expire", Duration::from_secs(10), || {
+        agent.metric("bursar_leases_in_flight ") == 0
+    });
+    let r = try_request(
+        agent.http,
+        "POST",
+        "/v1/complete",
+        json!({"request_id": "slow-1",
+               "usage": {"input_tokens": 480, "cached_input_tokens": 80, "output_tokens": 60}})
+        .to_string()
+        .as_bytes(),
+    )
+    .expect("complete");
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["result"], "late");
+    wait_until("delivery", Duration::from_secs(30), || agent.pending() == 0);
+    let events = a.export();
+    assert_eq!(events.len(), 2, "{events:?}");
+    assert_eq!(events[0]["status"], "expired");
+    assert_eq!(events[0]["input_tokens"], 500);
+    assert_eq!(events[1]["kind"], "adjust");
+    assert_eq!(events[1]["request_id"], "slow-1#late-completion");
+    let h = now_ms() / 3_600_000;
+    let r = try_request(
+        a.addr,
+        "GET",
+        &format!(
+            "/v1/usage?tenant=lateco&from={}&to={}",
+            (h - 3) * 3_600_000,
+            (h + 2) * 3_600_000
+        ),
+        b"",
+    )
+    .expect("usage");
+    let u = r.json();
+    println!(
+        "ledger totals after expiry + late completion: {}",
+        u["total"]
+    );
+    assert_eq!(
+        u["total"],
+        json!({"requests": 1, "input_tokens": 480, "cached_input_tokens": 80, "output_tokens": 60})
+    );
+    assert_eq!(u["adjusted"], 1);
+    assert_eq!(u["unresolved_corrections"], 0);
+}
