@@ -665,20 +665,23 @@ mod tests {
         // Truncated anywhere: a clear error, never a panic.
         for cut in 0..good.len() {
             let e = decode(&good[..cut], FRAME_MAX_DEFAULT).unwrap_err();
-            assert!(
-                matches!(e, FrameError::Truncated(_)),
-                "cut at {cut}: {e:?}"
-            );
+            assert!(matches!(e, FrameError::Truncated(_)), "cut at {cut}: {e:?}");
         }
         let mut b = good.clone();
         b[0] = b'X';
-        assert!(matches!(decode(&b, FRAME_MAX_DEFAULT), Err(FrameError::Magic(_))));
+        assert!(matches!(
+            decode(&b, FRAME_MAX_DEFAULT),
+            Err(FrameError::Magic(_))
+        ));
         let mut b = good.clone();
         b[4] = 9;
         assert_eq!(decode(&b, FRAME_MAX_DEFAULT), Err(FrameError::Version(9)));
         let mut b = good.clone();
         b[6] = 1;
-        assert!(matches!(decode(&b, FRAME_MAX_DEFAULT), Err(FrameError::Reserved(_))));
+        assert!(matches!(
+            decode(&b, FRAME_MAX_DEFAULT),
+            Err(FrameError::Reserved(_))
+        ));
         let mut b = good.clone();
         b[5] = Msg::Done.type_byte();
         assert!(matches!(

@@ -25,16 +25,24 @@ pub struct Node {
     pub child: Child,
     pub addr: SocketAddr,
     pub dir: PathBuf,
+    /// The cluster (QUIC) address, when started with `--gossip`.
+    pub gossip: Option<SocketAddr>,
 }
 
 impl Node {
     /// Starts the binary on `dir` with `--http 127.0.0.1:0` and waits for its
     /// `listening on http://ADDR` line.
     pub fn start(dir: &Path, extra: &[&str]) -> Node {
+        Node::start_named(dir, "test-node", extra)
+    }
+
+    /// [`Node::start`] with a node id; with `--gossip` among `extra`, also waits for
+    /// the `gossip on ADDR` line.
+    pub fn start_named(dir: &Path, node_id: &str, extra: &[&str]) -> Node {
         let mut child = Command::new(env!("CARGO_BIN_EXE_bursar-ledger"))
             .arg("--data-dir")
             .arg(dir)
-            .args(["--node-id", "test-node", "--http", "127.0.0.1:0"])
+            .args(["--node-id", node_id, "--http", "127.0.0.1:0"])
             .args(extra)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -42,9 +50,8 @@ impl Node {
             .expect("spawn bursar-ledger");
         let stdout = child.stdout.take().expect("stdout");
         let mut line = String::new();
-        BufReader::new(stdout)
-            .read_line(&mut line)
-            .expect("read stdout");
+        let mut reader = BufReader::new(stdout);
+        reader.read_line(&mut line).expect("read stdout");
         let Some(addr) = line.trim().strip_prefix("listening on http://") else {
             let mut err = String::new();
             if let Some(mut e) = child.stderr.take() {
@@ -52,10 +59,25 @@ impl Node {
             }
             panic!("bursar-ledger did not start: stdout {line:?}, stderr {err:?}");
         };
+        let addr = addr.parse().expect("address");
+        let mut gossip = None;
+        if extra.contains(&"--gossip") {
+            let mut g = String::new();
+            reader.read_line(&mut g).expect("read stdout");
+            let Some(a) = g.trim().strip_prefix("gossip on ") else {
+                let mut err = String::new();
+                if let Some(mut e) = child.stderr.take() {
+                    let _ = e.read_to_string(&mut err);
+                }
+                panic!("bursar-ledger did not join: stdout {g:?}, stderr {err:?}");
+            };
+            gossip = Some(a.parse().expect("gossip address"));
+        }
         Node {
-            addr: addr.parse().expect("address"),
+            addr,
             child,
             dir: dir.to_path_buf(),
+            gossip,
         }
     }
 
