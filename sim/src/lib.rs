@@ -22,6 +22,7 @@
 //! - [`sim`]: the event loop, links, agents (each a real `Engine`, driven as the agent's
 //!   sync client drives it), the allocator, faults, the checker and the [`sim::Report`].
 //! - [`scenario`]: scenario files, built-ins (`sim/scenarios/*.toml`) and validation.
+//! - [`plot`]: `--plot DIR`, SVG charts of one run, written by hand.
 //! - [`policy`]: baseline policies for `--policy` (static split, Doorman-like,
 //!   Gubernator-GLOBAL-like).
 //! - [`rng`]: the seeded generator.
@@ -32,6 +33,7 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+pub mod plot;
 pub mod policy;
 pub mod rng;
 pub mod scenario;

@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
+use bursar_sim::plot::write_charts;
 use bursar_sim::scenario::{BUILT_INS, Overrides, Scenario};
 use bursar_sim::sim::{Sim, replay_command};
 use bursar_sim::sweep::{SweepSpec, sweep};
@@ -66,6 +67,10 @@ enum Cmd {
         /// Write the JSON report here.
         #[arg(long)]
         json: Option<PathBuf>,
+        /// Write SVG charts into this directory (admitted.svg, slices.svg,
+        /// overshoot.svg).
+        #[arg(long)]
+        plot: Option<PathBuf>,
     },
     /// Run one scenario over ranges of report interval, lease TTL, burst and overdraft,
     /// and print each point's measured overshoot beside its stated bound. Exits 1 if
@@ -225,6 +230,7 @@ fn real_main() -> Result<ExitCode> {
             overdraft_permille,
             policy,
             json,
+            plot,
         } => {
             let mut sc = Scenario::load(&scenario)?;
             let overrides = Overrides {
@@ -238,9 +244,12 @@ fn real_main() -> Result<ExitCode> {
             };
             let replay = replay_command(&scenario, seed, &overrides, &policy);
             overrides.apply(&mut sc)?;
-            let sim = Sim::new(&sc, seed, &policy)?;
+            let mut sim = Sim::new(&sc, seed, &policy)?;
+            if plot.is_some() {
+                sim.record_series();
+            }
             let started = Instant::now();
-            let report = sim.run();
+            let (report, series) = sim.run_with_series();
             let wall_s = started.elapsed().as_secs_f64();
             let s = &report.summary;
             let events_per_s = report.counters.events as f64 / wall_s.max(1e-9);
@@ -295,6 +304,13 @@ fn real_main() -> Result<ExitCode> {
                 });
                 std::fs::write(&path, serde_json::to_string_pretty(&value)?)
                     .with_context(|| format!("writing {}", path.display()))?;
+            }
+            if let Some(dir) = plot {
+                let paths = write_charts(&dir, &report, &series)
+                    .with_context(|| format!("writing charts into {}", dir.display()))?;
+                for p in paths {
+                    println!("  chart: {}", p.display());
+                }
             }
             if s.violations > 0 {
                 println!(

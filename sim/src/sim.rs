@@ -156,6 +156,55 @@ pub struct Counters {
     pub allocator_refusals: BTreeMap<String, u64>,
 }
 
+/// Resolution of the admitted-rate series ([`Series`]).
+pub const SERIES_BIN_NS: u64 = 100 * MS;
+/// Keys whose overshoot, bound and slices [`Series`] records (the first ones).
+pub const SERIES_KEYS_MAX: usize = 8;
+/// Agents whose slices [`Series`] records (the first ones).
+pub const SERIES_AGENTS_MAX: usize = 32;
+
+/// Time series of one run, for charts (`--plot`). Recorded only when asked for; times
+/// are seconds since traffic started.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Series {
+    /// One key's `R`, tokens per second.
+    pub rate_per_s: f64,
+    /// The sum of every key's `R`, tokens per second.
+    pub limit_rate_per_s: f64,
+    /// Width of the admitted bins, s.
+    pub bin_s: f64,
+    /// Tokens offered per bin, all keys.
+    pub offered: Vec<u64>,
+    /// Tokens the fleet admitted per bin, all keys.
+    pub admitted: Vec<u64>,
+    /// Tokens the ideal bucket admitted per bin, all keys.
+    pub ideal: Vec<u64>,
+    /// Sample times (every 50 ms), s.
+    pub sample_s: Vec<f64>,
+    /// The first [`SERIES_KEYS_MAX`] keys.
+    pub keys: Vec<KeySeries>,
+    /// Agents whose slices are recorded (the first [`SERIES_AGENTS_MAX`]).
+    pub agents: Vec<String>,
+}
+
+/// One key's series, one value per sample.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct KeySeries {
+    /// The key.
+    pub name: String,
+    /// `B`, tokens.
+    pub burst: u64,
+    /// The verifier's deficit now, tokens (0 when not in deficit).
+    pub deficit: Vec<f64>,
+    /// The deepest deficit so far (the measured overshoot), tokens.
+    pub overshoot: Vec<f64>,
+    /// The stated bound so far, tokens.
+    pub bound: Vec<f64>,
+    /// Per recorded agent, the slice rate its engine holds for the key (tokens/s; 0
+    /// when it holds none or is down).
+    pub slices: Vec<Vec<u64>>,
+}
+
 /// An exact token bucket in token-nanoseconds (no rounding).
 #[derive(Clone, Debug)]
 struct Exact {
@@ -205,6 +254,11 @@ impl Exact {
 
     fn deficit_tokens(&self) -> f64 {
         (-self.min_level).max(0) as f64 / SEC as f64
+    }
+
+    fn deficit_now_tokens(&mut self, now: u64) -> f64 {
+        self.refill(now);
+        (-self.level).max(0) as f64 / SEC as f64
     }
 }
 
@@ -364,6 +418,8 @@ pub struct Sim {
     violations: u64,
     violation_messages: Vec<String>,
     demand_buf: Vec<KeyDemand>,
+    /// Time series for `--plot`, when asked for ([`Sim::record_series`]).
+    series: Option<Series>,
     samples: u64,
 }
 
@@ -516,6 +572,7 @@ impl Sim {
             violations: 0,
             violation_messages: Vec::new(),
             demand_buf: Vec::new(),
+            series: None,
             samples: 0,
         };
         sim.schedule_wake();
@@ -583,8 +640,52 @@ impl Sim {
         }
     }
 
+    /// Records the time series charts are drawn from ([`Sim::run_with_series`]).
+    /// Costs a walk of the first [`SERIES_AGENTS_MAX`] engines' keys every 50 ms.
+    pub fn record_series(&mut self) {
+        let bins = (self.end - self.t0).div_ceil(SERIES_BIN_NS) as usize;
+        let agents = self.agents.len().min(SERIES_AGENTS_MAX);
+        self.series = Some(Series {
+            rate_per_s: self.sc.limit.rate_per_s as f64,
+            limit_rate_per_s: (self.sc.limit.rate_per_s * self.keys.len() as u64) as f64,
+            bin_s: SERIES_BIN_NS as f64 / SEC as f64,
+            offered: vec![0; bins],
+            admitted: vec![0; bins],
+            ideal: vec![0; bins],
+            sample_s: Vec::new(),
+            keys: self
+                .keys
+                .iter()
+                .take(SERIES_KEYS_MAX)
+                .map(|k| KeySeries {
+                    name: k.name.to_string(),
+                    burst: self.sc.limit.burst,
+                    slices: vec![Vec::new(); agents],
+                    ..KeySeries::default()
+                })
+                .collect(),
+            agents: self.agents[..agents]
+                .iter()
+                .map(|a| a.name.clone())
+                .collect(),
+        });
+    }
+
+    /// Runs to the end and reports, with the series [`Sim::record_series`] asked for
+    /// (empty if it was not called).
+    pub fn run_with_series(mut self) -> (Report, Series) {
+        self.run_loop();
+        let series = self.series.take().unwrap_or_default();
+        (self.report(), series)
+    }
+
     /// Runs to the end and reports.
     pub fn run(mut self) -> Report {
+        self.run_loop();
+        self.report()
+    }
+
+    fn run_loop(&mut self) {
         while let Some(e) = self.queue.pop() {
             if e.at > self.end {
                 break;
@@ -596,7 +697,6 @@ impl Sim {
         }
         self.now = self.end;
         self.sample();
-        self.report()
     }
 
     fn step(&mut self, ev: Ev) {
@@ -889,8 +989,19 @@ impl Sim {
         key.offered += cost;
         key.first_offer.get_or_insert(now);
         let bin = ((now - self.t0) / BIN_NS) as usize;
+        let sbin = ((now - self.t0) / SERIES_BIN_NS) as usize;
+        if let Some(s) = self.series.as_mut()
+            && let Some(b) = s.offered.get_mut(sbin)
+        {
+            *b += cost;
+        }
         if key.ideal.try_take(now, cost) {
             key.ideal_admitted += cost;
+            if let Some(s) = self.series.as_mut()
+                && let Some(b) = s.ideal.get_mut(sbin)
+            {
+                *b += cost;
+            }
             if let Some((_, ideal)) = key.bins.as_mut()
                 && let Some(b) = ideal.get_mut(bin)
             {
@@ -915,6 +1026,11 @@ impl Sim {
         match engine.admit(at, &req) {
             Ok(Decision::Admitted(_)) => {
                 key.admitted += cost;
+                if let Some(s) = self.series.as_mut()
+                    && let Some(b) = s.admitted.get_mut(sbin)
+                {
+                    *b += cost;
+                }
                 key.first_admit.get_or_insert(now);
                 key.verifier.debit(now, cost);
                 if let Some((fleet, _)) = key.bins.as_mut()
@@ -1431,6 +1547,9 @@ impl Sim {
             key.bound_rate = rate;
             key.bound_burst = burst;
         }
+        if self.series.is_some() {
+            self.sample_series();
+        }
         if let Some(a) = &self.alloc
             && let Err(e) = a.check_invariants()
         {
@@ -1445,6 +1564,38 @@ impl Sim {
                 {
                     let msg = format!("{} invariant at {} ms: {err}", a.name, self.now / MS);
                     self.violation(msg);
+                }
+            }
+        }
+    }
+
+    fn sample_series(&mut self) {
+        let Some(s) = self.series.as_mut() else {
+            return;
+        };
+        s.sample_s
+            .push(self.now.saturating_sub(self.t0) as f64 / SEC as f64);
+        for (ks, key) in s.keys.iter_mut().zip(self.keys.iter_mut()) {
+            ks.deficit.push(key.verifier.deficit_now_tokens(self.now));
+            ks.overshoot.push(key.verifier.deficit_tokens());
+            ks.bound.push(key.allowance);
+        }
+        for (i, a) in self.agents.iter().take(s.agents.len()).enumerate() {
+            self.demand_buf.clear();
+            if let Some(e) = &a.engine {
+                e.key_demand(&mut self.demand_buf);
+            }
+            for ks in s.keys.iter_mut() {
+                ks.slices[i].push(0);
+            }
+            for d in self.demand_buf.drain(..) {
+                let Some(&k) = d.values.first().and_then(|v| self.key_index.get(v)) else {
+                    continue;
+                };
+                if let (Some(ks), Some(sl)) = (s.keys.get_mut(k as usize), d.slice)
+                    && let Some(last) = ks.slices[i].last_mut()
+                {
+                    *last = sl.rate;
                 }
             }
         }

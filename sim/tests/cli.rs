@@ -186,3 +186,159 @@ fn a_sweep_refuses_an_impossible_point_before_running_anything() {
         "{err}"
     );
 }
+
+/// Checks that `doc` is well-formed XML (the subset an SVG writer produces: a prolog,
+/// elements with double-quoted attributes, escaped text) with one `svg` root, and
+/// returns the `points` attribute of every `polyline`.
+fn well_formed_svg(doc: &str) -> Result<Vec<String>, String> {
+    let body = doc
+        .strip_prefix("<?xml version=\"1.0\" encoding=\"UTF-8\"?>")
+        .ok_or("no XML prolog")?;
+    let mut stack: Vec<String> = Vec::new();
+    let mut roots = 0;
+    let mut polylines = Vec::new();
+    let mut rest = body;
+    while let Some(lt) = rest.find('<') {
+        let text = &rest[..lt];
+        check_text(text)?;
+        if stack.is_empty() && !text.trim().is_empty() {
+            return Err(format!("text outside the root: {text:?}"));
+        }
+        let gt = rest[lt..].find('>').ok_or("unterminated tag")? + lt;
+        let tag = &rest[lt + 1..gt];
+        rest = &rest[gt + 1..];
+        if let Some(name) = tag.strip_prefix('/') {
+            let open = stack.pop().ok_or(format!("</{name}> closes nothing"))?;
+            if open != name.trim() {
+                return Err(format!("<{open}> closed by </{name}>"));
+            }
+            continue;
+        }
+        let (tag, self_closed) = match tag.strip_suffix('/') {
+            Some(t) => (t, true),
+            None => (tag, false),
+        };
+        let name_end = tag.find(char::is_whitespace).unwrap_or(tag.len());
+        let name = &tag[..name_end];
+        if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') {
+            return Err(format!("bad element name in <{tag}>"));
+        }
+        let attrs = parse_attrs(&tag[name_end..])?;
+        if stack.is_empty() {
+            roots += 1;
+            if name != "svg" {
+                return Err(format!("root is <{name}>"));
+            }
+        }
+        if name == "polyline" {
+            let p = attrs
+                .iter()
+                .find(|(k, _)| k == "points")
+                .ok_or("polyline without points")?;
+            polylines.push(p.1.clone());
+        }
+        if !self_closed {
+            stack.push(name.to_string());
+        }
+    }
+    check_text(rest)?;
+    if !rest.trim().is_empty() {
+        return Err("text after the root".into());
+    }
+    if roots != 1 || !stack.is_empty() {
+        return Err(format!("{roots} roots, unclosed: {stack:?}"));
+    }
+    Ok(polylines)
+}
+
+fn check_text(text: &str) -> Result<(), String> {
+    let mut rest = text;
+    while let Some(amp) = rest.find('&') {
+        let semi = rest[amp..].find(';').ok_or("bare &")? + amp;
+        let entity = &rest[amp + 1..semi];
+        if !["amp", "lt", "gt", "quot", "apos"].contains(&entity) {
+            return Err(format!("unknown entity &{entity};"));
+        }
+        rest = &rest[semi + 1..];
+    }
+    Ok(())
+}
+
+fn parse_attrs(mut s: &str) -> Result<Vec<(String, String)>, String> {
+    let mut out: Vec<(String, String)> = Vec::new();
+    loop {
+        s = s.trim_start();
+        if s.is_empty() {
+            return Ok(out);
+        }
+        let eq = s.find('=').ok_or(format!("attribute without value: {s}"))?;
+        let name = s[..eq].to_string();
+        if name.is_empty() || name.contains(char::is_whitespace) || name.contains('"') {
+            return Err(format!("bad attribute name {name:?}"));
+        }
+        let v = s[eq + 1..].strip_prefix('"').ok_or("unquoted attribute")?;
+        let end = v.find('"').ok_or("unterminated attribute")?;
+        let value = &v[..end];
+        if value.contains('<') {
+            return Err("< in an attribute".into());
+        }
+        check_text(value)?;
+        if out.iter().any(|(k, _)| *k == name) {
+            return Err(format!("attribute {name} twice"));
+        }
+        out.push((name, value.to_string()));
+        s = &v[end + 1..];
+    }
+}
+
+#[test]
+fn plot_writes_three_well_formed_svg_charts_with_the_runs_data() {
+    let dir = std::env::temp_dir().join(format!("bursar-sim-plot-{}", std::process::id()));
+    let (code, out, err) = sim(&[
+        "run",
+        "partition-one",
+        "--gateways",
+        "4",
+        "--keys",
+        "2",
+        "--duration-s",
+        "6",
+        "--plot",
+        dir.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+    let mut counts = Vec::new();
+    for name in ["admitted.svg", "slices.svg", "overshoot.svg"] {
+        let doc = std::fs::read_to_string(dir.join(name)).unwrap();
+        let lines = well_formed_svg(&doc).unwrap_or_else(|e| panic!("{name}: {e}"));
+        // Every line has points, and at least one line moves (it carries data).
+        let ys: Vec<Vec<f64>> = lines
+            .iter()
+            .map(|p| {
+                p.split(' ')
+                    .map(|xy| xy.split_once(',').unwrap().1.parse::<f64>().unwrap())
+                    .collect()
+            })
+            .collect();
+        assert!(ys.iter().all(|l| !l.is_empty()), "{name}: an empty line");
+        assert!(
+            ys.iter().any(|l| l.iter().any(|&y| y != l[0])),
+            "{name}: every line is flat"
+        );
+        counts.push((lines.len(), ys.iter().map(Vec::len).max().unwrap()));
+    }
+    // admitted: offered, ideal, fleet and the limit; 6 s in 100 ms bins.
+    assert_eq!(counts[0].0, 4);
+    assert_eq!(counts[0].1, 60);
+    // slices: the sum, R and one line per agent; one point per 50 ms sample.
+    assert_eq!(counts[1].0, 2 + 4);
+    assert!(counts[1].1 >= 120, "{counts:?}");
+    // overshoot: bound, measured, instantaneous deficit (gateway 0 is cut off from
+    // 2 s, its lease lapses, and the bound rises).
+    assert_eq!(counts[2].0, 3);
+    assert!(well_formed_svg("<?xml version=\"1.0\" encoding=\"UTF-8\"?><svg><g></svg>").is_err());
+    assert!(
+        well_formed_svg("<?xml version=\"1.0\" encoding=\"UTF-8\"?><svg a=\"x & y\"/>").is_err()
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
