@@ -540,10 +540,15 @@ fn acknowledged_completions_survive_kill_9_of_the_agent() {
         println!(
             "agent crash test, ledger {name}: cycles={CYCLES} attempted={} acknowledged={} \
              indeterminate_at_kill={indeterminate} present={} lost={lost} \
-             duplicated={duplicated} phantom={phantom} seq_reused={seq_reused}",
+             duplicated={duplicated} phantom={phantom} seq_reused={seq_reused} \
+             resent_after_restart={}",
             attempted.len(),
             acked.len(),
-            ids.len()
+            ids.len(),
+            l.metric(&format!(
+                "bursar_ledger_events_duplicate_total{{node=\"{}\"}} ",
+                l.node_id
+            ))
         );
         assert_eq!(lost, 0, "an acknowledged completion is missing");
         assert_eq!(duplicated, 0);
@@ -682,4 +687,137 @@ fn a_late_completion_corrects_the_expired_event_to_the_actual_usage_in_the_ledge
     );
     assert_eq!(u["adjusted"], 1);
     assert_eq!(u["unresolved_corrections"], 0);
+}
+
+/// Throughput of durable completions, beside the same agent without an outbox.
+/// Ignored by default (it measures; it asserts only that nothing was lost). Point it
+/// at release binaries for figures:
+///
+/// ```sh
+/// cargo build --release -p bursar-agent -p bursar-ledger
+/// BURSAR_AGENT_BIN=target/release/bursar-agent BURSAR_LEDGER_BIN=target/release/bursar-ledger \
+///   cargo test -p bursar-agent --test outbox durable_completion_throughput -- --ignored --nocapture
+/// ```
+#[test]
+#[ignore]
+fn durable_completion_throughput() {
+    let seconds: u64 = std::env::var("BURSAR_BENCH_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(4);
+    let agent_bin = std::env::var("BURSAR_AGENT_BIN")
+        .unwrap_or_else(|_| env!("CARGO_BIN_EXE_bursar-agent").to_string());
+    let a = Ledger::start("ledger-a");
+    let b = Ledger::start("ledger-b");
+    for clients in [1usize, 8, 32] {
+        for with_outbox in [false, true] {
+            let outbox = tempdir("bench");
+            let config = outbox.with_extension("rules.toml");
+            std::fs::write(&config, RULES).unwrap();
+            let mut cmd = Command::new(&agent_bin);
+            cmd.arg("--config").arg(&config).args([
+                "--http",
+                "127.0.0.1:0",
+                "--grpc",
+                "127.0.0.1:0",
+            ]);
+            if with_outbox {
+                cmd.arg("--outbox-dir").arg(&outbox).args([
+                    "--ledger",
+                    &a.url(),
+                    "--ledger",
+                    &b.url(),
+                ]);
+            }
+            let mut child = cmd
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .expect("spawn");
+            let mut line = String::new();
+            BufReader::new(child.stdout.take().unwrap())
+                .read_line(&mut line)
+                .unwrap();
+            let http: SocketAddr = line
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix("http="))
+                .and_then(|a| a.parse().ok())
+                .expect("http address");
+            let agent = AgentProc {
+                child: Some(child),
+                http,
+                config,
+            };
+            let stop = Arc::new(AtomicBool::new(false));
+            let mut threads = Vec::new();
+            for c in 0..clients {
+                let stop = Arc::clone(&stop);
+                let tag = format!("{with_outbox}-{clients}-{c}");
+                threads.push(std::thread::spawn(move || {
+                    let probe = AgentProc {
+                        child: None,
+                        http,
+                        config: PathBuf::from("/nonexistent"),
+                    };
+                    let mut lat = Vec::new();
+                    let mut i = 0u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        let id = format!("b-{tag}-{i}");
+                        i += 1;
+                        let a = try_request(
+                            http,
+                            "POST",
+                            "/v1/admit",
+                            json!({"request_id": id, "descriptors": {"org": "bench", "model": "m"},
+                                   "cost": {"requests": 1, "input_tokens": 10, "output_tokens": 5}})
+                            .to_string()
+                            .as_bytes(),
+                        )
+                        .expect("admit");
+                        assert_eq!(a.status, 200);
+                        let t = Instant::now();
+                        let r = try_request(
+                            http,
+                            "POST",
+                            "/v1/complete",
+                            json!({"request_id": id, "usage": {"input_tokens": 10, "output_tokens": 3}})
+                                .to_string()
+                                .as_bytes(),
+                        )
+                        .expect("complete");
+                        lat.push(t.elapsed());
+                        assert_eq!(r.status, 200, "{}", r.body);
+                    }
+                    drop(probe);
+                    lat
+                }));
+            }
+            std::thread::sleep(Duration::from_secs(seconds));
+            stop.store(true, Ordering::Relaxed);
+            let mut lat: Vec<Duration> = threads
+                .into_iter()
+                .flat_map(|t| t.join().unwrap())
+                .collect();
+            lat.sort();
+            let n = lat.len();
+            let pct = |p: f64| lat[((n as f64 * p) as usize).min(n - 1)].as_secs_f64() * 1e3;
+            let commits = if with_outbox {
+                wait_until("delivery", Duration::from_secs(120), || {
+                    agent.pending() == 0
+                });
+                agent.metric("bursar_outbox_commits_total{result=\"ok\"} ")
+            } else {
+                0
+            };
+            println!(
+                "outbox={with_outbox:<5} clients={clients:>2} completions/s={:>7.0} \
+                 complete p50={:.3} ms p99={:.3} ms commits={commits}",
+                n as f64 / seconds as f64,
+                pct(0.5),
+                pct(0.99)
+            );
+        }
+    }
+    // Everything completed with the outbox reached both ledgers.
+    assert_eq!(a.events(), b.events());
 }

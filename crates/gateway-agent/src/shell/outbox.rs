@@ -769,6 +769,8 @@ fn writer(sh: Arc<Shared>, mapper: Mapper) {
     let mut batch: Vec<Pending> = Vec::with_capacity(max.min(sh.cfg.queue_max));
     let mut encoded: Vec<(u64, Vec<u8>)> = Vec::new();
     let limits = bursar_ledger::Limits::default();
+    // An acknowledgement-only commit skipped its fsync (see `commit`).
+    let mut acks_not_durable = false;
     loop {
         let (acks, taken, stop) = {
             let mut q = sh.lock();
@@ -783,6 +785,12 @@ fn writer(sh: Arc<Shared>, mapper: Mapper) {
         };
         if batch.is_empty() && acks.is_empty() {
             if stop {
+                if acks_not_durable {
+                    let next_seq = sh.last_seq.load(Ordering::Acquire) + 1;
+                    if let Err(e) = commit(&sh.db, &[], next_seq, &HashMap::new(), need, true) {
+                        eprintln!("bursar-agent: outbox: final commit failed ({e})");
+                    }
+                }
                 return;
             }
             continue;
@@ -816,9 +824,12 @@ fn writer(sh: Arc<Shared>, mapper: Mapper) {
             encoded.push((next_seq, e.encode()));
             next_seq += 1;
         }
+        // Events always commit durably; acknowledgements alone only at the close.
+        let durable = !encoded.is_empty() || stop;
+        acks_not_durable = !durable;
         let mut backoff = Duration::from_millis(10);
         let trimmed = loop {
-            match commit(&sh.db, &encoded, next_seq, &acks, need) {
+            match commit(&sh.db, &encoded, next_seq, &acks, need, durable) {
                 Ok(t) => break Some(t),
                 Err(e) => {
                     sh.stats.commit_failures.fetch_add(1, Ordering::Relaxed);
@@ -852,15 +863,23 @@ fn writer(sh: Arc<Shared>, mapper: Mapper) {
 }
 
 /// One write transaction: new events, `next_seq`, acknowledgements and the trim they
-/// allow. Returns how many events were trimmed.
+/// allow; with fsync when `durable`. Returns how many events were trimmed.
 fn commit(
     db: &Database,
     events: &[(u64, Vec<u8>)],
     next_seq: u64,
     acks: &HashMap<String, u64>,
     need: usize,
+    durable: bool,
 ) -> Result<u64, redb::Error> {
-    let txn = db.begin_write()?;
+    let mut txn = db.begin_write()?;
+    if !durable {
+        // Acknowledgements alone skip the fsync: the next commit with events (or the
+        // close) makes them durable. Lost to a crash, they only cause a resend, which
+        // the ledger counts as a duplicate. This keeps one fsync per batch of
+        // completions instead of one more per ledger per batch.
+        txn.set_durability(redb::Durability::None)?;
+    }
     let mut trimmed = 0;
     {
         let mut ev = txn.open_table(EVENTS)?;
