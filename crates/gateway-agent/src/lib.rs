@@ -44,8 +44,10 @@
 //! - [`clock`]: monotonic clocks for the shell (the engine takes `now`).
 //! - [`testing`]: fixtures shared by tests, benches and the demo.
 //! - `shell` (feature `shell`, default): the front doors over the engine (HTTP JSON
-//!   API, Envoy RLS v3, OpenAI proxy, `tower::Layer`), the allocator sync client and
-//!   the maintenance ticker.
+//!   API, Envoy RLS v3, OpenAI proxy, `tower::Layer`), the allocator sync client, the
+//!   maintenance ticker, and the durable usage outbox (`shell::outbox`: records to
+//!   ledger events in a local redb file, committed before a completion is answered)
+//!   with its forwarder to ledger nodes (`shell::forward`).
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 

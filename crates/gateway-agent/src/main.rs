@@ -98,7 +98,7 @@ struct ServeArgs {
     #[arg(long, requires = "outbox_dir")]
     ledger: Vec<String>,
     /// Usage records waiting for the outbox's writer (memory reserved up front,
-    /// ~1.3 KiB each). Completions get 503 past three quarters of it.
+    /// 504 bytes each). Completions get 503 past three quarters of it.
     #[arg(long, default_value_t = 16_384, value_parser = clap::value_parser!(u64).range(16..=4_194_304))]
     outbox_queue_max: u64,
     /// Undelivered events the outbox holds before completions get 503 (`outbox_full`).

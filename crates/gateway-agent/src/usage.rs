@@ -72,7 +72,9 @@ impl UsageRecord<'_> {
 }
 
 /// Receives usage records. Called on the completion path, outside any engine lock;
-/// implementations must not block for long (the ledger's outbox batches to disk).
+/// implementations must not block for long. The durable one is the shell's
+/// `shell::outbox::Outbox` (it queues the record without allocating; a writer thread
+/// commits it to disk).
 pub trait UsageSink: Send + Sync {
     /// Takes one record.
     fn record(&self, record: &UsageRecord<'_>);

@@ -5,7 +5,7 @@
 //! # Shape
 //!
 //! - **The sink** ([`Outbox`] implements [`UsageSink`]) runs on the engine's completion
-//!   path. It copies the record into a fixed-size [`Pending`] (the request id inline,
+//!   path. It copies the record into a fixed-size `Pending` (the request id inline,
 //!   the lease's limits as `Arc` clones: no allocation) and pushes it on a bounded queue
 //!   whose storage is reserved up front. It never blocks on I/O.
 //! - **One writer thread** owns every write. It drains whatever is queued (up to
@@ -75,13 +75,13 @@ pub struct OutboxConfig {
     /// The events' `origin`. `None`: the id stored in the file, or, for a new file,
     /// `agent-<pid>-<unix ms>`.
     pub agent_id: Option<String>,
-    /// Records waiting for the writer (memory reserved up front, ~1.3 KiB each).
+    /// Records waiting for the writer (memory reserved up front, 504 bytes each).
     /// Completions are refused (503) once three quarters are used; the last quarter is
     /// headroom for lease expiries, which have no caller to refuse. Default 16,384.
     pub queue_max: usize,
     /// Events held (on disk, not yet delivered, plus queued) past which completions
     /// are refused with 503. A ledger outage fills it at the completion rate: size it
-    /// for the longest outage to ride out. Default 1,000,000 (~200 MB).
+    /// for the longest outage to ride out. Default 1,000,000 (~300 MB: ~310 B per event on disk).
     pub events_max: u64,
     /// Most records in one write transaction. Default 10,000.
     pub commit_records_max: usize,
@@ -1163,6 +1163,14 @@ mod tests {
             .collect();
         assert_eq!(left, vec![4, 5]);
         ob.close();
+    }
+
+    #[test]
+    fn a_queued_record_is_a_fixed_size_under_half_a_kib() {
+        // The queue reserves queue_max of these up front (the docs quote the size).
+        let size = std::mem::size_of::<Pending>();
+        println!("size_of::<Pending>() = {size}");
+        assert!(size <= 512, "{size}");
     }
 
     #[test]
