@@ -383,6 +383,10 @@ fn completions_reach_both_ledgers_exactly_once_and_catch_up_after_an_outage() {
             .expect("complete");
         assert_eq!(r.status, 200, "{}", r.body);
         assert_eq!(r.json()["result"], "settled");
+        if i < 20 {
+            // Answered only after its record reached the file.
+            assert!(agent.metric("bursar_outbox_events_total{kind=\"committed\"} ") > i);
+        }
         sent.insert(id, (input, output));
     }
     wait_until("delivery to both ledgers", Duration::from_secs(30), || {

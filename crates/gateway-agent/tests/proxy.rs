@@ -385,3 +385,75 @@ fn bad_input_unknown_keys_and_stalled_clients_get_clear_errors() {
     );
     assert_eq!(agent.leases_drained(), 0);
 }
+
+#[test]
+fn proxied_completions_are_committed_to_the_usage_outbox_before_the_response_ends() {
+    use bursar_agent::shell::outbox::{Outbox, OutboxConfig};
+    let seen = Seen::default();
+    let up = upstream(seen.clone());
+    let upstream_url = format!("http://{up}");
+    let dir = std::env::temp_dir().join(format!("bursar-proxy-outbox-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    // A shadow rule on the model, so the model is among the lease's limit keys and
+    // reaches the event (the engine keeps no other descriptors after admission).
+    let rules = format!(
+        "{}\n[[rule]]\nname = \"model-shadow\"\nmatch = {{ org = \"*\", model = \"*\" }}\n\
+         dimension = \"requests\"\nrate = 1000000\nper = \"second\"\nmode = \"shadow\"\n",
+        rules()
+    );
+    let agent = Agent::start_with(
+        &rules,
+        &[
+            "--proxy-listen",
+            "127.0.0.1:0",
+            "--proxy-upstream",
+            upstream_url.as_str(),
+            "--outbox-dir",
+            dir.to_str().unwrap(),
+            // Nothing listens there: events stay in the outbox for this test to read.
+            "--ledger",
+            "http://127.0.0.1:9",
+            "--agent-id",
+            "proxy-agent",
+        ],
+    );
+    let proxy = agent.proxy.expect("proxy address");
+    let committed = || agent.metric("bursar_outbox_events_total{kind=\"committed\"} ");
+    let r = chat_call(
+        proxy,
+        json!({"model": "gpt-4o", "max_tokens": 500, "messages": [{"role": "user", "content": "hi"}]}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    // The response was only sent once its usage record was in the file.
+    assert_eq!(committed(), 1);
+    let r = chat_call(
+        proxy,
+        json!({"model": "gpt-4o", "stream": true, "max_tokens": 400,
+               "messages": [{"role": "user", "content": "hi"}]}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(r.body.contains("[DONE]"));
+    // The stream ended only once its usage record was in the file.
+    assert_eq!(committed(), 2);
+    drop(agent); // releases the file
+    let ob = Outbox::open(OutboxConfig::new(dir.clone(), 1)).expect("reopen the outbox");
+    let events = ob.read_after(0, 10).expect("read");
+    assert_eq!(events.len(), 2);
+    for (i, (seq, e)) in events.iter().enumerate() {
+        assert_eq!(*seq, i as u64 + 1);
+        assert_eq!(e.tenant, "acme");
+        assert_eq!(e.model, "gpt-4o");
+        assert_eq!(e.origin, "proxy-agent");
+        assert!(e.request_id.starts_with("px-"), "{}", e.request_id);
+    }
+    assert_eq!(
+        format!("{:?}", events[0].1.body),
+        "Usage { status: Ok, tokens: Tokens { input_tokens: 12, cached_input_tokens: 0, output_tokens: 5 } }"
+    );
+    assert_eq!(
+        format!("{:?}", events[1].1.body),
+        "Usage { status: Ok, tokens: Tokens { input_tokens: 12, cached_input_tokens: 0, output_tokens: 3 } }"
+    );
+    ob.close();
+    let _ = std::fs::remove_dir_all(&dir);
+}
