@@ -29,6 +29,16 @@ const MS: u64 = 1_000_000;
 const SEC: u64 = 1_000 * MS;
 /// The rule every key is limited by.
 const RULE: &str = "tenant";
+/// Each engine's `max_leases`: reservations in flight at once on one gateway (an LLM-like
+/// request holds one until it completes). The agent's default (65,536) reserves memory
+/// up front for each of possibly thousands of engines; a run that needs more fails with
+/// `admit refused ... LeaseTableFull` as a violation, never silently.
+const LEASES_MAX: usize = 16_384;
+/// Each engine's `max_tombstones`: finished request ids remembered to recognise a
+/// duplicate completion. The simulator never repeats a request id, so this bounds
+/// memory only (the default, 262,144, made `Engine::new` a fifth of a 1,000-gateway
+/// run's time and most of its 1.2 GB).
+const TOMBSTONES_MAX: usize = 4_096;
 /// How often the checker samples the allocator's bound and checks invariants.
 const SAMPLE_NS: u64 = 50 * MS;
 /// How often each agent runs `Engine::maintain` (the agent shell's period).
@@ -136,8 +146,10 @@ pub struct Counters {
     pub requests: u64,
     /// Messages agents sent (hello, report, ack).
     pub to_allocator: u64,
-    /// Grants the allocator sent.
+    /// Messages the allocator sent (each a batch of grants for one agent stream).
     pub to_agents: u64,
+    /// Grants in those messages.
+    pub grants: u64,
     /// Hit batches agents sent each other (the Gubernator-like policy).
     pub peer: u64,
     /// Encoded bytes of `to_allocator` messages ([`crate::wire`]).
@@ -337,8 +349,9 @@ enum Ev {
     Arrival(u32),
     Rearm(u32),
     /// A message on the stream to the allocator of the given term.
-    ToAlloc(u32, u64, ToAlloc),
-    ToAgent(u32, Grant),
+    ToAlloc(u32, u64, Box<ToAlloc>),
+    /// One grants message (one agent stream's batch).
+    ToAgent(u32, Vec<Grant>),
     Report(u32, u64),
     NewKeyPoll(u32, u64),
     Maintain(u32, u64),
@@ -401,7 +414,6 @@ pub struct Sim {
     alloc_wake: u64,
     agents: Vec<Agent>,
     keys: Vec<KeyState>,
-    key_index: BTreeMap<String, u32>,
     queue: BinaryHeap<Entry>,
     seq: u64,
     now: u64,
@@ -428,7 +440,8 @@ impl Sim {
     pub fn new(sc: &Scenario, seed: u64, policy: &str) -> Result<Sim, SimError> {
         let policy = Policy::parse(policy).ok_or_else(|| SimError::Policy(policy.to_string()))?;
         let rules = format!(
-            "[engine]\nslice_source = \"allocated\"\n\n[[rule]]\nname = \"{RULE}\"\n\
+            "[engine]\nslice_source = \"allocated\"\nmax_leases = {LEASES_MAX}\n\
+             max_tombstones = {TOMBSTONES_MAX}\n\n[[rule]]\nname = \"{RULE}\"\n\
              match = {{ org = \"*\" }}\ndimension = \"{}\"\nrate = {}\n\
              per = \"second\"\nburst = {}\nposture = \"{}\"\n",
             if sc.workload.llm {
@@ -509,11 +522,6 @@ impl Sim {
                 }
             })
             .collect();
-        let key_index = keys
-            .iter()
-            .enumerate()
-            .map(|(i, k)| (k.value.clone(), i as u32))
-            .collect();
         let mut zipf_cdf = Vec::new();
         if sc.workload.kind == WorkloadKind::Zipf {
             let mut acc = 0.0;
@@ -558,7 +566,6 @@ impl Sim {
             alloc_wake: u64::MAX,
             agents,
             keys,
-            key_index,
             queue: BinaryHeap::new(),
             seq: 0,
             now: 0,
@@ -709,7 +716,7 @@ impl Sim {
             // A stream dies with its allocator: nothing sent to a crashed one reaches the
             // next term.
             Ev::ToAlloc(_, term, _) if term != self.term => self.counters.lost += 1,
-            Ev::ToAlloc(i, _, m) => self.deliver_to_alloc(i, m),
+            Ev::ToAlloc(i, _, m) => self.deliver_to_alloc(i, *m),
             Ev::ToAgent(i, g) => self.deliver_to_agent(i, g),
             Ev::Report(i, inc) => {
                 if self.live(i, inc) {
@@ -1119,7 +1126,7 @@ impl Sim {
         };
         if let Some(at) = self.link_delay(i as usize, true) {
             let term = self.term;
-            self.push(at, Ev::ToAlloc(i, term, m));
+            self.push(at, Ev::ToAlloc(i, term, Box::new(m)));
         }
     }
 
@@ -1138,7 +1145,11 @@ impl Sim {
                 ToAlloc::Hello(h) => n.hello(i, h.incarnation),
                 ToAlloc::Report(r) => {
                     for k in &r.keys {
-                        if let Some(&key) = k.key.values.first().and_then(|v| self.key_index.get(v))
+                        if let Some(key) = k
+                            .key
+                            .values
+                            .first()
+                            .and_then(|v| key_of(v, self.keys.len()))
                         {
                             n.report(
                                 i,
@@ -1181,15 +1192,31 @@ impl Sim {
         self.schedule_wake();
     }
 
+    /// Sends drained grants as the allocator's shell does (`shell/driver.rs`,
+    /// `route`): batched per agent stream (agent and incarnation), at most
+    /// `max_keys_per_message` grants per message.
     fn send_grants(&mut self, grants: Vec<Grant>) {
+        let mut batches: BTreeMap<(usize, u64), Vec<Grant>> = BTreeMap::new();
         for g in grants {
             let Some(i) = self.agent_index(&g.agent) else {
                 continue;
             };
-            self.counters.to_agents += 1;
-            self.counters.to_agents_bytes += wire::grant_bytes(&g);
-            if let Some(at) = self.link_delay(i, false) {
-                self.push(at, Ev::ToAgent(i as u32, g));
+            batches.entry((i, g.incarnation)).or_default().push(g);
+        }
+        let max = self.acfg.max_keys_per_message.max(1);
+        for ((i, _), mut rest) in batches {
+            loop {
+                let tail = rest.split_off(rest.len().min(max));
+                self.counters.to_agents += 1;
+                self.counters.grants += rest.len() as u64;
+                self.counters.to_agents_bytes += wire::grants_bytes(&rest);
+                if let Some(at) = self.link_delay(i, false) {
+                    self.push(at, Ev::ToAgent(i as u32, rest));
+                }
+                if tail.is_empty() {
+                    break;
+                }
+                rest = tail;
             }
         }
     }
@@ -1345,7 +1372,7 @@ impl Sim {
         self.demand_buf.clear();
         engine.key_demand(&mut self.demand_buf);
         for d in self.demand_buf.drain(..) {
-            let Some(&k) = d.values.first().and_then(|v| self.key_index.get(v)) else {
+            let Some(k) = d.values.first().and_then(|v| key_of(v, self.keys.len())) else {
                 continue;
             };
             let held = d.slice.map(|s| HeldGrant {
@@ -1484,7 +1511,9 @@ impl Sim {
         }
     }
 
-    fn deliver_to_agent(&mut self, i: u32, g: Grant) {
+    /// One grants message reaches agent `i`: applied with one `apply_slices` call and
+    /// acknowledged in one ack, as the agent's sync client does (`apply`).
+    fn deliver_to_agent(&mut self, i: u32, grants: Vec<Grant>) {
         let iu = i as usize;
         if self.cut(iu, self.now) {
             self.counters.lost += 1;
@@ -1495,29 +1524,39 @@ impl Sim {
             self.counters.lost += 1;
             return;
         };
-        if g.incarnation != a.incarnation {
-            self.counters.lost += 1; // the shell sends a grant only on its incarnation's stream
+        // The shell sends grants only on their incarnation's stream.
+        if grants
+            .first()
+            .is_some_and(|g| g.incarnation != a.incarnation)
+        {
+            self.counters.lost += 1;
             return;
         }
         let at = a.clock(self.now);
-        let res = engine.apply_slices(at, &[g.to_slice_update()]);
-        match res.into_iter().next() {
-            Some(Ok(applied)) => {
-                let ack = Ack {
-                    agent: a.name.clone(),
-                    incarnation: a.incarnation,
-                    slices: vec![SliceAck {
-                        key: (*g.key).clone(),
-                        epoch: g.epoch,
-                        seq: g.seq,
-                        released_tokens: applied.released_tokens,
-                        in_flight: applied.in_flight,
-                    }],
-                };
-                self.send_to_alloc(i, ToAlloc::Ack(ack));
+        let updates: Vec<_> = grants.iter().map(Grant::to_slice_update).collect();
+        let res = engine.apply_slices(at, &updates);
+        let mut slices = Vec::with_capacity(grants.len());
+        for (g, r) in grants.iter().zip(res) {
+            match r {
+                Ok(applied) => slices.push(SliceAck {
+                    key: (*g.key).clone(),
+                    epoch: g.epoch,
+                    seq: g.seq,
+                    released_tokens: applied.released_tokens,
+                    in_flight: applied.in_flight,
+                }),
+                Err(_) => self.counters.grants_refused += 1,
             }
-            _ => self.counters.grants_refused += 1,
         }
+        if slices.is_empty() {
+            return;
+        }
+        let ack = Ack {
+            agent: a.name.clone(),
+            incarnation: a.incarnation,
+            slices,
+        };
+        self.send_to_alloc(i, ToAlloc::Ack(ack));
     }
 
     // ---- checker ----
@@ -1589,7 +1628,7 @@ impl Sim {
                 ks.slices[i].push(0);
             }
             for d in self.demand_buf.drain(..) {
-                let Some(&k) = d.values.first().and_then(|v| self.key_index.get(v)) else {
+                let Some(k) = d.values.first().and_then(|v| key_of(v, self.keys.len())) else {
                     continue;
                 };
                 if let (Some(ks), Some(sl)) = (s.keys.get_mut(k as usize), d.slice)
@@ -1744,6 +1783,17 @@ impl Sim {
         }
         p95(&mut samples)
     }
+}
+
+/// The index of the key whose tenant value is `v` (`t<index>`, as built in
+/// [`Sim::new`]), if it is one of the `n` keys.
+fn key_of(v: &str, n: usize) -> Option<u32> {
+    let digits = v.strip_prefix('t')?;
+    let canonical = !digits.is_empty()
+        && digits.bytes().all(|b| b.is_ascii_digit())
+        && (digits == "0" || !digits.starts_with('0'));
+    let k: u32 = digits.parse().ok().filter(|_| canonical)?;
+    ((k as usize) < n).then_some(k)
 }
 
 fn p95(xs: &mut [f64]) -> Option<f64> {
@@ -1957,6 +2007,15 @@ mod tests {
             (3, 5_000, 800)
         );
         assert_eq!(sc.allocator.overdraft_permille, 50);
+    }
+
+    #[test]
+    fn key_values_map_back_to_their_index_and_nothing_else_does() {
+        assert_eq!(key_of("t0", 3), Some(0));
+        assert_eq!(key_of("t2", 3), Some(2));
+        for bad in ["t3", "t", "t01", "t+1", "x1", "1", "t-1"] {
+            assert_eq!(key_of(bad, 3), None, "{bad}");
+        }
     }
 
     #[test]

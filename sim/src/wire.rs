@@ -106,18 +106,25 @@ pub fn ack_bytes(a: &Ack) -> u64 {
     GRPC_PREFIX_BYTES + delimited(slices)
 }
 
-/// An `AllocatorMessage { grants = 2 }` carrying one grant (the simulator sends each
-/// grant as its own message).
-pub fn grant_bytes(g: &Grant) -> u64 {
-    let grant = delimited(key_body(&g.key))
-        + uint(g.rate)
-        + uint(g.burst)
-        + uint(g.epoch)
-        + uint(g.seq)
-        + uint(g.lease_expires_at_ns)
-        + uint(u64::from(g.fleet_size))
-        + uint(g.transfer_tokens);
-    GRPC_PREFIX_BYTES + delimited(delimited(grant))
+/// An `AllocatorMessage { grants = 2 }` carrying these grants (the allocator's shell
+/// batches the grants of one pass per agent stream).
+pub fn grants_bytes(grants: &[Grant]) -> u64 {
+    let body: u64 = grants
+        .iter()
+        .map(|g| {
+            delimited(
+                delimited(key_body(&g.key))
+                    + uint(g.rate)
+                    + uint(g.burst)
+                    + uint(g.epoch)
+                    + uint(g.seq)
+                    + uint(g.lease_expires_at_ns)
+                    + uint(u64::from(g.fleet_size))
+                    + uint(g.transfer_tokens),
+            )
+        })
+        .sum();
+    GRPC_PREFIX_BYTES + delimited(body)
 }
 
 /// A Gubernator-like hit batch: one `KeyReport { key, admitted = hits }` per key.
