@@ -12,14 +12,13 @@
 //! acknowledgement, refuses a damaged data file), and the single-node HTTP shell
 //! ([`server`], feature `server`, default) behind the `bursar-ledger` binary.
 //!
-//! Also built, without a transport: [`reconcile`], the digest-driven reconciliation
-//! round the cluster's anti-entropy will run, property-tested in memory (any two
-//! ledgers end with the state of their union).
+//! The cluster (feature `cluster`, part of `server`): [`cluster`] runs QUIC (quinn)
+//! with mutual TLS from a cluster CA, foca membership, push of new batches and the
+//! digest-driven anti-entropy of [`reconcile`], with rkyv messages in a checked
+//! envelope ([`cluster::frame`]). Every node holds every event.
 //!
-//! **Not built:** the cluster itself (foca membership, quinn with mutual TLS, rkyv
-//! envelopes, push of new batches, version vectors). A ledger node today is a single
-//! node; nothing is replicated between nodes. The agent does not yet embed the ledger
-//! as its outbox.
+//! **Not built:** version vectors (by choice: digests find every difference; see
+//! docs/ledger.md, "Cluster"), deeper sub-bucket splitting, a second backend.
 //!
 //! The API, the guarantees and the evidence for each are in `docs/ledger.md`;
 //! ingest figures in `docs/BENCHMARKS.md` ("Ledger"). The core builds without the shell:
@@ -39,8 +38,9 @@
 //! - [`store`]: the [`Store`] trait, the merge algorithm every backend shares
 //!   ([`store::apply_batch`]), [`MemStore`], and queries ([`store::usage_totals`]).
 //! - [`reconcile`]: digest-driven reconciliation between two stores, sans-IO (the
-//!   core the cluster's anti-entropy will run; no transport yet).
+//!   core the cluster's anti-entropy runs over its streams).
 //! - [`redb_store`]: the durable backend.
+//! - `cluster` (feature `cluster`): QUIC transport, TLS, membership, push and pull.
 //! - `server` (feature `server`): the HTTP JSON shell: one writer thread owns the
 //!   writes and group-commits concurrent requests; reads use MVCC snapshots.
 //! - `main.rs`: the `bursar-ledger` binary (clap, anyhow).

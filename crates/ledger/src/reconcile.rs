@@ -1,7 +1,6 @@
 //! Digest-driven reconciliation between two ledgers: the sans-IO core of the
-//! anti-entropy the cluster will run. **No transport exists yet**: nothing here opens
-//! a socket; tests carry the messages between in-memory stores. The cluster shell
-//! (foca membership, quinn with mutual TLS, rkyv envelopes) is not built.
+//! cluster's anti-entropy. Nothing here opens a socket: `cluster::exchange` carries
+//! these steps over a QUIC stream; tests carry them between in-memory stores.
 //!
 //! One round between an initiator `A` and a responder `B`:
 //!
@@ -37,7 +36,6 @@
 //! `events_max` events per bucket); deeper splitting is not built.
 //!
 use std::cmp::Ordering;
-use std::ops::ControlFlow;
 
 use crate::digest::{Bucket, Digest};
 use crate::event::{Event, element_hash};
@@ -116,19 +114,33 @@ fn events_in_subs(
     subs: &[u8],
     max: usize,
 ) -> Result<(Vec<Event>, bool), StoreError> {
+    // Whole sub-buckets only, in sub order: a cut through the middle of sub-buckets
+    // would leave every one of them still differing, and the next round would send
+    // the same prefix again (a livelock the 1,000,000-event convergence benchmark
+    // found). A single sub-bucket larger than `max` is sent cut (the known limit of
+    // one level of splitting).
     let mut pick = [false; SUB_BUCKETS];
     subs.iter().for_each(|&i| pick[usize::from(i)] = true);
-    let mut out = Vec::new();
-    let mut truncated = false;
+    let mut by_sub: Vec<Vec<Event>> = vec![Vec::new(); SUB_BUCKETS];
     store.visit_bucket(bucket, &mut |e| {
-        if pick[sub_of(element_hash(&e.encode()))] {
-            if out.len() < max {
-                out.push(e.clone());
-            } else {
-                truncated = true;
-            }
+        let sub = sub_of(element_hash(&e.encode()));
+        if pick[sub] {
+            by_sub[sub].push(e.clone());
         }
     })?;
+    let mut out = Vec::new();
+    let mut truncated = false;
+    for mut events in by_sub.into_iter().filter(|v| !v.is_empty()) {
+        if out.len() + events.len() > max {
+            truncated = true;
+            if out.is_empty() {
+                events.truncate(max);
+                out = events;
+            }
+            break;
+        }
+        out.append(&mut events);
+    }
     Ok((out, truncated))
 }
 
@@ -230,32 +242,29 @@ pub fn offer(
     })
 }
 
-/// The events of `buckets` in `store`, at most `max`; true if it stopped at `max`.
+/// The events of `buckets` in `store`, at most `max`, whole buckets only (a bucket cut
+/// in the middle would still differ next round and be sent again from its start);
+/// true if it stopped at `max`. A single bucket larger than `max` is sent cut (the
+/// answer routes such buckets through sub-digests instead).
 fn events_in(
     store: &dyn Store,
     buckets: &[Bucket],
     max: usize,
 ) -> Result<(Vec<Event>, bool), StoreError> {
     let mut out = Vec::new();
-    let mut truncated = false;
     for b in buckets {
-        if out.len() >= max {
-            truncated = true;
-            break;
+        let mut these = Vec::new();
+        store.visit_bucket(b, &mut |e| these.push(e.clone()))?;
+        if out.len() + these.len() > max {
+            if out.is_empty() {
+                these.truncate(max);
+                out = these;
+            }
+            return Ok((out, true));
         }
-        store.scan(b.hour, b.hour + 1, None, &mut |c, e| {
-            if c.0.tenant != b.tenant {
-                return ControlFlow::Continue(());
-            }
-            if out.len() >= max {
-                truncated = true;
-                return ControlFlow::Break(());
-            }
-            out.push(e.clone());
-            ControlFlow::Continue(())
-        })?;
+        out.append(&mut these);
     }
-    Ok((out, truncated))
+    Ok((out, false))
 }
 
 /// Step 2: the responder compares its digests with the offer.
@@ -375,6 +384,33 @@ mod tests {
     use crate::testing::usage_stream;
 
     const NOW: u64 = 490_000 * HOUR_MS;
+
+    /// Regression: a bucket far above `events_max`, held by one side only, used to
+    /// livelock (every round sent the same arrival-order prefix, cutting through every
+    /// sub-bucket). Whole sub-buckets per round make steady progress.
+    #[test]
+    fn a_large_one_sided_bucket_converges_in_a_bounded_number_of_rounds() {
+        let a = MemStore::new();
+        let b = MemStore::new();
+        let mut events = usage_stream(11, "big", "agent-a", 3_000, NOW);
+        events.iter_mut().for_each(|e| {
+            e.time_ms = NOW;
+            e.tenant = "one".into();
+        });
+        a.apply(&events).unwrap();
+        let limits = ReconcileLimits {
+            buckets_max: 100,
+            events_max: 250,
+        };
+        let (rounds, moved) = reconcile_in_memory(&a, &b, &limits, 40).unwrap();
+        assert_eq!(
+            a.root().unwrap(),
+            b.root().unwrap(),
+            "after {rounds} rounds"
+        );
+        assert!(rounds <= 3_000 / 250 * 2, "{rounds} rounds");
+        assert!(moved <= 3_000 * 2, "{moved} events moved for 3,000 missing");
+    }
 
     #[test]
     fn two_ledgers_with_different_events_converge_in_one_round() {

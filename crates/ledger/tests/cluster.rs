@@ -385,3 +385,75 @@ fn a_corrupt_frame_from_a_peer_is_refused_and_changes_nothing() {
         "only the well-formed push was stored"
     );
 }
+
+/// The convergence benchmark (docs/BENCHMARKS.md, "Ledger cluster"): one node is cut
+/// off while 1,000,000 events are written to another, then healed; prints the time
+/// until its digest equals the others' and the frame bytes it received per event.
+/// Run in release:
+/// `cargo test --release -p bursar-ledger --test cluster -- --ignored --nocapture million`
+#[test]
+#[ignore = "a benchmark: about a minute in release"]
+fn convergence_of_a_million_events_after_a_heal() {
+    let n_events: usize = std::env::var("BURSAR_CONVERGE_EVENTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1_000_000);
+    let tmp = tempfile::tempdir().unwrap();
+    let cdir = tmp.path().join("certs");
+    certs(&cdir, &["a", "b", "c"]);
+    let a = start(tmp.path(), &cdir, "a", "127.0.0.1:0", &[]);
+    let seed = vec![a.gossip.unwrap().to_string()];
+    let b = start(tmp.path(), &cdir, "b", "127.0.0.1:0", &seed);
+    let c = start(tmp.path(), &cdir, "c", "127.0.0.1:0", &seed);
+    wait_until("three members", Duration::from_secs(20), || {
+        [&a, &b, &c]
+            .iter()
+            .all(|n| cluster(n)["members"].as_array().unwrap().len() == 2)
+    });
+    isolate(&c, true);
+    let t = now_ms();
+    let t0 = Instant::now();
+    let batch = 25_000;
+    for i in 0..n_events.div_ceil(batch) {
+        let n = batch.min(n_events - i * batch);
+        let body: Vec<Value> = (0..n)
+            .map(|j| {
+                let k = i * batch + j;
+                let mut e = usage_json(
+                    &format!("0190c3a2-7b1e-7c4d-9e8f-{k:012x}"),
+                    &format!("tenant-{}", k % 8),
+                    if k % 3 == 0 { "gpt-4o" } else { "claude" },
+                    t - (k as u64 % 7_200) * 1_000,
+                    100 + (k as u64 % 900),
+                    10 + (k as u64 % 70),
+                );
+                e["origin"] = json!("agent-bench");
+                e["seq"] = json!(k + 1);
+                e
+            })
+            .collect();
+        post_ok(&a, &Value::Array(body));
+    }
+    let written = t0.elapsed();
+    wait_until("a and b agree", Duration::from_secs(600), || {
+        converged(&[&a, &b])
+    });
+    println!(
+        "wrote {n_events} events to a in {written:?}; b in sync after {:?}",
+        t0.elapsed()
+    );
+    let before = cluster(&c)["bytes_received"].as_u64().unwrap();
+    isolate(&c, false);
+    let healed = wait_until("c converges", Duration::from_secs(1200), || {
+        converged(&[&a, &c])
+    });
+    let got = cluster(&c)["bytes_received"].as_u64().unwrap() - before;
+    let pushed = cluster(&a)["push"].clone();
+    println!(
+        "after the heal: c converged on {n_events} events in {healed:?} ({:.0} events/s); \
+         {got} frame bytes received = {:.1} bytes/event; a's push counters {pushed}",
+        n_events as f64 / healed.as_secs_f64(),
+        got as f64 / n_events as f64
+    );
+    assert_eq!(root(&c)["events"], n_events as u64);
+}

@@ -324,23 +324,65 @@ fn a_corrupt_data_file_stops_the_binary_with_a_clear_error() {
 }
 
 #[test]
-fn help_says_clustering_is_not_built_and_gossip_flags_are_accepted() {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_bursar-ledger"))
-        .arg("--help")
-        .output()
-        .unwrap();
+fn help_documents_the_cluster_and_bad_cluster_flags_are_clear_errors() {
+    let run = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_bursar-ledger"))
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let out = run(&["--help"]);
     let help = String::from_utf8_lossy(&out.stdout);
-    assert!(help.contains("CLUSTERING IS NOT BUILT YET"), "{help}");
-    assert!(
-        help.contains("--gossip") && help.contains("--peer"),
-        "{help}"
-    );
+    for flag in ["--gossip", "--peer", "--tls-dir", "certs", "mutual TLS"] {
+        assert!(help.contains(flag), "{flag} missing from:\n{help}");
+    }
     let dir = tempfile::tempdir().unwrap();
-    let node = Node::start(
-        dir.path(),
-        &["--gossip", "127.0.0.1:0", "--peer", "127.0.0.1:9"],
-    );
+    let d = dir.path().to_str().unwrap();
+    // --gossip without TLS material: refused before anything starts.
+    let out = run(&["--data-dir", d, "--node-id", "n", "--gossip", "127.0.0.1:0"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--tls-dir"), "{err}");
+    // --peer without --gossip.
+    let out = run(&["--data-dir", d, "--node-id", "n", "--peer", "127.0.0.1:9"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--gossip"), "{err}");
+    // TLS files that do not exist: the error names the file.
+    let out = run(&[
+        "--data-dir",
+        d,
+        "--node-id",
+        "n",
+        "--gossip",
+        "127.0.0.1:0",
+        "--tls-dir",
+        "/nonexistent",
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("/nonexistent/ca.pem"), "{err}");
+    // A node may not name itself as a peer.
+    let out = run(&[
+        "--data-dir",
+        d,
+        "--node-id",
+        "n",
+        "--gossip",
+        "127.0.0.1:7999",
+        "--tls-dir",
+        d,
+        "--peer",
+        "127.0.0.1:7999",
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("own --gossip"), "{err}");
+    // Standalone still works, and /v1/cluster says so.
+    let node = Node::start(dir.path(), &[]);
     assert_eq!(node.get("/healthz").status, 200);
+    assert_eq!(node.get("/v1/cluster").status, 404);
+    assert_eq!(node.post("/v1/cluster/isolate?on=true", b"").status, 404);
 }
 
 #[test]

@@ -194,6 +194,10 @@ async fn respond(inner: &Arc<Inner>, ch: &mut Channel<'_>) -> Result<(), Exchang
                 ch.send(&Msg::Done).await?;
                 return Ok(());
             }
+            let Some(_slot) = inner.try_round() else {
+                ch.send(&Msg::Busy).await?;
+                return Ok(());
+            };
             ch.send(&Msg::Differ).await?;
             let Msg::Offer {
                 root,
@@ -316,6 +320,8 @@ pub(crate) async fn push_to(
 pub struct RoundReport {
     /// The roots were equal: nothing was exchanged beyond them.
     pub in_sync: bool,
+    /// One side was in another round; nothing was exchanged.
+    pub busy: bool,
     /// Events sent.
     pub sent: u64,
     /// Events received.
@@ -343,6 +349,13 @@ pub(crate) async fn sync_with(
             });
         }
         Msg::Differ => {}
+        Msg::Busy => {
+            ch.finish().await;
+            return Ok(RoundReport {
+                busy: true,
+                ..RoundReport::default()
+            });
+        }
         _ => return Err(ExchangeError::Protocol("expected done or differ".into())),
     }
     let limits = inner.cfg.reconcile;
@@ -422,6 +435,7 @@ pub(crate) async fn sync_with(
     }
     let r = RoundReport {
         in_sync: false,
+        busy: false,
         sent: sent_first + sent_last,
         received: received_first + received_back,
         more: truncated || serve_cut || nothing_differs || !mine.is_empty(),
@@ -496,9 +510,17 @@ pub(crate) async fn sync_loop(inner: Arc<Inner>) {
         let Some(peer) = inner.pick_peers(1).pop() else {
             continue;
         };
+        let Some(_slot) = inner.try_round() else {
+            inner.stats.sync_busy.fetch_add(1, Ordering::Relaxed);
+            continue;
+        };
         for _ in 0..64 {
             let t = inner.cfg.exchange_timeout;
             match tokio::time::timeout(t, sync_with(&inner, peer)).await {
+                Ok(Ok(r)) if r.busy => {
+                    inner.stats.sync_busy.fetch_add(1, Ordering::Relaxed);
+                    break;
+                }
                 Ok(Ok(r)) if r.in_sync => {
                     inner.stats.sync_in_sync.fetch_add(1, Ordering::Relaxed);
                     break;

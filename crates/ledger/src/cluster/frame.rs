@@ -175,6 +175,10 @@ mod types {
         Done,
         /// The other side refused or failed; the exchange ends, nothing more is applied.
         Error(String),
+        /// The responder is in another anti-entropy round; try later (one round at a
+        /// time per node, so a lagging node is not sent the same events by every peer
+        /// at once).
+        Busy,
     }
 
     impl Msg {
@@ -192,6 +196,7 @@ mod types {
                 Msg::Error(_) => 9,
                 Msg::Root(_) => 10,
                 Msg::Differ => 11,
+                Msg::Busy => 12,
             }
         }
     }
@@ -649,6 +654,7 @@ mod tests {
             Msg::Back(EventBatch::default()),
             Msg::Last(EventBatch::default()),
             Msg::Done,
+            Msg::Busy,
             Msg::Error("nope".into()),
         ];
         let mut types = std::collections::HashSet::new();

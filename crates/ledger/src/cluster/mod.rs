@@ -139,6 +139,8 @@ pub struct ClusterStats {
     pub sync_reconciled: AtomicU64,
     /// Sync rounds that failed.
     pub sync_failed: AtomicU64,
+    /// Sync rounds not run because one side was in another round.
+    pub sync_busy: AtomicU64,
     /// Events sent by sync rounds (both roles).
     pub sync_events_sent: AtomicU64,
     /// Events received by sync rounds (both roles).
@@ -177,6 +179,8 @@ pub(crate) struct Inner {
     /// Where the next offer's range ends (hours, exclusive): newest first, then older
     /// ranges when the newest agree (see `reconcile::reconcile_in_memory`).
     pub(crate) sync_to_hour: Mutex<u64>,
+    /// Held during an anti-entropy round, as initiator or responder.
+    pub(crate) in_round: AtomicBool,
 }
 
 /// A start-up failure of the cluster shell.
@@ -254,6 +258,7 @@ impl Cluster {
             rng: Mutex::new(rng),
             foca_tx,
             sync_to_hour: Mutex::new(u64::MAX),
+            in_round: AtomicBool::new(false),
         });
         let tasks = vec![
             tokio::spawn(accept_loop(inner.clone())),
@@ -319,7 +324,7 @@ impl Cluster {
             "isolated": self.inner.isolated.load(Ordering::Relaxed),
             "members": self.members().iter().map(|(id, a)| json!({"node_id": id, "gossip": a.to_string()})).collect::<Vec<_>>(),
             "push": {"ok": l(&s.push_ok), "failed": l(&s.push_failed), "events": l(&s.push_events), "bytes": l(&s.push_bytes)},
-            "sync": {"in_sync": l(&s.sync_in_sync), "reconciled": l(&s.sync_reconciled), "failed": l(&s.sync_failed), "events_sent": l(&s.sync_events_sent), "events_received": l(&s.sync_events_received)},
+            "sync": {"in_sync": l(&s.sync_in_sync), "reconciled": l(&s.sync_reconciled), "failed": l(&s.sync_failed), "busy": l(&s.sync_busy), "events_sent": l(&s.sync_events_sent), "events_received": l(&s.sync_events_received)},
             "bytes_sent": l(&s.bytes_sent),
             "bytes_received": l(&s.bytes_received),
             "frames_rejected": l(&s.frames_rejected),
@@ -343,7 +348,24 @@ impl Cluster {
     }
 }
 
+/// Holds a node's round slot until dropped.
+pub(crate) struct RoundSlot<'a>(&'a AtomicBool);
+
+impl Drop for RoundSlot<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
 impl Inner {
+    /// Takes the node's anti-entropy round slot, if free.
+    pub(crate) fn try_round(&self) -> Option<RoundSlot<'_>> {
+        self.in_round
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .ok()
+            .map(|_| RoundSlot(&self.in_round))
+    }
+
     pub(crate) fn isolated(&self) -> bool {
         self.isolated.load(Ordering::Relaxed)
     }
