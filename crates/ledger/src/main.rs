@@ -48,9 +48,10 @@ struct Args {
     /// Port 0 picks a free port (printed as `gossip on ADDR`).
     #[arg(long)]
     gossip: Option<std::net::SocketAddr>,
-    /// A seed peer's --gossip address (repeatable). Membership finds the rest.
+    /// A seed peer's --gossip address, HOST:PORT or IP:PORT (repeatable; names are
+    /// resolved again every 2 s). Membership finds the rest.
     #[arg(long, requires = "gossip")]
-    peer: Vec<std::net::SocketAddr>,
+    peer: Vec<String>,
     /// Directory with ca.pem, <node-id>.pem and <node-id>.key (as `bursar-ledger certs`
     /// writes them). Required with --gossip unless --ca, --cert and --key are given.
     #[arg(long, requires = "gossip")]

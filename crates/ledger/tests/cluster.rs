@@ -112,7 +112,9 @@ fn three_nodes_converge_after_a_partition_heals() {
     let a = start(tmp.path(), &cdir, "a", "127.0.0.1:0", &[]);
     let seed = vec![a.gossip.unwrap().to_string()];
     let b = start(tmp.path(), &cdir, "b", "127.0.0.1:0", &seed);
-    let c = start(tmp.path(), &cdir, "c", "127.0.0.1:0", &seed);
+    // c names its seed by host name (resolved by the node, again every 2 s).
+    let by_name = vec![format!("localhost:{}", a.gossip.unwrap().port())];
+    let c = start(tmp.path(), &cdir, "c", "127.0.0.1:0", &by_name);
     let all = [&a, &b, &c];
     let joined = wait_until("three members", Duration::from_secs(20), || {
         all.iter()

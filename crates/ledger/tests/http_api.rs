@@ -378,6 +378,22 @@ fn help_documents_the_cluster_and_bad_cluster_flags_are_clear_errors() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("own --gossip"), "{err}");
+    // A seed that is not HOST:PORT.
+    let out = run(&[
+        "--data-dir",
+        d,
+        "--node-id",
+        "n",
+        "--gossip",
+        "127.0.0.1:0",
+        "--tls-dir",
+        d,
+        "--peer",
+        "nonsense",
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("expected HOST:PORT"), "{err}");
     // Standalone still works, and /v1/cluster says so.
     let node = Node::start(dir.path(), &[]);
     assert_eq!(node.get("/healthz").status, 200);

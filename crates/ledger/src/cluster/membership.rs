@@ -103,11 +103,11 @@ pub(crate) async fn run(inner: Arc<Inner>, mut rx: mpsc::Receiver<Input>) {
     let rng = rand::rngs::SmallRng::seed_from_u64(inner.cfg.rng_seed);
     let mut foca = Foca::new(me, config(), rng, PostcardCodec);
     let mut rt = AccumulatingRuntime::new();
-    let seeds: Vec<SocketAddr> = inner.cfg.seeds.clone();
     let announce = |foca: &mut Foca<Ident, PostcardCodec, rand::rngs::SmallRng, _>,
                     rt: &mut AccumulatingRuntime<Ident>,
                     inner: &Arc<Inner>| {
         let members = inner.members.lock().expect("members").clone();
+        let seeds = inner.seed_addrs.lock().expect("seeds").clone();
         for s in &seeds {
             if !members.contains_key(s) {
                 let _ = foca.announce(
@@ -182,6 +182,28 @@ fn drain(inner: &Arc<Inner>, rt: &mut AccumulatingRuntime<Ident>) {
             }
             _ => {}
         }
+    }
+}
+
+/// Resolves the seeds (`HOST:PORT` or `IP:PORT`) now and every 2 s, so a peer whose
+/// name does not resolve yet (a pod still starting) is found when it does.
+pub(crate) async fn resolve_seeds(inner: Arc<Inner>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(2));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let mut found = Vec::new();
+        for s in &inner.cfg.seeds {
+            let r =
+                tokio::time::timeout(Duration::from_secs(2), tokio::net::lookup_host(s.as_str()))
+                    .await;
+            if let Ok(Ok(addrs)) = r {
+                found.extend(addrs.filter(|a| *a != inner.cfg.listen));
+            }
+        }
+        found.sort();
+        found.dedup();
+        *inner.seed_addrs.lock().expect("seeds") = found;
     }
 }
 

@@ -53,8 +53,9 @@ pub struct ClusterConfig {
     pub node_id: String,
     /// UDP address for QUIC (`--gossip`).
     pub listen: SocketAddr,
-    /// Seed peers' gossip addresses (`--peer`).
-    pub seeds: Vec<SocketAddr>,
+    /// Seed peers' gossip addresses (`--peer`), `HOST:PORT` or `IP:PORT`; resolved at
+    /// start and every 2 s.
+    pub seeds: Vec<String>,
     /// CA, certificate and key.
     pub tls: TlsFiles,
     /// Peers each new local batch is pushed to. Default 2.
@@ -112,11 +113,18 @@ impl ClusterConfig {
         if self.push_queue_max == 0 {
             return Err("push_queue_max must be > 0".into());
         }
-        if self.seeds.contains(&self.listen) {
-            return Err(format!(
-                "--peer {} is this node's own --gossip address",
-                self.listen
-            ));
+        if let Some(own) = self
+            .seeds
+            .iter()
+            .find(|s| s.parse::<SocketAddr>().ok() == Some(self.listen))
+        {
+            return Err(format!("--peer {own} is this node's own --gossip address"));
+        }
+        if let Some(bad) = self.seeds.iter().find(|s| {
+            s.rsplit_once(':')
+                .is_none_or(|(h, p)| h.is_empty() || p.parse::<u16>().is_err())
+        }) {
+            return Err(format!("--peer {bad}: expected HOST:PORT or IP:PORT"));
         }
         Ok(())
     }
@@ -179,6 +187,8 @@ pub(crate) struct Inner {
     /// Where the next offer's range ends (hours, exclusive): newest first, then older
     /// ranges when the newest agree (see `reconcile::reconcile_in_memory`).
     pub(crate) sync_to_hour: Mutex<u64>,
+    /// The seeds' current addresses (see `membership::resolve_seeds`).
+    pub(crate) seed_addrs: Mutex<Vec<SocketAddr>>,
     /// Held during an anti-entropy round, as initiator or responder.
     pub(crate) in_round: AtomicBool,
 }
@@ -259,8 +269,17 @@ impl Cluster {
             foca_tx,
             sync_to_hour: Mutex::new(u64::MAX),
             in_round: AtomicBool::new(false),
+            seed_addrs: Mutex::new(Vec::new()),
         });
+        // Seeds given as IP:PORT are usable before the first resolution.
+        *inner.seed_addrs.lock().expect("seeds") = inner
+            .cfg
+            .seeds
+            .iter()
+            .filter_map(|s| s.parse().ok())
+            .collect();
         let tasks = vec![
+            tokio::spawn(membership::resolve_seeds(inner.clone())),
             tokio::spawn(accept_loop(inner.clone())),
             tokio::spawn(membership::run(inner.clone(), foca_rx)),
             tokio::spawn(exchange::push_loop(inner.clone(), push_rx)),
@@ -385,7 +404,7 @@ impl Inner {
             .copied()
             .collect();
         if all.is_empty() {
-            all = self.cfg.seeds.clone();
+            all = self.seed_addrs.lock().expect("seeds").clone();
         }
         all.sort();
         let mut rng = self.rng.lock().expect("rng");
