@@ -231,6 +231,9 @@ struct Queue {
     /// Delivery acknowledgements to persist: ledger node id -> highest seq.
     acks: HashMap<String, u64>,
     stop: bool,
+    /// The writer is parked on the condvar: the next push must wake it. Pushes while
+    /// it works skip the wake-up (a futex syscall each: measured ~2 us per completion).
+    writer_parked: bool,
 }
 
 struct Shared {
@@ -493,6 +496,7 @@ impl Outbox {
                 taken: 0,
                 acks: HashMap::new(),
                 stop: false,
+                writer_parked: false,
             }),
             cv: Condvar::new(),
             committed_tx,
@@ -701,8 +705,11 @@ impl UsageSink for Outbox {
         q.pushed += 1;
         self.sh.pushed.store(q.pushed, Ordering::Release);
         self.sh.queued.store(q.items.len(), Ordering::Release);
+        let wake = std::mem::take(&mut q.writer_parked);
         drop(q);
-        self.sh.cv.notify_one();
+        if wake {
+            self.sh.cv.notify_one();
+        }
     }
 }
 
@@ -775,8 +782,10 @@ fn writer(sh: Arc<Shared>, mapper: Mapper) {
         let (acks, taken, stop) = {
             let mut q = sh.lock();
             while q.items.is_empty() && q.acks.is_empty() && !q.stop {
+                q.writer_parked = true;
                 q = sh.cv.wait(q).unwrap_or_else(|e| e.into_inner());
             }
+            q.writer_parked = false;
             let n = q.items.len().min(max);
             batch.extend(q.items.drain(..n));
             q.taken += n as u64;
