@@ -65,6 +65,10 @@ pub const BUILT_INS: &[(&str, &str)] = &[
         include_str!("../scenarios/partition-drift.toml"),
     ),
     (
+        "allocator-partition",
+        include_str!("../scenarios/allocator-partition.toml"),
+    ),
+    (
         "allocator-crash",
         include_str!("../scenarios/allocator-crash.toml"),
     ),
@@ -296,6 +300,9 @@ fn default_cold_stagger_ms() -> f64 {
 pub enum FaultKind {
     /// Messages between `agents` and the allocator are lost.
     Partition,
+    /// The allocator loses every agent (all its links are cut) but keeps running; names
+    /// no agents.
+    AllocatorPartition,
     /// The allocator process dies; a new term starts `for_s` later.
     AllocatorCrash,
     /// `agents` die (their engines are dropped); new incarnations start `for_s` later.
@@ -532,8 +539,21 @@ impl Scenario {
                     &format!("names gateway {i}, but there are {}", self.gateways),
                 );
             }
-            if f.kind != FaultKind::AllocatorCrash && f.agents.is_empty() {
-                return bad("fault.agents", "a partition or agent crash names agents");
+            let whole_allocator = matches!(
+                f.kind,
+                FaultKind::AllocatorCrash | FaultKind::AllocatorPartition
+            );
+            if whole_allocator && !f.agents.is_empty() {
+                return bad(
+                    "fault.agents",
+                    "an allocator crash or allocator partition names no agents",
+                );
+            }
+            if !whole_allocator && f.agents.is_empty() {
+                return bad(
+                    "fault.agents",
+                    "a partition, agent crash or agent join names agents",
+                );
             }
         }
         Ok(())
@@ -541,9 +561,12 @@ impl Scenario {
 
     /// True if any fault can make an agent admit outside the allocator's budget.
     pub fn has_partition(&self) -> bool {
-        self.faults
-            .iter()
-            .any(|f| matches!(f.kind, FaultKind::Partition | FaultKind::AllocatorCrash))
+        self.faults.iter().any(|f| {
+            matches!(
+                f.kind,
+                FaultKind::Partition | FaultKind::AllocatorPartition | FaultKind::AllocatorCrash
+            )
+        })
     }
 }
 
@@ -581,6 +604,19 @@ mod tests {
         let text = format!("{}\n[network]\nlatency_ms = -1.0\n", BUILT_INS[0].1);
         let e = Scenario::from_toml("x", &text).unwrap_err();
         assert!(e.to_string().contains("network.latency_ms"), "{e}");
+    }
+
+    #[test]
+    fn an_allocator_fault_names_no_agents_and_an_agent_fault_names_some() {
+        let mut s = Scenario::load("allocator-partition").unwrap();
+        assert!(s.has_partition());
+        s.faults[0].agents = vec![0];
+        let e = s.validate().unwrap_err();
+        assert!(e.to_string().contains("names no agents"), "{e}");
+        let mut s = Scenario::load("partition-one").unwrap();
+        s.faults[0].agents.clear();
+        let e = s.validate().unwrap_err();
+        assert!(e.to_string().contains("names agents"), "{e}");
     }
 
     #[test]

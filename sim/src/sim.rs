@@ -425,6 +425,8 @@ pub struct Sim {
     zipf_cdf: Vec<f64>,
     /// Partitions: (start, end, agents).
     partitions: Vec<(u64, u64, Vec<usize>)>,
+    /// Allocator partitions (every agent loses it; the allocator keeps running).
+    allocator_cut: Vec<(u64, u64)>,
     overdraft_rate: u64,
     counters: Counters,
     violations: u64,
@@ -540,6 +542,12 @@ impl Sim {
             .filter(|f| f.kind == FaultKind::Partition)
             .map(|f| (s_ns(f.at_s), s_ns(f.at_s + f.for_s), f.agents.clone()))
             .collect();
+        let allocator_cut = sc
+            .faults
+            .iter()
+            .filter(|f| f.kind == FaultKind::AllocatorPartition)
+            .map(|f| (s_ns(f.at_s), s_ns(f.at_s + f.for_s)))
+            .collect();
         let naive = (policy == Policy::Doorman).then(|| {
             Proportional::new(
                 sc.limit.rate_per_s,
@@ -575,6 +583,7 @@ impl Sim {
             rng: rng.fork(3),
             zipf_cdf,
             partitions,
+            allocator_cut,
             counters: Counters::default(),
             violations: 0,
             violation_messages: Vec::new(),
@@ -608,7 +617,7 @@ impl Sim {
         for f in sc.faults.clone() {
             let (a, b) = (s_ns(f.at_s), s_ns(f.at_s + f.for_s));
             match f.kind {
-                FaultKind::Partition => {}
+                FaultKind::Partition | FaultKind::AllocatorPartition => {}
                 FaultKind::AllocatorCrash => {
                     sim.push(a, Ev::AllocCrash);
                     sim.push(b, Ev::AllocRestart);
@@ -1084,7 +1093,15 @@ impl Sim {
 
     // ---- network ----
 
+    /// Is the link between `agent` and the allocator cut at `t`?
     fn cut(&self, agent: usize, t: u64) -> bool {
+        self.peer_cut(agent, t) || self.allocator_cut.iter().any(|(a, b)| *a <= t && t < *b)
+    }
+
+    /// Is `agent` cut off by a `partition` fault at `t` (from the allocator, and from
+    /// its peers under the Gubernator-like policy)? An allocator partition leaves
+    /// peer links alone.
+    fn peer_cut(&self, agent: usize, t: u64) -> bool {
         self.partitions
             .iter()
             .any(|(a, b, set)| *a <= t && t < *b && set.contains(&agent))
@@ -1283,8 +1300,8 @@ impl Sim {
             self.counters.peer += 1;
             self.counters.peer_bytes += bytes;
             let n = &self.sc.network;
-            if self.cut(i as usize, self.now)
-                || self.cut(j, self.now)
+            if self.peer_cut(i as usize, self.now)
+                || self.peer_cut(j, self.now)
                 || self.net_rng.chance(n.loss)
             {
                 self.counters.lost += 1;
@@ -1306,7 +1323,7 @@ impl Sim {
     /// wait).
     fn deliver_hits(&mut self, i: u32, hits: &[(u32, u64)]) {
         let iu = i as usize;
-        if self.cut(iu, self.now) || self.agents[iu].engine.is_none() {
+        if self.peer_cut(iu, self.now) || self.agents[iu].engine.is_none() {
             self.counters.lost += 1;
             return;
         }
@@ -1916,6 +1933,25 @@ mod tests {
         assert!(over > 0.0, "{over}");
         assert!(over < never.summary.overshoot_max_fraction_of_burst / 4.0);
         assert!(synced.summary.violations > 0);
+    }
+
+    #[test]
+    fn an_allocator_partition_cuts_every_agent_off_the_allocator_but_not_each_other() {
+        let mut sc = Scenario::load("allocator-partition").unwrap();
+        sc.duration_s = 7.0;
+        sc.gateways = 4;
+        let r = run(&sc, 3).unwrap();
+        assert_eq!(r.summary.violations, 0, "{:?}", r.violation_messages);
+        assert!(
+            r.counters.lost > 0,
+            "messages to and from the allocator are lost"
+        );
+        // The 4 s cut outlasts the 2 s leases: every agent falls back, and the bound
+        // counts it.
+        assert!(r.summary.bound_fraction_of_burst > 0.0);
+        let g = Sim::new(&sc, 3, "gubernator").unwrap().run();
+        assert!(g.counters.peer > 0);
+        assert_eq!(g.counters.lost, 0, "peers still reach each other");
     }
 
     #[test]
