@@ -83,3 +83,65 @@ async fn the_layer_admits_settles_and_rejects_in_process() {
     let plain = Request::post("/gen").body(Body::empty()).unwrap();
     assert_eq!(app.oneshot(plain).await.unwrap().status(), StatusCode::OK);
 }
+
+#[tokio::test]
+async fn with_an_outbox_the_layer_answers_after_the_usage_record_is_durable() {
+    use bursar_agent::clock::MonotonicClock;
+    use bursar_agent::shell::outbox::{Outbox, OutboxConfig};
+    use bursar_agent::{Config, Engine, UsageSink};
+    let dir = std::env::temp_dir().join(format!("bursar-layer-outbox-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let outbox = Arc::new(Outbox::open(OutboxConfig::new(dir.clone(), 1)).unwrap());
+    let config = Config::from_toml(RULES).unwrap();
+    let clock = MonotonicClock::new();
+    let wall_origin_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let e = Arc::new(Engine::new(
+        config.clone(),
+        Arc::clone(&outbox) as Arc<dyn UsageSink>,
+    ));
+    outbox.start(config.rules.clone(), wall_origin_ms);
+    let layer = AdmissionLayer::new(Arc::clone(&e), |parts| {
+        let user = parts.headers.get("x-user")?.to_str().ok()?.to_string();
+        Some(Admission {
+            descriptors: vec![("user".into(), user)],
+            cost: Cost {
+                requests: 1,
+                input_tokens: 0,
+                max_output_tokens: None,
+            },
+        })
+    })
+    .with_clock(clock)
+    .with_outbox(Arc::clone(&outbox));
+    let app = Router::new().route("/gen", post(handler)).layer(layer);
+    let r = app
+        .oneshot(
+            Request::post("/gen")
+                .header("x-user", "u1")
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    // Answered only once the record was committed.
+    assert_eq!(
+        outbox
+            .stats()
+            .committed
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+    let events = outbox.read_after(0, 10).unwrap();
+    assert_eq!(events.len(), 1);
+    let e = &events[0].1;
+    assert!(e.request_id.starts_with("layer-"), "{}", e.request_id);
+    assert_eq!(e.tenant, "unknown", "no `org` descriptor in these rules");
+    assert_eq!(e.descriptors, vec![("user".to_string(), "u1".to_string())]);
+    assert!(e.time_ms.abs_diff(wall_origin_ms) < 60_000);
+    outbox.close();
+    let _ = std::fs::remove_dir_all(&dir);
+}

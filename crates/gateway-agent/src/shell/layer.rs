@@ -8,6 +8,12 @@
 //! rate-limit headers and an empty body, and never reaches the inner service. Usage at
 //! completion is what the inner service reports in a [`UsageReport`] response extension;
 //! without one, the request is settled as having used its input and no output.
+//!
+//! With [`AdmissionLayer::with_outbox`] (the engine's sink being that durable outbox),
+//! a full outbox answers 503 before the inner service runs, and a response is returned
+//! only after its usage record is committed (past the outbox's durable timeout it is
+//! returned anyway: the work is done and the record stays queued). Give the layer the
+//! clock whose origin the outbox was started with ([`AdmissionLayer::with_clock`]).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -44,6 +50,10 @@ pub struct AdmissionLayer {
     classify: Arc<Classifier>,
     clock: MonotonicClock,
     ids: Arc<AtomicU64>,
+    /// Request ids become ledger event keys with an outbox: a random per-layer prefix
+    /// keeps them unique across processes and restarts.
+    id_prefix: Arc<str>,
+    outbox: Option<Arc<super::outbox::Outbox>>,
 }
 
 impl AdmissionLayer {
@@ -52,12 +62,31 @@ impl AdmissionLayer {
         engine: Arc<Engine>,
         classify: impl Fn(&http::request::Parts) -> Option<Admission> + Send + Sync + 'static,
     ) -> AdmissionLayer {
+        use std::hash::BuildHasher;
+        let nonce = std::collections::hash_map::RandomState::new()
+            .hash_one((std::process::id(), std::time::SystemTime::now()));
         AdmissionLayer {
             engine,
             classify: Arc::new(classify),
             clock: MonotonicClock::new(),
             ids: Arc::new(AtomicU64::new(0)),
+            id_prefix: format!("layer-{nonce:016x}").into(),
+            outbox: None,
         }
+    }
+
+    /// Uses `clock` for engine time (the one every other caller of the engine uses,
+    /// and whose origin the outbox maps to wall time).
+    pub fn with_clock(mut self, clock: MonotonicClock) -> AdmissionLayer {
+        self.clock = clock;
+        self
+    }
+
+    /// Waits for each completion's usage record to be durable in `outbox` (the
+    /// engine's sink) before returning the response; refuses with 503 when it is full.
+    pub fn with_outbox(mut self, outbox: Arc<super::outbox::Outbox>) -> AdmissionLayer {
+        self.outbox = Some(outbox);
+        self
     }
 }
 
@@ -89,6 +118,8 @@ impl<S, B, R> tower::Service<Request<B>> for Admit<S>
 where
     S: tower::Service<Request<B>, Response = Response<R>> + Send,
     S::Future: Send + 'static,
+    // Held across the wait for the usage record's commit (with an outbox).
+    S::Error: Send,
     R: Default + Send + 'static,
 {
     type Response = Response<R>;
@@ -106,7 +137,21 @@ where
         };
         let engine = Arc::clone(&self.layer.engine);
         let clock = self.layer.clock;
-        let id = format!("layer-{}", self.layer.ids.fetch_add(1, Ordering::Relaxed));
+        let outbox = self.layer.outbox.clone();
+        if let Some(ob) = &outbox
+            && ob.check_room().is_err()
+        {
+            let mut r = Response::new(R::default());
+            *r.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+            r.headers_mut()
+                .insert("retry-after", HeaderValue::from_static("1"));
+            return Box::pin(async move { Ok(r) });
+        }
+        let id = format!(
+            "{}-{}",
+            self.layer.id_prefix,
+            self.layer.ids.fetch_add(1, Ordering::Relaxed)
+        );
         let desc: Vec<(&str, &str)> = adm
             .descriptors
             .iter()
@@ -157,6 +202,9 @@ where
                         Err(_) => (Usage::default(), CompletionStatus::UpstreamError),
                     };
                     let _ = engine.complete(clock.now_ns(), &id, usage, status);
+                    if let Some(ob) = &outbox {
+                        let _ = ob.durable(ob.ticket()).await;
+                    }
                     res.map(|mut r| {
                         for (k, v) in hs {
                             if let Ok(v) = HeaderValue::from_str(&v) {
