@@ -392,6 +392,12 @@ posture = "conservative"
         /// The bursar-agent binary. Default: next to this binary.
         #[arg(long)]
         agent_bin: Option<PathBuf>,
+        /// The bursar-ledger binary. Default: next to this binary.
+        #[arg(long)]
+        ledger_bin: Option<PathBuf>,
+        /// Run without the ledger cluster (no usage outbox on the agents).
+        #[arg(long)]
+        no_ledger: bool,
         /// Agent processes.
         #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=16))]
         agents: u64,
@@ -426,6 +432,116 @@ posture = "conservative"
     /// Child processes, killed on drop.
     struct Children(Vec<Child>);
 
+    /// A directory removed on drop.
+    struct TempDir(PathBuf);
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    /// One ledger node of the local cluster.
+    struct LedgerNode {
+        name: String,
+        http: Http,
+    }
+
+    /// Starts three clustered ledger nodes (development certificates made by
+    /// `bursar-ledger certs` in `dir`); returns them with their HTTP addresses.
+    fn start_ledgers(
+        bin: &std::path::Path,
+        dir: &std::path::Path,
+        children: &mut Children,
+    ) -> Result<Vec<LedgerNode>> {
+        let names = ["ledger-0", "ledger-1", "ledger-2"];
+        let certs = dir.join("certs");
+        let mut cmd = Command::new(bin);
+        cmd.arg("certs").arg("--out").arg(&certs);
+        for n in names {
+            cmd.args(["--node", n]);
+        }
+        let out = cmd
+            .output()
+            .with_context(|| format!("running {} certs", bin.display()))?;
+        if !out.status.success() {
+            bail!(
+                "bursar-ledger certs failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        let mut nodes = Vec::new();
+        let mut seed: Option<String> = None;
+        for n in names {
+            let mut c = Command::new(bin);
+            c.arg("--data-dir")
+                .arg(dir.join(n))
+                .args([
+                    "--node-id",
+                    n,
+                    "--http",
+                    "127.0.0.1:0",
+                    "--gossip",
+                    "127.0.0.1:0",
+                ])
+                .arg("--tls-dir")
+                .arg(&certs);
+            if let Some(s) = &seed {
+                c.args(["--peer", s]);
+            }
+            let mut child = c
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null())
+                .spawn()
+                .with_context(|| format!("starting {}", bin.display()))?;
+            let mut out = BufReader::new(child.stdout.take().context("ledger stdout")?);
+            let (mut l1, mut l2) = (String::new(), String::new());
+            out.read_line(&mut l1)
+                .context("reading the ledger's listening line")?;
+            out.read_line(&mut l2)
+                .context("reading the ledger's gossip line")?;
+            children.0.push(child);
+            let http: SocketAddr = l1
+                .trim()
+                .strip_prefix("listening on http://")
+                .and_then(|a| a.parse().ok())
+                .with_context(|| format!("ledger said {l1:?}"))?;
+            let gossip = l2
+                .trim()
+                .strip_prefix("gossip on ")
+                .with_context(|| format!("ledger said {l2:?}"))?
+                .to_string();
+            seed.get_or_insert(gossip);
+            println!("  ledger {n}: http://{http}");
+            nodes.push(LedgerNode {
+                name: n.to_string(),
+                http: Http {
+                    addr: http,
+                    conn: None,
+                },
+            });
+        }
+        Ok(nodes)
+    }
+
+    /// Each ledger's root digest (`events`, `hash`), or None if it did not answer.
+    fn ledger_roots(nodes: &mut [LedgerNode]) -> Vec<Option<(u64, String)>> {
+        nodes
+            .iter_mut()
+            .map(|n| {
+                let (status, body) = n.http.request("GET", "/v1/digest", "")?;
+                if status != 200 {
+                    return None;
+                }
+                let v: serde_json::Value = serde_json::from_str(&body).ok()?;
+                Some((
+                    v["root"]["events"].as_u64()?,
+                    v["root"]["hash"].as_str()?.to_string(),
+                ))
+            })
+            .collect()
+    }
+
     impl Drop for Children {
         fn drop(&mut self) {
             for c in &mut self.0 {
@@ -442,7 +558,12 @@ posture = "conservative"
     }
 
     impl Http {
-        fn try_post(&mut self, path: &str, body: &str) -> std::io::Result<(u16, String)> {
+        fn try_request(
+            &mut self,
+            method: &str,
+            path: &str,
+            body: &str,
+        ) -> std::io::Result<(u16, String)> {
             if self.conn.is_none() {
                 let s = TcpStream::connect(self.addr)?;
                 s.set_nodelay(true)?;
@@ -452,7 +573,7 @@ posture = "conservative"
             let r = self.conn.as_mut().expect("connected");
             write!(
                 r.get_mut(),
-                "POST {path} HTTP/1.1\r\nHost: local\r\nContent-Type: application/json\r\n\
+                "{method} {path} HTTP/1.1\r\nHost: local\r\nContent-Type: application/json\r\n\
                  Content-Length: {}\r\n\r\n{body}",
                 body.len()
             )?;
@@ -487,14 +608,18 @@ posture = "conservative"
             Ok((status, String::from_utf8_lossy(&b).into_owned()))
         }
 
-        fn post(&mut self, path: &str, body: &str) -> Option<(u16, String)> {
-            match self.try_post(path, body) {
+        fn request(&mut self, method: &str, path: &str, body: &str) -> Option<(u16, String)> {
+            match self.try_request(method, path, body) {
                 Ok(x) => Some(x),
                 Err(_) => {
                     self.conn = None;
-                    self.try_post(path, body).ok()
+                    self.try_request(method, path, body).ok()
                 }
             }
+        }
+
+        fn post(&mut self, path: &str, body: &str) -> Option<(u16, String)> {
+            self.request("POST", path, body)
         }
     }
 
@@ -547,6 +672,9 @@ posture = "conservative"
         decisions: AtomicU64,
         admitted: AtomicU64,
         errors: AtomicU64,
+        /// Completions the agents acknowledged (200), and their input tokens.
+        completed: AtomicU64,
+        completed_tokens: AtomicU64,
     }
 
     fn values_for(rule: &bursar_agent::Rule, desc: &[(&str, &str)]) -> Option<Vec<String>> {
@@ -679,15 +807,52 @@ posture = "conservative"
         );
 
         let mut children = Children(Vec::new());
+        let work =
+            TempDir(std::env::temp_dir().join(format!("bursar-local-{}", std::process::id())));
+        let mut ledgers = if args.no_ledger {
+            Vec::new()
+        } else {
+            let ledger_bin = match &args.ledger_bin {
+                Some(p) => p.clone(),
+                None => std::env::current_exe()
+                    .context("locating this binary")?
+                    .with_file_name("bursar-ledger"),
+            };
+            if !ledger_bin.exists() {
+                bail!(
+                    "{} not found: build it (`cargo build -p bursar-ledger`), pass \
+                     --ledger-bin, or run with --no-ledger",
+                    ledger_bin.display()
+                );
+            }
+            start_ledgers(&ledger_bin, &work.0, &mut children)?
+        };
+        let ledger_urls: Vec<String> = ledgers
+            .iter()
+            .map(|l| format!("http://{}", l.http.addr))
+            .collect();
         let mut agents: Vec<(String, SocketAddr)> = Vec::new();
         for i in 0..args.agents {
             let name = format!("local-{i}");
-            let mut child = Command::new(&agent_bin)
-                .arg("--config")
+            let mut cmd = Command::new(&agent_bin);
+            cmd.arg("--config")
                 .arg(&rules_path)
                 .args(["--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
                 .args(["--allocator", &bound.grpc.to_string(), "--agent-id", &name])
-                .args(["--allocator-backoff-max-ms", "1000"])
+                .args(["--allocator-backoff-max-ms", "1000"]);
+            if !ledger_urls.is_empty() {
+                // Each agent's outbox delivers to two of the three ledgers (kept until
+                // both hold an event); the cluster replicates to the third.
+                cmd.arg("--outbox-dir")
+                    .arg(work.0.join(format!("outbox-{name}")));
+                for j in 0..2 {
+                    cmd.args([
+                        "--ledger",
+                        &ledger_urls[(i as usize + j) % ledger_urls.len()],
+                    ]);
+                }
+            }
+            let mut child = cmd
                 .stdout(Stdio::piped())
                 .stderr(Stdio::null())
                 .spawn()
@@ -733,6 +898,8 @@ posture = "conservative"
             decisions: AtomicU64::new(0),
             admitted: AtomicU64::new(0),
             errors: AtomicU64::new(0),
+            completed: AtomicU64::new(0),
+            completed_tokens: AtomicU64::new(0),
         });
         let routes = Arc::new((routes, offered_routes));
         shared.log.lock().expect("log").offered = vec![0; keys.len()];
@@ -799,6 +966,25 @@ posture = "conservative"
                 agents[hot].0,
                 l_max as f64 / 1e6
             );
+            if !ledgers.is_empty() {
+                let roots = ledger_roots(&mut ledgers);
+                let held: Vec<String> = ledgers
+                    .iter()
+                    .zip(&roots)
+                    .map(|(l, r)| {
+                        format!(
+                            "{}={}",
+                            l.name,
+                            r.as_ref().map_or("?".into(), |r| r.0.to_string())
+                        )
+                    })
+                    .collect();
+                println!(
+                    "  ledger: usage events held {}  (completions acknowledged {})",
+                    held.join(" "),
+                    shared.completed.load(Ordering::Relaxed)
+                );
+            }
             println!(
                 "  {:<22} {:>18} {:>10} {:>10}  {:<36} {:>9} {:>12}",
                 "key",
@@ -854,6 +1040,28 @@ posture = "conservative"
         for t in threads {
             let _ = t.join();
         }
+        // Billing check: every acknowledged completion is in every ledger exactly once
+        // (the outboxes drain, the cluster converges).
+        let ledger_check = if ledgers.is_empty() {
+            None
+        } else {
+            let want = shared.completed.load(Ordering::Relaxed);
+            let t0 = Instant::now();
+            loop {
+                let roots = ledger_roots(&mut ledgers);
+                let agreed = roots
+                    .iter()
+                    .all(|r| r.as_ref().is_some_and(|r| Some(r) == roots[0].as_ref()));
+                let held = roots[0].as_ref().map_or(0, |r| r.0);
+                if agreed && held == want {
+                    break Some(Ok((want, t0.elapsed())));
+                }
+                if t0.elapsed() > Duration::from_secs(30) {
+                    break Some(Err(roots));
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        };
         let _ = sd_tx.send(true);
         drop(children);
         println!(
@@ -864,6 +1072,20 @@ posture = "conservative"
             shared.admitted.load(Ordering::Relaxed),
             shared.errors.load(Ordering::Relaxed),
         );
+        match ledger_check {
+            None => {}
+            Some(Ok((n, took))) => println!(
+                "ledger: all 3 nodes hold exactly the {n} acknowledged completions ({} input \
+                 tokens), with equal digests ({:.1} s after the traffic stopped).",
+                shared.completed_tokens.load(Ordering::Relaxed),
+                took.as_secs_f64()
+            ),
+            Some(Err(roots)) => bail!(
+                "ledger: after 30 s the nodes hold {roots:?} events (count, digest), expected \
+                 {} acknowledged completions on each",
+                shared.completed.load(Ordering::Relaxed)
+            ),
+        }
         if worst.0 > worst.1 {
             bail!(
                 "{}: overshoot {:.1} beyond its bound plus margin {:.1}",
@@ -988,8 +1210,14 @@ posture = "conservative"
                 }
             }
             let done = format!(r#"{{"request_id":"{id}","usage":{{"input_tokens":{cost}}}}}"#);
-            if c.post("/v1/complete", &done).is_none() {
-                shared.errors.fetch_add(1, Ordering::Relaxed);
+            match c.post("/v1/complete", &done) {
+                Some((200, _)) => {
+                    shared.completed.fetch_add(1, Ordering::Relaxed);
+                    shared.completed_tokens.fetch_add(cost, Ordering::Relaxed);
+                }
+                _ => {
+                    shared.errors.fetch_add(1, Ordering::Relaxed);
+                }
             }
         }
     }

@@ -1,0 +1,54 @@
+//! The README's main job: `bursar-allocator local` starts a real allocator, three
+//! agents with durable usage outboxes and a three-node ledger cluster, drives traffic,
+//! and checks overshoot against its bound and that every acknowledged completion is
+//! in every ledger exactly once. Runs the real binaries (built by
+//! `cargo test --workspace`, which builds every binary of the workspace).
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn sibling(name: &str) -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_BIN_EXE_bursar-allocator")).with_file_name(name);
+    assert!(
+        p.exists(),
+        "{} is missing: `cargo test --workspace` (or `cargo build`) builds it",
+        p.display()
+    );
+    p
+}
+
+#[test]
+fn the_main_job_runs_a_cluster_with_ledgers_and_stays_within_bounds() {
+    let out = Command::new(env!("CARGO_BIN_EXE_bursar-allocator"))
+        .args(["local", "--duration-s", "6", "--rps", "150"])
+        .arg("--agent-bin")
+        .arg(sibling("bursar-agent"))
+        .arg("--ledger-bin")
+        .arg(sibling("bursar-ledger"))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(stdout.contains("no key overshot beyond its bound"), "{stdout}");
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("ledger: all 3 nodes hold exactly the "))
+        .unwrap_or_else(|| panic!("no ledger verdict in:\n{stdout}"));
+    let n: u64 = line
+        .trim_start_matches("ledger: all 3 nodes hold exactly the ")
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(n > 100, "too few completions to mean anything: {line}");
+    let admitted: u64 = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("done: "))
+        .and_then(|l| l.split(", ").nth(1))
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no done line in:\n{stdout}"));
+    assert_eq!(n, admitted, "every admitted request was completed and billed once");
+}
