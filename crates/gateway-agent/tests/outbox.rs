@@ -825,3 +825,29 @@ fn durable_completion_throughput() {
     // Everything completed with the outbox reached both ledgers.
     assert_eq!(a.events(), b.events());
 }
+
+#[test]
+fn a_second_agent_on_the_same_outbox_is_refused_with_a_clear_error() {
+    let outbox = tempdir("busy");
+    let first = AgentProc::start(&outbox, &["http://127.0.0.1:9".to_string()], &[]);
+    let config = outbox.with_extension("second.toml");
+    std::fs::write(&config, RULES).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_bursar-agent"))
+        .arg("--config")
+        .arg(&config)
+        .args(["--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
+        .arg("--outbox-dir")
+        .arg(&outbox)
+        .args(["--ledger", "http://127.0.0.1:9"])
+        .output()
+        .expect("run bursar-agent");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "two agents shared one outbox");
+    assert!(stderr.contains("another process holds it open"), "{stderr}");
+    // The first one is unaffected.
+    let r = first
+        .admit_complete("still-fine", "acme", 1, 1)
+        .expect("answer");
+    assert_eq!(r.status, 200, "{}", r.body);
+    let _ = std::fs::remove_file(&config);
+}
