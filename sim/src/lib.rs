@@ -22,17 +22,19 @@
 //! - [`sim`]: the event loop, links, agents (each a real `Engine`, driven as the agent's
 //!   sync client drives it), the allocator, faults, the checker and the [`sim::Report`].
 //! - [`scenario`]: scenario files, built-ins (`sim/scenarios/*.toml`) and validation.
+//! - [`compare`]: `bursar-sim compare`, one scenario under every policy.
 //! - [`plot`]: `--plot DIR`, SVG charts of one run, written by hand.
 //! - [`policy`]: baseline policies for `--policy` (static split, Doorman-like,
 //!   Gubernator-GLOBAL-like).
 //! - [`rng`]: the seeded generator.
 //! - [`sweep`]: `bursar-sim sweep` (report interval, TTL, burst, overdraft).
 //! - [`wire`]: encoded sizes of the control messages (bytes per agent per second).
-//! - `main.rs`: the `bursar-sim` binary (`run`, `sweep`, `list`).
+//! - `main.rs`: the `bursar-sim` binary (`run`, `sweep`, `compare`, `list`).
 //! - `tests/sweep.rs`: a short seed sweep over every built-in scenario.
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+pub mod compare;
 pub mod plot;
 pub mod policy;
 pub mod rng;

@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
+use bursar_sim::compare::compare;
 use bursar_sim::plot::write_charts;
 use bursar_sim::scenario::{BUILT_INS, Overrides, Scenario};
 use bursar_sim::sim::{Sim, replay_command};
@@ -106,6 +107,22 @@ enum Cmd {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// Run one scenario under every policy (bursar, static, doorman, gubernator) with
+    /// the same seeds, side by side. Exits 1 only if the real allocator (`bursar`)
+    /// measured above its bound: the baselines state no bound, so their overshoot is
+    /// reported, not failed.
+    Compare {
+        /// Scenario file, or the name of a built-in.
+        scenario: String,
+        /// Seeds: every policy runs each of 1..=N.
+        #[arg(long, default_value_t = 3)]
+        seeds: u64,
+        #[command(flatten)]
+        fleet: FleetArgs,
+        /// Write the comparison as JSON here.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// Name the built-in scenarios.
     List,
 }
@@ -126,6 +143,67 @@ fn real_main() -> Result<ExitCode> {
             for (name, text) in BUILT_INS {
                 let sc = Scenario::from_toml(name, text)?;
                 println!("{name:<18} {}", sc.description);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Compare {
+            scenario,
+            seeds,
+            fleet,
+            json,
+        } => {
+            let mut sc = Scenario::load(&scenario)?;
+            Overrides {
+                gateways: fleet.gateways,
+                keys: fleet.keys,
+                duration_s: fleet.duration_s,
+                ..Overrides::default()
+            }
+            .apply(&mut sc)?;
+            let seed_list: Vec<u64> = (1..=seeds.max(1)).collect();
+            println!(
+                "compare {}: {} gateways x {} keys x {} virtual s, seeds 1..={}",
+                sc.name,
+                sc.gateways,
+                sc.keys,
+                sc.duration_s,
+                seed_list.len()
+            );
+            println!(
+                "{:<11} {:>12} {:>8} {:>13} {:>11} {:>12} {:>13} {:>10}",
+                "policy",
+                "overshoot/B",
+                "bound/B",
+                "utilization",
+                "realloc ms",
+                "msgs/agent/s",
+                "bytes/agent/s",
+                "violations"
+            );
+            let c = compare(&sc, &seed_list)?;
+            for p in &c.policies {
+                println!(
+                    "{:<11} {:>12.4} {:>8.2} {:>13} {:>11} {:>12.1} {:>13.0} {:>10}",
+                    p.policy,
+                    p.overshoot_max_fraction_of_burst,
+                    p.bound_max_fraction_of_burst,
+                    format!("{:.3}-{:.3}", p.utilization_min, p.utilization_max),
+                    opt(p.realloc_p95_ms_max, 0, ""),
+                    p.control_messages_per_agent_per_s,
+                    p.control_bytes_per_agent_per_s,
+                    p.violations
+                );
+            }
+            if let Some(path) = json {
+                std::fs::write(&path, serde_json::to_string_pretty(&c)?)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
+            let ours = c.policies.iter().find(|p| p.policy == "bursar");
+            if ours.is_some_and(|p| p.violations > 0) {
+                println!(
+                    "FAILED: the real allocator measured above its bound (replay each seed with `bursar-sim run`)"
+                );
+                return Ok(ExitCode::FAILURE);
             }
             Ok(ExitCode::SUCCESS)
         }

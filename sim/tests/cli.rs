@@ -342,3 +342,38 @@ fn plot_writes_three_well_formed_svg_charts_with_the_runs_data() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn compare_runs_every_policy_and_fails_only_on_the_real_allocator() {
+    let dir = std::env::temp_dir().join(format!("bursar-sim-compare-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("c.json");
+    let (code, out, err) = sim(&[
+        "compare",
+        "steady",
+        "--seeds",
+        "1",
+        "--gateways",
+        "4",
+        "--keys",
+        "1",
+        "--duration-s",
+        "2",
+        "--json",
+        path.to_str().unwrap(),
+    ]);
+    // The Gubernator-like baseline overshoots (a violation of the bound it does not
+    // state), but only the real allocator's violations fail the command.
+    assert_eq!(code, 0, "{out}{err}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let ps = v["policies"].as_array().unwrap();
+    let names: Vec<&str> = ps.iter().map(|p| p["policy"].as_str().unwrap()).collect();
+    assert_eq!(names, ["bursar", "static", "doorman", "gubernator"]);
+    assert_eq!(ps[0]["violations"], 0);
+    assert!(ps[3]["violations"].as_u64().unwrap() > 0, "{out}");
+    for n in names {
+        assert!(out.lines().any(|l| l.starts_with(n)), "{out}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
