@@ -189,7 +189,7 @@ async fn respond(inner: &Arc<Inner>, ch: &mut Channel<'_>) -> Result<(), Exchang
         }
         Msg::Root(root) => {
             let theirs = frame::digest(&root)?;
-            let mine = blocking(inner, |s| crate::Store::root(s)).await?;
+            let mine = blocking(inner, crate::Store::root).await?;
             if mine == theirs {
                 ch.send(&Msg::Done).await?;
                 return Ok(());
@@ -337,7 +337,7 @@ pub(crate) async fn sync_with(
 ) -> Result<RoundReport, ExchangeError> {
     let (send, recv) = open(inner, peer).await?;
     let mut ch = Channel { inner, send, recv };
-    let root = blocking(inner, |s| crate::Store::root(s)).await?;
+    let root = blocking(inner, crate::Store::root).await?;
     ch.send(&Msg::Root(root.to_bytes().to_vec())).await?;
     match ch.recv().await? {
         Msg::Done => {

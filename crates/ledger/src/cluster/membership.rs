@@ -168,13 +168,13 @@ fn drain(inner: &Arc<Inner>, rt: &mut AccumulatingRuntime<Ident>) {
             OwnedNotification::MemberUp(id) => {
                 members.insert(id.addr, id);
             }
-            OwnedNotification::MemberDown(id) => {
+            // A newer generation at the same address stays (it already replaced this one).
+            OwnedNotification::MemberDown(id)
                 if members
                     .get(&id.addr)
-                    .is_some_and(|m| m.generation <= id.generation)
-                {
-                    members.remove(&id.addr);
-                }
+                    .is_some_and(|m| m.generation <= id.generation) =>
+            {
+                members.remove(&id.addr);
             }
             OwnedNotification::Rename(old, new) => {
                 members.remove(&old.addr);
