@@ -497,6 +497,7 @@ fn outbox_metrics(
         ("trimmed", &s.trimmed),
         ("dropped", &s.dropped),
         ("invalid", &s.invalid),
+        ("time_clamped", &s.time_clamped),
     ] {
         out.push_str(&format!(
             "bursar_outbox_events_total{{kind=\"{kind}\"}} {}\n",

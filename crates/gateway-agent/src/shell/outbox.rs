@@ -220,6 +220,8 @@ pub struct OutboxStats {
     pub dropped: AtomicU64,
     /// Records whose event failed validation (a bug; logged). Should stay 0.
     pub invalid: AtomicU64,
+    /// Events whose time was ahead of the wall clock and was replaced by it.
+    pub time_clamped: AtomicU64,
 }
 
 struct Queue {
@@ -810,7 +812,7 @@ fn writer(sh: Arc<Shared>, mapper: Mapper) {
             .map_or(0, |d| d.as_millis() as u64);
         encoded.clear();
         for p in batch.drain(..) {
-            let e = mapper.map(
+            let mut e = mapper.map(
                 p.id.as_str(),
                 p.outcome,
                 p.usage,
@@ -819,13 +821,27 @@ fn writer(sh: Arc<Shared>, mapper: Mapper) {
                 &p.limits,
                 next_seq,
             );
+            // Event times are the wall clock read at start plus monotonic time since.
+            // If that start reading was ahead (an agent started before its clock was
+            // synchronised), the times would be in the future and refused; store the
+            // current time instead, and count it.
+            if e.time_ms > now_ms + limits.future_skew_ms / 2 {
+                e.time_ms = now_ms;
+                if sh.stats.time_clamped.fetch_add(1, Ordering::Relaxed) == 0 {
+                    eprintln!(
+                        "bursar-agent: WARNING usage event times are ahead of the wall \
+                         clock (was it stepped back since the agent started?); using the \
+                         current time (counted in bursar_outbox_events_total{{kind=\"time_clamped\"}})"
+                    );
+                }
+            }
             if let Err(err) = e.validate(now_ms, &limits) {
                 // A bug in the mapping (every field is bounded by the engine's own
                 // limits): say so loudly rather than block delivery forever.
                 sh.stats.invalid.fetch_add(1, Ordering::Relaxed);
                 eprintln!(
                     "bursar-agent: ERROR usage event for request {:?} is invalid ({err}); \
-                     NOT stored (counted in bursar_outbox_invalid_total)",
+                     NOT stored (counted in bursar_outbox_events_total{{kind=\"invalid\"}})",
                     p.id.as_str()
                 );
                 continue;
@@ -1171,6 +1187,28 @@ mod tests {
             .map(|(s, _)| s)
             .collect();
         assert_eq!(left, vec![4, 5]);
+        ob.close();
+    }
+
+    #[test]
+    fn event_times_ahead_of_the_wall_clock_are_replaced_by_it_not_dropped() {
+        let dir = tempdir("clock-ahead");
+        let ob = Arc::new(Outbox::open(config(&dir)).unwrap());
+        let cfg = Config::from_toml(RULES).unwrap();
+        let engine = Engine::new(cfg.clone(), Arc::clone(&ob) as Arc<dyn UsageSink>);
+        // The wall clock read at start was two hours ahead (not yet synchronised).
+        ob.start(cfg.rules, wall_origin_ms() + 3 * 3_600_000);
+        admit(&engine, "r-ahead", 10);
+        engine
+            .complete(1, "r-ahead", Usage::default(), CompletionStatus::Ok)
+            .unwrap();
+        assert!(ob.durable_blocking(ob.ticket(), Duration::from_secs(10)));
+        let evs = ob.read_after(0, 10).unwrap();
+        assert_eq!(evs.len(), 1, "stored, not dropped");
+        let now = wall_origin_ms() + 3_600_000;
+        assert!(evs[0].1.time_ms.abs_diff(now) < 60_000, "{}", evs[0].1.time_ms);
+        assert_eq!(ob.stats().time_clamped.load(Ordering::Relaxed), 1);
+        assert_eq!(ob.stats().invalid.load(Ordering::Relaxed), 0);
         ob.close();
     }
 
