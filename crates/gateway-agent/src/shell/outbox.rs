@@ -1206,7 +1206,11 @@ mod tests {
         let evs = ob.read_after(0, 10).unwrap();
         assert_eq!(evs.len(), 1, "stored, not dropped");
         let now = wall_origin_ms() + 3_600_000;
-        assert!(evs[0].1.time_ms.abs_diff(now) < 60_000, "{}", evs[0].1.time_ms);
+        assert!(
+            evs[0].1.time_ms.abs_diff(now) < 60_000,
+            "{}",
+            evs[0].1.time_ms
+        );
         assert_eq!(ob.stats().time_clamped.load(Ordering::Relaxed), 1);
         assert_eq!(ob.stats().invalid.load(Ordering::Relaxed), 0);
         ob.close();
