@@ -851,3 +851,35 @@ fn a_second_agent_on_the_same_outbox_is_refused_with_a_clear_error() {
     assert_eq!(r.status, 200, "{}", r.body);
     let _ = std::fs::remove_file(&config);
 }
+
+#[test]
+fn with_three_ledgers_an_event_is_trimmed_once_two_hold_it() {
+    let a = Ledger::start("ledger-a");
+    let b = Ledger::start("ledger-b");
+    let mut c = Ledger::start("ledger-c");
+    let outbox = tempdir("three");
+    let agent = AgentProc::start(&outbox, &[a.url(), b.url(), c.url()], &[]);
+    c.kill9();
+    for i in 0..100 {
+        let r = agent
+            .admit_complete(&format!("t3-{i}"), "acme", 10, 1)
+            .expect("answer");
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    // Two of three acknowledged: nothing is held for the third.
+    wait_until(
+        "trim after two acknowledgements",
+        Duration::from_secs(30),
+        || agent.pending() == 0,
+    );
+    assert_eq!(a.events(), 100);
+    assert_eq!(b.events(), 100);
+    assert_eq!(
+        agent.metric(&format!("bursar_ledger_up{{ledger=\"{}\"}} ", c.url())),
+        0
+    );
+    assert_eq!(
+        agent.metric("bursar_outbox_events_total{kind=\"trimmed\"} "),
+        100
+    );
+}
