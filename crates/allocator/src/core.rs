@@ -281,11 +281,16 @@ impl RuleInfo {
                 burst: units,
             }
         } else {
-            let burst = (self.burst as u128 * units as u128 / self.rate_cap.max(1) as u128) as u64;
+            // u64 when the product fits (a u128 division is a library call).
+            let cap = self.rate_cap.max(1);
+            let burst = match self.burst.checked_mul(units) {
+                Some(p) => p / cap,
+                None => (self.burst as u128 * units as u128 / cap as u128) as u64,
+            };
             Slice { rate: units, burst }
         };
         if learning {
-            t.min(e.learned.unwrap_or(Slice::ZERO))
+            t.min(e.learned().unwrap_or(Slice::ZERO))
         } else {
             t
         }
@@ -320,29 +325,49 @@ impl Sent {
     }
 }
 
+/// One key-agent pair. A million of them at the design's scale, so the layout matters:
+/// what every recomputation reads (agent, flags, demand, the current grant and the
+/// commitment, in-flight) comes first, in one 64-byte cache line (`repr(C)`, aligned to
+/// 64: 256 bytes in all); what only reports read (the counters' bases) follows; what is
+/// rare (a grant learned from an earlier term, a partition fallback) is boxed.
 #[derive(Clone, Debug)]
+#[repr(C, align(64))]
 struct Entry {
     agent: u32,
-    demand: f64,
-    /// Demand when the key was last allocated (for change detection).
-    demand_used: f64,
     has_demand: bool,
-    /// Smoothed rejected cost per period.
-    rejected_rate: f64,
     rejecting: bool,
     rejecting_used: bool,
+    sampled: bool,
+    demand: f64,
+    /// The latest grant sent, `sent.last()` (kept in step by [`Key::edit`]): read on
+    /// every recomputation, so kept inline where `sent` may have spilled to the heap.
+    cur: Slice,
+    /// Componentwise maximum of `sent` (kept in step by [`Key::edit`]).
+    commit: Slice,
+    in_flight: u64,
+    /// Demand when the key was last allocated (for change detection).
+    demand_used: f64,
+    /// Smoothed rejected cost per period.
+    rejected_rate: f64,
     base_admitted: u64,
     base_rejected: u64,
     base_ts: u64,
     since: u64,
-    sampled: bool,
-    in_flight: u64,
-    /// Grants that may be in use, oldest first.
-    sent: SmallVec<[Sent; 2]>,
-    /// Componentwise maximum of `sent` (kept in step by [`Key::edit`]).
-    commit: Slice,
     /// Latest grant known applied.
     applied: (u64, u64),
+    /// Grants that may be in use, oldest first.
+    sent: SmallVec<[Sent; 2]>,
+    /// A learned grant or a partition fallback (rare: `None` otherwise).
+    rare: Option<Box<Rare>>,
+    /// Term and allocator-side expiry of the latest grant sent (kept in step by
+    /// [`Key::edit`], read by renewals without following `sent` to the heap).
+    cur_epoch: u64,
+    cur_expires_ns: u64,
+}
+
+/// The rare parts of an [`Entry`].
+#[derive(Clone, Debug, Default)]
+struct Rare {
     /// What the agent held from an earlier term (the cap while learning).
     learned: Option<Slice>,
     /// Posture fallback of an expired grant, and the id it came from.
@@ -353,23 +378,53 @@ impl Entry {
     fn new(agent: u32) -> Entry {
         Entry {
             agent,
-            demand: 0.0,
-            demand_used: 0.0,
             has_demand: false,
-            rejected_rate: 0.0,
             rejecting: false,
             rejecting_used: false,
+            sampled: false,
+            demand: 0.0,
+            cur: Slice::ZERO,
+            commit: Slice::ZERO,
+            in_flight: 0,
+            demand_used: 0.0,
+            rejected_rate: 0.0,
             base_admitted: 0,
             base_rejected: 0,
             base_ts: 0,
             since: 0,
-            sampled: false,
-            in_flight: 0,
-            sent: SmallVec::new(),
-            commit: Slice::ZERO,
             applied: (0, 0),
-            learned: None,
-            fallback: None,
+            sent: SmallVec::new(),
+            rare: None,
+            cur_epoch: 0,
+            cur_expires_ns: 0,
+        }
+    }
+
+    fn learned(&self) -> Option<Slice> {
+        self.rare.as_ref().and_then(|r| r.learned)
+    }
+
+    fn fallback(&self) -> Option<(Slice, (u64, u64))> {
+        self.rare.as_ref().and_then(|r| r.fallback)
+    }
+
+    fn set_learned(&mut self, v: Option<Slice>) {
+        self.edit_rare(|r| r.learned = v, v.is_none());
+    }
+
+    fn set_fallback(&mut self, v: Option<(Slice, (u64, u64))>) {
+        self.edit_rare(|r| r.fallback = v, v.is_none());
+    }
+
+    /// Edits the rare parts; the box exists only while one of them is set.
+    fn edit_rare(&mut self, f: impl FnOnce(&mut Rare), clearing: bool) {
+        if clearing && self.rare.is_none() {
+            return;
+        }
+        let r = self.rare.get_or_insert_with(Box::default);
+        f(r);
+        if r.learned.is_none() && r.fallback.is_none() {
+            self.rare = None;
         }
     }
 
@@ -383,9 +438,18 @@ impl Entry {
             .fold(Slice::ZERO, |acc, s| acc.max(s.slice))
     }
 
+    /// The earliest allocator-side expiry of the grants remembered (`u64::MAX`: none).
+    fn earliest_expiry(&self) -> u64 {
+        self.sent
+            .iter()
+            .map(|s| s.expires_ns)
+            .min()
+            .unwrap_or(u64::MAX)
+    }
+
     /// The latest grant sent (what the agent should end up holding).
     fn current(&self) -> Slice {
-        self.sent.last().map(|s| s.slice).unwrap_or(Slice::ZERO)
+        self.cur
     }
 
     /// The agent applied `id`: older grants can no longer be in use.
@@ -395,8 +459,8 @@ impl Entry {
         }
         self.applied = id;
         self.sent.retain(|s| s.id() >= id);
-        if self.fallback.is_some_and(|(_, f)| id > f) {
-            self.fallback = None;
+        if self.fallback().is_some_and(|(_, f)| id > f) {
+            self.set_fallback(None);
         }
         true
     }
@@ -435,6 +499,9 @@ struct Key {
     inherited: Slice,
     /// The water level found by the last full recomputation (for one-entry updates).
     fill: Fill,
+    /// No remembered grant of this key expires before this (a lower bound, kept by
+    /// [`Key::edit`] and made exact by the sweep): the sweep skips the key until then.
+    sweep_after_ns: u64,
     last_full_ns: u64,
 }
 
@@ -444,7 +511,18 @@ impl Key {
         let e = &mut self.entries[pos];
         let before = e.commit;
         let r = f(e);
-        e.commit = e.recount();
+        // One pass over the remembered grants: commitment and earliest expiry.
+        let (mut commit, mut earliest) = (Slice::ZERO, u64::MAX);
+        for s in &e.sent {
+            commit = commit.max(s.slice);
+            earliest = earliest.min(s.expires_ns);
+        }
+        e.commit = commit;
+        let last = e.sent.last();
+        e.cur = last.map_or(Slice::ZERO, |s| s.slice);
+        e.cur_epoch = last.map_or(0, |s| s.epoch);
+        e.cur_expires_ns = last.map_or(0, |s| s.expires_ns);
+        self.sweep_after_ns = self.sweep_after_ns.min(earliest);
         self.committed.rate = self.committed.rate - before.rate + e.commit.rate;
         self.committed.burst = self.committed.burst - before.burst + e.commit.burst;
         self.inherited = self.inherited.min(self.excess());
@@ -730,6 +808,7 @@ impl Allocator {
             inherited: Slice::ZERO,
             fill: Fill::default(),
             last_full_ns: 0,
+            sweep_after_ns: u64::MAX,
         };
         let id = match self.free_keys.pop() {
             Some(id) => {
@@ -884,6 +963,11 @@ impl Allocator {
         let learn_until = self.learn_until_ns;
         let rule = self.rules[self.key(k).rule as usize];
         let key = self.key_mut(k);
+        if h.epoch == term && (h.epoch, h.seq) <= key.entries[pos as usize].applied {
+            // Already known applied (every report repeats the held grant): nothing
+            // changes, and `sent` (maybe on the heap) need not be read.
+            return;
+        }
         key.edit(pos as usize, |e| {
             held_into(e, &rule, h, in_flight, fleet, term, learning, learn_until)
         });
@@ -922,7 +1006,7 @@ fn held_into(
             return;
         }
         if learning {
-            e.learned = Some(e.learned.unwrap_or(Slice::ZERO).max(held));
+            e.set_learned(Some(e.learned().unwrap_or(Slice::ZERO).max(held)));
             e.sent.insert(
                 0,
                 Sent {
@@ -943,9 +1027,9 @@ fn held_into(
         } else {
             let fb = rule.fallback(held, fleet);
             if !fb.is_zero() {
-                let prev = e.fallback.map(|(s, _)| s).unwrap_or(Slice::ZERO);
-                let at = e.fallback.map(|(_, f)| f).unwrap_or((0, 0)).max(id);
-                e.fallback = Some((prev.max(fb), at));
+                let prev = e.fallback().map(|(s, _)| s).unwrap_or(Slice::ZERO);
+                let at = e.fallback().map(|(_, f)| f).unwrap_or((0, 0)).max(id);
+                e.set_fallback(Some((prev.max(fb), at)));
             }
         }
     }
@@ -1404,23 +1488,25 @@ impl Allocator {
         for (k, pos) in list {
             let key = self.key(k);
             let e = &key.entries[pos as usize];
-            let Some(last) = e.sent.last() else { continue };
-            if !key.inherited.is_zero() && last.epoch != self.term {
+            if e.sent.is_empty() {
+                continue;
+            }
+            let (epoch, slice, expires) = (e.cur_epoch, e.cur, e.cur_expires_ns);
+            if !key.inherited.is_zero() && epoch != self.term {
                 // Renewing what was learned would put a lapsed grant back in force.
                 continue;
             }
-            if last.slice.is_zero() {
+            if slice.is_zero() {
                 continue;
             }
-            if last.expires_ns >= threshold && last.epoch == self.term {
-                due = due.min(last.expires_ns.saturating_sub(hold / 2));
+            if expires >= threshold && epoch == self.term {
+                due = due.min(expires.saturating_sub(hold / 2));
                 continue;
             }
             if self.outbox.len() >= self.cfg.max_outbox {
                 due = now;
                 break;
             }
-            let slice = last.slice;
             self.issue(k, pos, slice, 0);
         }
         let ag = self.agent_mut(a);
@@ -1563,7 +1649,7 @@ impl Allocator {
             for k in 0..self.keys.len() as u32 {
                 if let Some(key) = &mut self.keys[k as usize] {
                     for e in &mut key.entries {
-                        e.learned = None;
+                        e.set_learned(None);
                     }
                     self.mark_dirty(k, now);
                 }
@@ -1611,6 +1697,9 @@ impl Allocator {
             let Some(key) = self.keys[k as usize].as_mut() else {
                 continue;
             };
+            if key.sweep_after_ns > now {
+                continue;
+            }
             let rule = self.rules[key.rule as usize];
             let mut changed = false;
             for pos in 0..key.entries.len() {
@@ -1619,7 +1708,7 @@ impl Allocator {
                 }
                 key.edit(pos, |e| {
                     let applied = e.applied;
-                    let mut fb = e.fallback;
+                    let mut fb = e.fallback();
                     e.sent.retain(|s| {
                         if s.expires_ns > now {
                             return true;
@@ -1634,10 +1723,16 @@ impl Allocator {
                         }
                         false
                     });
-                    e.fallback = fb;
+                    e.set_fallback(fb);
                 });
                 changed = true;
             }
+            key.sweep_after_ns = key
+                .entries
+                .iter()
+                .map(Entry::earliest_expiry)
+                .min()
+                .unwrap_or(u64::MAX);
             if changed {
                 self.mark_dirty(k, now);
             }
@@ -1669,8 +1764,7 @@ impl Allocator {
     /// The whole-key target for `units` of the split dimension for entry `e`, capped
     /// for learning and unreachable agents.
     fn target_of(&self, rule: &RuleInfo, units: u64, e: &Entry, reachable: bool) -> Slice {
-        let t = rule.target(units, self.learning, e);
-        if reachable { t } else { t.min(e.current()) }
+        target_of(rule, self.learning, units, e, reachable)
     }
 
     fn reachable(&self, a: u32, now: u64) -> bool {
@@ -1682,19 +1776,7 @@ impl Allocator {
     /// Hysteresis on the dimension being split; never holds back a rejecting agent's
     /// growth.
     fn with_hysteresis(&self, rule: &RuleInfo, target: Slice, e: &Entry) -> Slice {
-        let h = self.cfg.hysteresis_permille as u64;
-        let cur = e.current();
-        let (t, c) = if rule.concurrency {
-            (target.burst, cur.burst)
-        } else {
-            (target.rate, cur.rate)
-        };
-        let in_band = t != 0 && c != 0 && t.abs_diff(c) * 1000 <= h * t.max(c);
-        if in_band && !(e.rejecting && t > c) {
-            cur
-        } else {
-            target
-        }
+        with_hysteresis(rule, self.cfg.hysteresis_permille as u64, target, e)
     }
 
     /// Sends `desired` to entry `pos` as far as revoke-before-grant allows: a shrink (or
@@ -1770,73 +1852,96 @@ impl Allocator {
         let rule = self.rules[key.rule as usize];
         let cap = rule.capacity();
         let limit = rule.limit();
+        let lease = self.lease_ns();
+        let learning = self.learning;
+        let h = self.cfg.hysteresis_permille as u64;
 
-        // Drop entries with no demand, nothing granted and nothing to remember.
-        let mut idle = Vec::new();
-        for (i, e) in key.entries.iter().enumerate() {
-            if e.demand * 1e6 < cap as f64
-                && e.commitment().is_zero()
-                && e.current().is_zero()
-                && e.fallback.is_none()
-                && e.in_flight == 0
-                && e.learned.is_none()
-            {
-                idle.push(i as u32);
+        // One pass over the entries: claims, and whether any entry is idle (no demand,
+        // nothing granted, nothing to remember); idle ones are dropped, then the pass
+        // is made again (rare).
+        loop {
+            let key = self.keys[k as usize].as_ref().expect("live key");
+            sc.claims.clear();
+            sc.reachable.clear();
+            let mut idle = false;
+            for e in &key.entries {
+                idle |= e.demand * 1e6 < cap as f64
+                    && e.commitment().is_zero()
+                    && e.current().is_zero()
+                    && e.rare.is_none()
+                    && e.in_flight == 0;
+                let (reachable, weight) = match &self.agents[e.agent as usize] {
+                    Some(ag) => (
+                        ag.connected && ag.report_recv_ns.saturating_add(lease) > now,
+                        ag.weight,
+                    ),
+                    None => (false, 1.0),
+                };
+                sc.reachable.push(reachable);
+                sc.claims.push(Claim {
+                    // An agent not heard from for a lease gets no share: its grants
+                    // would carry leases already over, and its share would sit unused.
+                    demand: if e.demand.is_finite() && reachable {
+                        e.demand.max(0.0)
+                    } else {
+                        0.0
+                    },
+                    weight,
+                    rejecting: e.rejecting,
+                });
             }
-        }
-        for &pos in idle.iter().rev() {
-            self.remove_entry(k, pos);
-        }
-        let key = self.keys[k as usize].as_ref().expect("live key");
-        if key.entries.is_empty() {
-            self.remove_key(k);
-            self.scratch = sc;
-            return;
-        }
-
-        sc.claims.clear();
-        sc.reachable.clear();
-        for e in &key.entries {
-            let reachable = self.reachable(e.agent, now);
-            sc.reachable.push(reachable);
-            sc.claims.push(Claim {
-                // An agent not heard from for a lease gets no share: its grants would
-                // carry leases already over, and its share would sit unused.
-                demand: if e.demand.is_finite() && reachable {
-                    e.demand.max(0.0)
-                } else {
-                    0.0
-                },
-                weight: self.agent(e.agent).weight,
-                rejecting: e.rejecting,
-            });
+            if !idle {
+                break;
+            }
+            for pos in (0..key.entries.len()).rev() {
+                let e = &self.key(k).entries[pos];
+                if e.demand * 1e6 < cap as f64
+                    && e.commitment().is_zero()
+                    && e.current().is_zero()
+                    && e.rare.is_none()
+                    && e.in_flight == 0
+                {
+                    self.remove_entry(k, pos as u32);
+                }
+            }
+            if self.key(k).entries.is_empty() {
+                self.remove_key(k);
+                self.scratch = sc;
+                return;
+            }
         }
         let fill = water_fill(cap as f64, &sc.claims, reserve, &mut sc.shares);
         to_units(cap, &sc.shares, &mut sc.units);
 
+        // Targets with hysteresis; the demand they answer is now the demand used.
         sc.desired.clear();
         let (mut sum_r, mut sum_b) = (0u128, 0u128);
-        for (i, e) in key.entries.iter().enumerate() {
-            let target = self.target_of(&rule, sc.units[i], e, sc.reachable[i]);
-            let desired = self.with_hysteresis(&rule, target, e);
+        let key = self.keys[k as usize].as_mut().expect("live key");
+        for (i, e) in key.entries.iter_mut().enumerate() {
+            let target = target_of(&rule, learning, sc.units[i], e, sc.reachable[i]);
+            let desired = with_hysteresis(&rule, h, target, e);
             sum_r += desired.rate as u128;
             sum_b += desired.burst as u128;
             sc.desired.push(desired);
+            e.demand_used = e.demand;
+            e.rejecting_used = e.rejecting;
         }
         if sum_r > limit.rate as u128 || sum_b > limit.burst as u128 {
             // Shrinks held back by hysteresis would block growth: shrink exactly.
             for (i, e) in key.entries.iter().enumerate() {
-                let target = self.target_of(&rule, sc.units[i], e, sc.reachable[i]);
+                let target = target_of(&rule, learning, sc.units[i], e, sc.reachable[i]);
                 let d = &mut sc.desired[i];
                 if target.le(*d) {
                     *d = target;
                 }
             }
         }
+        key.fill = fill;
+        key.last_full_ns = now;
         // Shrinks (and anything within a commitment) first, then rejecting growers, then
         // the others.
         sc.growers.clear();
-        for i in 0..key.entries.len() {
+        for i in 0..sc.desired.len() {
             let e = &self.key(k).entries[i];
             if sc.desired[i] == e.current() {
                 continue;
@@ -1850,13 +1955,6 @@ impl Allocator {
         sc.growers.sort_unstable();
         for &(_, i) in &sc.growers {
             self.grant_towards(k, i, sc.desired[i as usize]);
-        }
-        let key = self.keys[k as usize].as_mut().expect("live key");
-        key.fill = fill;
-        key.last_full_ns = now;
-        for e in &mut key.entries {
-            e.demand_used = e.demand;
-            e.rejecting_used = e.rejecting;
         }
         self.scratch = sc;
     }
@@ -1878,7 +1976,7 @@ impl Allocator {
             ..OvershootBound::default()
         };
         for e in &key.entries {
-            if let Some((f, _)) = e.fallback {
+            if let Some((f, _)) = e.fallback() {
                 b.rate += f.rate;
                 b.burst += f.burst;
                 b.partitioned_agents += 1;
@@ -1910,7 +2008,7 @@ impl Allocator {
                     demand: e.demand,
                     granted: e.current(),
                     committed: c,
-                    fallback: e.fallback.map(|(s, _)| s),
+                    fallback: e.fallback().map(|(s, _)| s),
                 }
             })
             .collect();
@@ -1964,6 +2062,22 @@ impl Allocator {
                 if c != e.recount() {
                     return Err(format!("{}: cached commitment out of step", key.name));
                 }
+                let last = e.sent.last();
+                if (e.cur, e.cur_epoch, e.cur_expires_ns)
+                    != (
+                        last.map_or(Slice::ZERO, |s| s.slice),
+                        last.map_or(0, |s| s.epoch),
+                        last.map_or(0, |s| s.expires_ns),
+                    )
+                {
+                    return Err(format!("{}: cached current grant out of step", key.name));
+                }
+                if e.earliest_expiry() < key.sweep_after_ns {
+                    return Err(format!(
+                        "{}: a grant expires before the sweep looks",
+                        key.name
+                    ));
+                }
                 if rule.concurrency && c.rate != 0 {
                     return Err(format!("{}: a concurrency grant with a rate", key.name));
                 }
@@ -2002,6 +2116,30 @@ impl Allocator {
             return Err("a table is above its bound".into());
         }
         Ok(())
+    }
+}
+
+/// The whole-key target for `units` of the split dimension for entry `e`, capped for
+/// learning and unreachable agents.
+fn target_of(rule: &RuleInfo, learning: bool, units: u64, e: &Entry, reachable: bool) -> Slice {
+    let t = rule.target(units, learning, e);
+    if reachable { t } else { t.min(e.current()) }
+}
+
+/// Hysteresis (`h` permille) on the dimension being split; never holds back a rejecting
+/// agent's growth.
+fn with_hysteresis(rule: &RuleInfo, h: u64, target: Slice, e: &Entry) -> Slice {
+    let cur = e.current();
+    let (t, c) = if rule.concurrency {
+        (target.burst, cur.burst)
+    } else {
+        (target.rate, cur.rate)
+    };
+    let in_band = t != 0 && c != 0 && t.abs_diff(c) * 1000 <= h * t.max(c);
+    if in_band && !(e.rejecting && t > c) {
+        cur
+    } else {
+        target
     }
 }
 

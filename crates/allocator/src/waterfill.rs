@@ -152,12 +152,19 @@ pub fn water_fill(capacity: f64, claims: &[Claim], reserve: f64, out: &mut Vec<f
 pub fn to_units(capacity: u64, shares: &[f64], out: &mut Vec<u64>) {
     out.clear();
     let mut sum: u64 = 0;
+    // Shares with demand that rounded to nothing, and shares with a fraction of at
+    // least one half: the two later passes run only if there are any.
+    let (mut zeros, mut halves) = (0usize, 0usize);
     for &s in shares {
+        // `as` truncates, which is the floor of a positive share (and no call to libm's
+        // `floor`, which the default x86-64 target does not inline).
         let u = if s.is_finite() && s > 0.0 {
-            (s.floor() as u64).min(capacity)
+            (s as u64).min(capacity)
         } else {
             0
         };
+        zeros += (u == 0 && s > 0.0) as usize;
+        halves += (s.is_finite() && s - u as f64 >= 0.5) as usize;
         sum = sum.saturating_add(u);
         out.push(u);
     }
@@ -171,25 +178,32 @@ pub fn to_units(capacity: u64, shares: &[f64], out: &mut Vec<u64>) {
         let cut = (sum - capacity).min(out[i]);
         out[i] -= cut;
         sum -= cut;
+        // The counts above are now only hints: look at every share.
+        (zeros, halves) = (usize::MAX, usize::MAX);
     }
     let mut left = capacity - sum;
     if left == 0 {
+        return;
+    }
+    if zeros > 0 {
+        for (o, &s) in out.iter_mut().zip(shares) {
+            if left == 0 {
+                return;
+            }
+            if *o == 0 && s > 0.0 {
+                *o = 1;
+                left -= 1;
+            }
+        }
+    }
+    if halves == 0 {
         return;
     }
     for (o, &s) in out.iter_mut().zip(shares) {
         if left == 0 {
             return;
         }
-        if *o == 0 && s > 0.0 {
-            *o = 1;
-            left -= 1;
-        }
-    }
-    for (o, &s) in out.iter_mut().zip(shares) {
-        if left == 0 {
-            return;
-        }
-        if s.is_finite() && s - s.floor() >= 0.5 && (*o as f64) < s {
+        if s.is_finite() && s - (s as u64 as f64) >= 0.5 && (*o as f64) < s {
             *o += 1;
             left -= 1;
         }
