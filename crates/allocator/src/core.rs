@@ -281,11 +281,16 @@ impl RuleInfo {
                 burst: units,
             }
         } else {
-            // u64 when the product fits (a u128 division is a library call).
+            // No division when burst and capacity are equal (burst defaults to the rate
+            // per period); u64 when the product fits (a u128 division is a library call).
             let cap = self.rate_cap.max(1);
-            let burst = match self.burst.checked_mul(units) {
-                Some(p) => p / cap,
-                None => (self.burst as u128 * units as u128 / cap as u128) as u64,
+            let burst = if self.burst == cap {
+                units
+            } else {
+                match self.burst.checked_mul(units) {
+                    Some(p) => p / cap,
+                    None => (self.burst as u128 * units as u128 / cap as u128) as u64,
+                }
             };
             Slice { rate: units, burst }
         };
@@ -1272,6 +1277,14 @@ impl Allocator {
             .iter()
             .map(|k| k.and_then(|k| self.entry_pos(a, k)))
             .collect();
+        // The entries' first two cache lines (flags, counters' bases), loaded in a tight
+        // loop too: validation and sampling then find them in cache.
+        let warm = found
+            .iter()
+            .zip(&positions)
+            .filter_map(|(k, p)| Some(&self.key((*k)?).entries[(*p)? as usize]))
+            .fold(0u64, |acc, e| acc ^ e.since ^ e.sampled as u64);
+        std::hint::black_box(warm);
         for (i, kr) in report.keys.iter().enumerate() {
             let (key, rule, hash) = match self.resolve_found(&kr.key, fps[i], found[i]) {
                 Ok(r) => r,
@@ -1488,19 +1501,21 @@ impl Allocator {
         for (k, pos) in list {
             let key = self.key(k);
             let e = &key.entries[pos as usize];
-            if e.sent.is_empty() {
+            // Most entries are not due: decide that from one cache line of the entry.
+            let (epoch, expires) = (e.cur_epoch, e.cur_expires_ns);
+            if expires == 0 {
+                continue; // nothing sent (every expiry is later than 0)
+            }
+            if expires >= threshold && epoch == self.term {
+                due = due.min(expires.saturating_sub(hold / 2));
                 continue;
             }
-            let (epoch, slice, expires) = (e.cur_epoch, e.cur, e.cur_expires_ns);
             if !key.inherited.is_zero() && epoch != self.term {
                 // Renewing what was learned would put a lapsed grant back in force.
                 continue;
             }
+            let slice = e.cur;
             if slice.is_zero() {
-                continue;
-            }
-            if expires >= threshold && epoch == self.term {
-                due = due.min(expires.saturating_sub(hold / 2));
                 continue;
             }
             if self.outbox.len() >= self.cfg.max_outbox {
