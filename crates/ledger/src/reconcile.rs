@@ -27,8 +27,8 @@
 //! Conflict records are not exchanged: the node that saw both payloads records the
 //! loser; after reconciliation every node keeps the same winner.
 //!
-//! A differing bucket with more than `events_max` events on either side is not sent
-//! whole: the responder answers with its [`SUB_BUCKETS`] sub-digests (events split by
+//! A differing bucket with more than `split_above` events on either side (default
+//! 1,024; never more than `events_max`) is not sent whole: the responder answers with its [`SUB_BUCKETS`] sub-digests (events split by
 //! the top byte of their element hash), the initiator sends its events in the
 //! sub-buckets that differ and asks for the responder's ([`split_request`],
 //! [`serve_subs`]). Known limit: one level of splitting, so a bucket stays
@@ -49,6 +49,11 @@ pub struct ReconcileLimits {
     pub buckets_max: usize,
     /// Most events in one answer or serve. Default 50,000.
     pub events_max: usize,
+    /// A differing bucket with more events than this (on either side) is compared by
+    /// sub-digests, so only its differing sub-buckets travel, instead of being sent
+    /// whole. Default 1,024: above it, a bucket's 256 sub-digests (20 KB) cost less
+    /// than resending the events both sides already share. Capped at `events_max`.
+    pub split_above: usize,
 }
 
 impl Default for ReconcileLimits {
@@ -56,6 +61,7 @@ impl Default for ReconcileLimits {
         ReconcileLimits {
             buckets_max: 100_000,
             events_max: 50_000,
+            split_above: 1_024,
         }
     }
 }
@@ -283,7 +289,7 @@ pub fn answer(
     let mut split = Vec::new();
     for b in differing_buckets(&local, &offer.buckets) {
         let big = count(&local, &b).max(count(&offer.buckets, &b));
-        if big > limits.events_max as u64 {
+        if big > limits.split_above.min(limits.events_max) as u64 {
             split.push((b.clone(), sub_digests(store, &b)?));
         } else {
             want.push(b);
@@ -401,6 +407,7 @@ mod tests {
         let limits = ReconcileLimits {
             buckets_max: 100,
             events_max: 250,
+            split_above: usize::MAX,
         };
         let (rounds, moved) = reconcile_in_memory(&a, &b, &limits, 40).unwrap();
         assert_eq!(
@@ -410,6 +417,34 @@ mod tests {
         );
         assert!(rounds <= 3_000 / 250 * 2, "{rounds} rounds");
         assert!(moved <= 3_000 * 2, "{moved} events moved for 3,000 missing");
+    }
+
+    /// A large shared bucket with a few events on each side: only the differing
+    /// sub-buckets travel, not the thousands of events both already hold.
+    #[test]
+    fn a_few_differences_in_a_large_shared_bucket_move_few_events() {
+        let a = MemStore::new();
+        let b = MemStore::new();
+        let one_bucket = |mut v: Vec<Event>| {
+            v.iter_mut().for_each(|e| {
+                e.time_ms = NOW;
+                e.tenant = "one".into();
+            });
+            v
+        };
+        let shared = one_bucket(usage_stream(21, "shared", "agent-a", 5_000, NOW));
+        a.apply(&shared).unwrap();
+        b.apply(&shared).unwrap();
+        a.apply(&one_bucket(usage_stream(22, "only-a", "agent-a", 10, NOW)))
+            .unwrap();
+        b.apply(&one_bucket(usage_stream(23, "only-b", "agent-b", 10, NOW)))
+            .unwrap();
+        let (rounds, moved) = reconcile_in_memory(&a, &b, &ReconcileLimits::default(), 5).unwrap();
+        assert_eq!(a.root().unwrap(), b.root().unwrap());
+        assert_eq!(a.root().unwrap().events, 5_020);
+        assert!(rounds <= 2, "{rounds} rounds");
+        // 20 differing events in at most 20 sub-buckets of ~20 events each.
+        assert!(moved < 1_000, "{moved} events moved for 20 differences");
     }
 
     #[test]
@@ -471,6 +506,7 @@ mod tests {
         let limits = ReconcileLimits {
             buckets_max: 50,
             events_max: 60,
+            split_above: usize::MAX,
         };
         let (rounds, _) = reconcile_in_memory(&a, &b, &limits, 100).unwrap();
         assert!(rounds > 1 && rounds < 100, "{rounds} rounds");
@@ -499,6 +535,7 @@ mod tests {
         let limits = ReconcileLimits {
             buckets_max: 10,
             events_max: 100,
+            split_above: usize::MAX,
         };
         let o = offer(&a, u64::MAX, &limits).unwrap();
         let ans = answer(&b, &o, &limits).unwrap();

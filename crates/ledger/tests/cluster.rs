@@ -157,7 +157,10 @@ fn three_nodes_converge_after_a_partition_heals() {
         Duration::from_secs(60),
         || converged(&all),
     );
-    println!("after the heal, all three digests equal in {healed:?}");
+    println!(
+        "after the heal, all three digests equal in {healed:?}; c's sync counters {}",
+        cluster(&c)["sync"]
+    );
     let r = root(&a);
     assert_eq!(r["events"], 300 + 400 + 300 + 300 + 1, "{r}");
 

@@ -201,14 +201,15 @@ proptest! {
         b_events in prop::collection::vec(event(), 0..60),
         buckets_max in 1usize..20,
         events_max in 4usize..80,
+        split_above in 0usize..100,
     ) {
         let a = MemStore::new();
         a.apply(&a_events).unwrap();
         let b = MemStore::new();
         b.apply(&b_events).unwrap();
-        // Small events_max: buckets over it are reconciled by sub-bucket (one level;
-        // every sub-bucket here holds far fewer than 4 events).
-        let limits = ReconcileLimits { buckets_max, events_max };
+        // Small events_max and split_above: buckets over either are reconciled by
+        // sub-bucket (one level; every sub-bucket here holds far fewer than 4 events).
+        let limits = ReconcileLimits { buckets_max, events_max, split_above };
         let (rounds, _) = reconcile_in_memory(&a, &b, &limits, 100).unwrap();
         prop_assert!(rounds < 100, "did not converge");
         let union = MemStore::new();
