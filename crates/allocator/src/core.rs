@@ -188,6 +188,12 @@ struct RuleInfo {
     /// The largest limit this rule has had in this process: a held grant above it is
     /// absurd (one below it may have been issued before a reload shrank the limit).
     held_cap: Slice,
+    /// What an agent still on an older rules file may fall back to once its lease ends:
+    /// the most permissive posture and the largest `(R, B)` this rule has had in this
+    /// process (agents apply the posture of the file they run; the bound must not
+    /// understate it after a reload).
+    fallback_posture: Posture,
+    fallback_limit: Slice,
 }
 
 /// What gives a rule's keys their meaning; a reload that changes any of it replaces
@@ -230,6 +236,8 @@ fn build_rules(
                 concurrency: false,
                 posture: r.posture,
                 held_cap: Slice::ZERO,
+                fallback_posture: r.posture,
+                fallback_limit: Slice::ZERO,
             },
             RuleLimit::Concurrency { max_in_flight } => RuleInfo {
                 wildcards,
@@ -240,9 +248,15 @@ fn build_rules(
                 concurrency: true,
                 posture: r.posture,
                 held_cap: Slice::ZERO,
+                fallback_posture: r.posture,
+                fallback_limit: Slice::ZERO,
             },
         };
         info.held_cap = info.limit();
+        info.fallback_limit = Slice {
+            rate: info.rate,
+            burst: info.burst,
+        };
         meta.push(RuleMeta {
             name: r.name.clone(),
             dimension: r.dimension,
@@ -301,14 +315,26 @@ impl RuleInfo {
         }
     }
 
+    /// The fallback of a grant from term `epoch`. A grant from an earlier term may
+    /// have been issued under rules this process never ran (the allocator restarted on
+    /// a changed file, and the agent still runs its old one, posture and limit): it
+    /// counts whole, which never understates the bound.
+    fn fallback_of(&self, epoch: u64, term: u64, g: Slice, fleet: u32) -> Slice {
+        if epoch < term {
+            g
+        } else {
+            self.fallback(g, fleet)
+        }
+    }
+
     fn fallback(&self, g: Slice, fleet: u32) -> Slice {
         let n = fleet.max(1) as u64;
-        match self.posture {
+        match self.fallback_posture {
             Posture::Strict => Slice::ZERO,
             Posture::Open => g,
             Posture::Conservative => Slice {
-                rate: g.rate.min(self.rate / n),
-                burst: g.burst.min(self.burst / n),
+                rate: g.rate.min(self.fallback_limit.rate / n),
+                burst: g.burst.min(self.fallback_limit.burst / n),
             },
         }
     }
@@ -947,7 +973,19 @@ impl Allocator {
                 seq: h.seq,
             });
         }
-        let cap = self.rules[rule as usize].held_cap;
+        // This term's grants were all issued here: none exceeds the largest limit the
+        // rule has had. An earlier term may have run larger limits (rules reloaded, or
+        // the allocator restarted on a new file): its grants are learned, and what they
+        // exceed the limit by is inherited excess, in the bound; only a grant beyond any
+        // rule's reach is absurd.
+        let cap = if h.epoch == self.term {
+            self.rules[rule as usize].held_cap
+        } else {
+            Slice {
+                rate: MAX_COST,
+                burst: MAX_COST,
+            }
+        };
         if h.rate > cap.rate || h.burst > cap.burst {
             return Err(AllocError::AbsurdGrant(name.clone()));
         }
@@ -1030,7 +1068,7 @@ fn held_into(
             }
             e.applied = e.applied.max(id);
         } else {
-            let fb = rule.fallback(held, fleet);
+            let fb = rule.fallback_of(h.epoch, term, held, fleet);
             if !fb.is_zero() {
                 let prev = e.fallback().map(|(s, _)| s).unwrap_or(Slice::ZERO);
                 let at = e.fallback().map(|(_, f)| f).unwrap_or((0, 0)).max(id);
@@ -1708,6 +1746,7 @@ impl Allocator {
     }
 
     fn sweep(&mut self, now: u64) {
+        let term = self.term;
         for k in 0..self.keys.len() as u32 {
             let Some(key) = self.keys[k as usize].as_mut() else {
                 continue;
@@ -1730,7 +1769,7 @@ impl Allocator {
                         }
                         // It may be the grant in force: the agent now follows its posture.
                         if s.id() >= applied {
-                            let f = rule.fallback(s.slice, s.fleet);
+                            let f = rule.fallback_of(s.epoch, term, s.slice, s.fleet);
                             if !f.is_zero() {
                                 let (prev, at) = fb.unwrap_or((Slice::ZERO, (0, 0)));
                                 fb = Some((prev.max(f), at.max(s.id())));
@@ -2643,10 +2682,12 @@ mod tests {
         };
         let e = bad(&mut a, vec![line(k.clone(), 100, 0, Some(newer))]);
         assert!(matches!(e, AllocError::NewerTerm { ours: 3, theirs: 4 }));
+        // Beyond any rule's reach (from an earlier term, one above this limit may come
+        // from an allocator that ran larger rules: it is learned).
         let huge = HeldGrant {
             epoch: 2,
             seq: 1,
-            rate: 5000,
+            rate: MAX_COST + 1,
             burst: 1,
         };
         let e = bad(&mut a, vec![line(k.clone(), 100, 0, Some(huge))]);

@@ -107,7 +107,10 @@ pub enum AllocError {
         /// What is absurd.
         reason: &'static str,
     },
-    /// A held grant above the rule's whole limit (peer bug: no allocator grants that).
+    /// A held grant no allocator could have issued (peer bug): from this term, above
+    /// the largest limit the rule has had; from an earlier term, above `MAX_COST` (an
+    /// earlier term may have run larger rules: such a grant is learned, and its excess
+    /// over the limit counts in the bound).
     #[error("key {0}: held grant above the rule's limit")]
     AbsurdGrant(KeyName),
     /// The message is from a newer term: this allocator has been superseded and must

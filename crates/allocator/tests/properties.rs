@@ -6,6 +6,10 @@
 //! simulated agents actually have in force (or their posture fallback once a lease has
 //! ended by the agent's clock) sum to at most the limit plus the bound the allocator
 //! exports for that key.
+//!
+//! A third property adds rules reloads: the allocator's `rps` limit moves between 300
+//! and 2,000 while the agents keep running the original rules (they have no reload):
+//! the outside view must hold against the limit in force plus the exported bound.
 
 use std::collections::HashMap;
 
@@ -44,6 +48,9 @@ enum Step {
     /// The allocator dies; a new one starts in the next term. Every stream breaks and
     /// every agent says hello again with the grants it holds.
     FailOver,
+    /// The allocator reloads its rules with `rps` at this rate and burst (the agents
+    /// keep theirs).
+    Reload { rps: u64 },
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -56,6 +63,26 @@ fn step() -> impl Strategy<Value = Step> {
         1 => (0usize..3).prop_map(|agent| Step::Restart { agent }),
         1 => Just(Step::FailOver),
     ]
+}
+
+fn step_or_reload() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        12 => step(),
+        1 => prop::sample::select(vec![300u64, 600, 1000, 1500, 2000])
+            .prop_map(|rps| Step::Reload { rps }),
+    ]
+}
+
+/// The test rules with `rps` at `rate` and `burst` (1,000 and 1,000 in the original).
+fn rules_with_rps(rps: u64) -> bursar_agent::Config {
+    let rps_rule = "rate = 1000\nper = \"second\"\nburst = 1000";
+    assert!(bursar_allocator::testing::RULES.contains(rps_rule));
+    let text = bursar_allocator::testing::RULES.replacen(
+        rps_rule,
+        &format!("rate = {rps}\nper = \"second\"\nburst = {rps}"),
+        1,
+    );
+    bursar_agent::Config::from_toml(&text).unwrap()
 }
 
 #[derive(Clone, Debug)]
@@ -86,6 +113,8 @@ struct World {
     now: u64,
     cfg: AllocatorConfig,
     term: u64,
+    /// The allocator's `rps` limit (rate and burst) in force.
+    rps: u64,
     alloc: Allocator,
     agents: Vec<SimAgent>,
     to_agents: Vec<Grant>,
@@ -237,7 +266,14 @@ impl World {
 
     fn fail_over(&mut self) {
         self.term += 1;
-        self.alloc = Allocator::new(&rules(), self.cfg.clone(), self.term, self.now).unwrap();
+        // The new allocator reads the rules file as it is now.
+        self.alloc = Allocator::new(
+            &rules_with_rps(self.rps),
+            self.cfg.clone(),
+            self.term,
+            self.now,
+        )
+        .unwrap();
         self.to_agents.clear();
         self.to_alloc.clear();
         for a in &mut self.agents {
@@ -288,6 +324,13 @@ impl World {
                 burst += gb;
             }
             let mut bound = self.alloc.overshoot_bound(&key(k)).unwrap_or_default();
+            // Agents fall back by their own (original) rule above; the limit the sum is
+            // held to is the allocator's in force.
+            let (r, b) = if k == 0 {
+                (&self.rps, &self.rps)
+            } else {
+                (r, b)
+            };
             // A new term can only bound what it has heard of: an agent that has not said
             // hello since a failover holds a grant (or, its lease over, follows its
             // posture) unseen by the new term (docs/tuning.md, "Assumptions"). What it
@@ -318,6 +361,7 @@ fn run(offsets: [u64; 3], steps: Vec<Step>, large_key_entries: usize) {
         now: start,
         cfg: cfg.clone(),
         term: 1,
+        rps: 1000,
         alloc: Allocator::new(&rules(), cfg, 1, start).unwrap(),
         agents: (0..3)
             .map(|i| SimAgent {
@@ -360,6 +404,12 @@ fn run(offsets: [u64; 3], steps: Vec<Step>, large_key_entries: usize) {
             }
             Step::Restart { agent } => w.restart(agent),
             Step::FailOver => w.fail_over(),
+            Step::Reload { rps } => {
+                w.rps = rps;
+                w.alloc.reload(w.now, &rules_with_rps(rps));
+                w.alloc.check_invariants().unwrap();
+                w.to_agents.extend(w.alloc.drain_grants());
+            }
         }
         w.alloc.check_invariants().unwrap();
         w.check_outside_view();
@@ -385,6 +435,17 @@ proptest! {
         steps in prop::collection::vec(step(), 1..160),
     ) {
         run(offsets, steps, 0);
+    }
+
+    /// The same with the allocator's rules reloaded now and then (the `rps` limit
+    /// shrinking and growing under the agents' feet).
+    #[test]
+    fn budget_conservation_survives_reloads_that_shrink_and_grow_a_limit(
+        offsets in prop::array::uniform3(0u64..50 * SEC),
+        steps in prop::collection::vec(step_or_reload(), 1..160),
+        large in prop::sample::select(vec![0usize, 32]),
+    ) {
+        run(offsets, steps, large);
     }
 }
 
@@ -418,6 +479,7 @@ fn a_steady_fleet_with_no_losses_uses_the_whole_limit_without_a_partition_bound(
         now: start,
         cfg: quick_config(),
         term: 1,
+        rps: 1000,
         alloc: Allocator::new(&rules(), quick_config(), 1, start).unwrap(),
         agents: (0..3)
             .map(|_| SimAgent {
@@ -449,7 +511,7 @@ fn a_steady_fleet_with_no_losses_uses_the_whole_limit_without_a_partition_bound(
                     w.deliver_to_alloc(m);
                 }
             }
-            Step::Restart { .. } | Step::FailOver => {}
+            Step::Restart { .. } | Step::FailOver | Step::Reload { .. } => {}
         }
         w.alloc.check_invariants().unwrap();
         w.check_outside_view();

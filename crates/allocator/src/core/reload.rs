@@ -25,6 +25,10 @@
 //! ([`Allocator::ignored_lines`]) instead of refusing the whole message, so their other
 //! keys keep being allocated and renewed. A held grant up to the largest limit the rule
 //! has had in this process is accepted (an agent may hold one sent before a shrink).
+//! For the same reason the overshoot bound, once a lease ends, assumes the most
+//! permissive posture and the largest `(R, B)` the rule has had in this process: an
+//! agent on the old file falls back by the old rule, and the bound must not understate
+//! it (it may overstate it once every agent runs the new file, until a restart).
 
 use bursar_agent::{Config, Posture};
 
@@ -33,6 +37,17 @@ use super::{Allocator, Slice, build_rules};
 /// Most names of removed or replaced rules remembered for ignoring old lines (the
 /// latest are kept).
 pub(crate) const MAX_RELOADED_RULES: usize = 1_024;
+
+/// The posture that lets a partitioned agent keep more (`open` > `conservative` >
+/// `strict`).
+fn more_permissive(a: Posture, b: Posture) -> Posture {
+    let rank = |p| match p {
+        Posture::Strict => 0,
+        Posture::Conservative => 1,
+        Posture::Open => 2,
+    };
+    if rank(a) >= rank(b) { a } else { b }
+}
 
 /// What one [`Allocator::reload`] changed.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -151,8 +166,11 @@ impl Allocator {
                 continue;
             };
             let new = &mut infos[j as usize];
-            // A held grant may come from before the reload, under the old limit.
+            // A held grant may come from before the reload, under the old limit; an
+            // agent still on the old file falls back by its posture and limit.
             new.held_cap = new.held_cap.max(old.held_cap);
+            new.fallback_limit = new.fallback_limit.max(old.fallback_limit);
+            new.fallback_posture = more_permissive(new.fallback_posture, old.fallback_posture);
             if meta[j as usize] != *old_meta {
                 summary.replaced.push(old_meta.name.clone());
                 fate.push(None);
@@ -500,6 +518,51 @@ per = "second"
         assert_eq!(a.ignored_lines(), 1);
         assert_eq!(a.key_count(), 1);
         a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn the_bound_keeps_what_an_agent_on_the_old_rules_falls_back_to() {
+        let (mut a, mut now, _) = two_halves();
+        let strict = Config::from_toml(
+            r#"
+[[rule]]
+name = "rps"
+match = { org = "*" }
+dimension = "requests"
+rate = 400
+per = "second"
+burst = 400
+posture = "strict"
+"#,
+        )
+        .unwrap();
+        let s = a.reload(now, &strict);
+        assert_eq!(s.changed, vec!["rps".to_string()]);
+        a.drain_grants().for_each(drop);
+        // Agent b goes silent (partitioned) while a keeps reporting; b's lease ends.
+        let mut t = 20 * SEC;
+        for i in 1..=12u64 {
+            now += 250 * MS;
+            t += 250 * MS;
+            let counters = line(key("rps", "x"), 2400 + i * 300, 800 + i * 100, None);
+            a.handle_report(now, &report("a", 1, t, vec![counters]))
+                .unwrap();
+            a.handle_timeout(now);
+            a.check_invariants().unwrap();
+            for g in a.drain_grants().collect::<Vec<_>>() {
+                if &*g.agent == "a" {
+                    a.handle_ack(now, &ack(&g, 1, 0)).unwrap();
+                }
+            }
+        }
+        let st = a.key_status(&key("rps", "x")).unwrap();
+        let b = st.agents.iter().find(|x| &*x.agent == "b").unwrap();
+        // b still runs the old rules (conservative, R = 1,000, two agents): it keeps
+        // min(grant, 500), though the new rule says strict.
+        let fb = b.fallback.expect("b is partitioned");
+        assert!(fb.rate > 0 && fb.rate <= 500, "{st:?}");
+        assert_eq!(st.bound.partitioned_agents, 1);
+        assert!(st.bound.rate >= fb.rate);
     }
 
     #[test]
