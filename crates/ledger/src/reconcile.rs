@@ -27,8 +27,8 @@
 //! Conflict records are not exchanged: the node that saw both payloads records the
 //! loser; after reconciliation every node keeps the same winner.
 //!
-//! A differing bucket with more than `split_above` events on either side (default
-//! 1,024; never more than `events_max`) is not sent whole: the responder answers with its [`SUB_BUCKETS`] sub-digests (events split by
+//! A differing bucket with more than `events_max` events on either side, or more
+//! than `split_above` (default 1,024) on both, is not sent whole: the responder answers with its [`SUB_BUCKETS`] sub-digests (events split by
 //! the top byte of their element hash), the initiator sends its events in the
 //! sub-buckets that differ and asks for the responder's ([`split_request`],
 //! [`serve_subs`]). Known limit: one level of splitting, so a bucket stays
@@ -49,10 +49,11 @@ pub struct ReconcileLimits {
     pub buckets_max: usize,
     /// Most events in one answer or serve. Default 50,000.
     pub events_max: usize,
-    /// A differing bucket with more events than this (on either side) is compared by
-    /// sub-digests, so only its differing sub-buckets travel, instead of being sent
-    /// whole. Default 1,024: above it, a bucket's 256 sub-digests (20 KB) cost less
-    /// than resending the events both sides already share. Capped at `events_max`.
+    /// A differing bucket of which **both** sides hold more than this many events is
+    /// compared by sub-digests, so only its differing sub-buckets travel, instead of
+    /// being sent whole. Default 1,024: above it, a bucket's 256 sub-digests (20 KB)
+    /// cost less than resending the events both sides share. (A bucket above
+    /// `events_max` on either side is always split.)
     pub split_above: usize,
 }
 
@@ -288,8 +289,14 @@ pub fn answer(
     let mut want = Vec::new();
     let mut split = Vec::new();
     for b in differing_buckets(&local, &offer.buckets) {
-        let big = count(&local, &b).max(count(&offer.buckets, &b));
-        if big > limits.split_above.min(limits.events_max) as u64 {
+        let (mine, theirs) = (count(&local, &b), count(&offer.buckets, &b));
+        // Split when the bucket cannot travel whole, or when both sides hold enough of
+        // it that resending what they share would cost more than the sub-digests (and
+        // the hashing of both sides' events they take). A side that holds little of
+        // the bucket gets it whole: no shared events to spare.
+        if mine.max(theirs) > limits.events_max as u64
+            || mine.min(theirs) > limits.split_above as u64
+        {
             split.push((b.clone(), sub_digests(store, &b)?));
         } else {
             want.push(b);
