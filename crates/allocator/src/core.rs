@@ -623,6 +623,8 @@ pub struct Allocator {
     recompute_at_ns: Option<u64>,
     next_sweep_ns: u64,
     outbox: Vec<Grant>,
+    /// The demand smoothing factor of the last sample interval seen: `(interval, alpha)`.
+    alpha_memo: (u64, f64),
     hasher: FixedState,
     check_hasher: FixedState,
     scratch: Scratch,
@@ -691,6 +693,7 @@ impl Allocator {
             dirty: BinaryHeap::new(),
             recompute_at_ns: None,
             outbox: Vec::new(),
+            alpha_memo: (0, 0.0),
             hasher: FixedState::with_seed(cfg.hash_seed),
             check_hasher: FixedState::with_seed(cfg.hash_seed ^ 0x9E37_79B9_7F4A_7C15),
             scratch: Scratch::default(),
@@ -1474,6 +1477,7 @@ impl Allocator {
         let half_life = AllocatorConfig::ns(self.cfg.demand_half_life_ms) as f64;
         let min_sample = AllocatorConfig::ns(self.cfg.min_sample_ms);
         let change = self.cfg.demand_change_permille as f64 / 1000.0;
+        let memo = &mut self.alpha_memo;
         let key = self.keys[k as usize].as_mut().expect("live key");
         let rule = &self.rules[key.rule as usize];
         let e = &mut key.entries[pos as usize];
@@ -1496,7 +1500,12 @@ impl Allocator {
             dr as f64 * rule.period_ns as f64 / interval as f64
         };
         if e.has_demand {
-            let alpha = 1.0 - (-(interval as f64) / half_life).exp2();
+            // Reports come at one interval: the smoothing factor is computed once per
+            // interval seen, not once per key (`exp2` is a libm call).
+            if memo.0 != interval {
+                *memo = (interval, 1.0 - (-(interval as f64) / half_life).exp2());
+            }
+            let alpha = memo.1;
             e.demand += alpha * (sample - e.demand);
             e.rejected_rate += alpha * (rejected_sample - e.rejected_rate);
         } else {
