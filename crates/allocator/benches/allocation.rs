@@ -16,6 +16,10 @@
 //! - `report/100_keys_baseline_whole_key_recompute`: the named baseline, measured in the
 //!   same run: every changed key recomputed whole (`large_key_entries = usize::MAX`),
 //!   as the core did before single-entry updates.
+//! - `report/100_keys_large_key_entries_8`: the same as `report/100_keys` with
+//!   `large_key_entries = 8` instead of the default 32 (keys of 9 to 32 agents re-target
+//!   the reporting entry and are recomputed whole on a schedule, instead of whole at
+//!   every report): what that knob buys, not the default.
 //!
 //! Run: `cargo bench -p bursar-allocator --bench allocation`. Figures:
 //! docs/BENCHMARKS.md ("Allocator core").
@@ -286,6 +290,7 @@ fn report(c: &mut Criterion) {
         ("100_keys", default_large, true),
         ("100_keys_handle_report_only", default_large, false),
         ("100_keys_baseline_whole_key_recompute", usize::MAX, true),
+        ("100_keys_large_key_entries_8", 8, true),
     ] {
         let mut r = Reporter::new(large);
         g.bench_function(label, |b| {

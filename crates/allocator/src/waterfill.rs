@@ -199,10 +199,13 @@ pub fn to_units(capacity: u64, shares: &[f64], out: &mut Vec<u64>) {
     if halves == 0 {
         return;
     }
-    // Branch-free: whether a fraction is at least one half is a coin toss the branch
-    // predictor loses.
+    // Branch-free but for the end: whether a fraction is at least one half is a coin
+    // toss the branch predictor loses.
     for (o, &s) in out.iter_mut().zip(shares) {
-        let up = (left > 0) & s.is_finite() & (s - (s as u64 as f64) >= 0.5) & ((*o as f64) < s);
+        if left == 0 {
+            return;
+        }
+        let up = s.is_finite() & (s - (s as u64 as f64) >= 0.5) & ((*o as f64) < s);
         *o += up as u64;
         left -= up as u64;
     }
