@@ -30,7 +30,10 @@ fn the_main_job_runs_a_cluster_with_ledgers_and_stays_within_bounds() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
-    assert!(stdout.contains("no key overshot beyond its bound"), "{stdout}");
+    assert!(
+        stdout.contains("no key overshot beyond its bound"),
+        "{stdout}"
+    );
     let line = stdout
         .lines()
         .find(|l| l.starts_with("ledger: all 3 nodes hold exactly the "))
@@ -50,5 +53,8 @@ fn the_main_job_runs_a_cluster_with_ledgers_and_stays_within_bounds() {
         .and_then(|s| s.split_whitespace().next())
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(|| panic!("no done line in:\n{stdout}"));
-    assert_eq!(n, admitted, "every admitted request was completed and billed once");
+    assert_eq!(
+        n, admitted,
+        "every admitted request was completed and billed once"
+    );
 }
