@@ -22,16 +22,18 @@
 //!   `recompute_delay_ms`; a key with many agents is recomputed whole on a slower
 //!   schedule and, in between, a report re-targets just the reporting agent's entry
 //!   against the key's last water level (growth still only from what is free);
-//! - `check_invariants()` (budget conservation per key, caches, indexes, bounds).
+//! - `check_invariants()` (budget conservation per key, caches, indexes, bounds);
+//! - rules reload ([`Allocator::reload`]): changed limits recomputed at once (a shrink
+//!   revokes before anything grows, its excess counted in the bound meanwhile), removed
+//!   and replaced rules released, old agents' lines for them ignored.
 //!
 //! It reads the agents' own rules file through `bursar_agent::Config`, and each
 //! [`Grant`] maps one-to-one onto `bursar_agent::SliceUpdate` ([`Grant::to_slice_update`]).
 //!
 //! **Beside the core**, behind the default feature `shell`, this crate also holds the
 //! `bursar-allocator` binary and its tokio shell (`shell`: one task owning the core, a
-//! tonic stream per agent, the JSON admin endpoint, terms from `--term`/`--term-file`),
-//! built on this core by another engineer; see that module's docs. **Not built**: etcd
-//! election (HA). Outside this crate: the wire types (`crates/proto`) and the agent's
+//! tonic stream per agent, the JSON admin endpoint, terms from `--term`/`--term-file`
+//! or an etcd election, reload on SIGHUP); see that module's docs. Outside this crate: the wire types (`crates/proto`) and the agent's
 //! sync client (`crates/gateway-agent`'s shell). The core compiles without tokio
 //! (`--no-default-features`) and never reads a clock: every input carries `now`.
 //!
@@ -71,7 +73,8 @@
 //! # Layout
 //!
 //! - [`core`]: the state machine ([`Allocator`]): registry, demand, allocation,
-//!   accounting, leases, terms, postures, bound, invariants.
+//!   accounting, leases, terms, postures, bound, invariants; `core/reload.rs`: applying
+//!   new rules ([`ReloadSummary`], [`RuleStatus`]).
 //! - [`waterfill`]: weighted max-min shares and their rounding (pure arithmetic).
 //! - [`msg`]: the core's messages (hello, report, ack, grant) and the mapping onto
 //!   `bursar_agent::SliceUpdate`.
@@ -82,8 +85,10 @@
 //!   core; see above).
 //! - `benches/allocation.rs`: a full pass over 1,000 agents x 100,000 keys and a
 //!   100-key report (figures in docs/BENCHMARKS.md ("Allocator core")).
-//! - `tests/properties.rs`: random demand, report orders, losses, delays, ack loss and
-//!   restarts against budget conservation (inside and outside view).
+//! - `tests/properties.rs`: random demand, report orders, losses, delays, ack loss,
+//!   restarts, failovers and rules reloads against budget conservation (inside and
+//!   outside view).
+//! - `tests/shell.rs`: the real binary on loopback, reload included.
 //! - `tests/conformance.rs`: the real agent engines and this core under a virtual
 //!   clock, checked by a verifier token bucket; prints utilization and slice-move time.
 #![forbid(unsafe_code)]
