@@ -113,6 +113,33 @@ struct ServeArgs {
     /// to). Default: the bound --grpc address.
     #[arg(long)]
     advertise: Option<String>,
+    /// TLS on the agents' stream: this allocator's certificate (PEM). With --tls-key.
+    /// Agents then connect with --allocator-ca (and their own certificate when
+    /// --tls-client-ca is set).
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Mutual TLS: the CA that signs agents' certificates (PEM). An agent without a
+    /// certificate from it is refused at the handshake.
+    #[arg(long, requires = "tls_cert")]
+    tls_client_ca: Option<PathBuf>,
+}
+
+/// The stream's TLS configuration from the flags, if any.
+fn stream_tls(args: &ServeArgs) -> Result<Option<tonic::transport::ServerTlsConfig>> {
+    let (Some(cert), Some(key)) = (&args.tls_cert, &args.tls_key) else {
+        return Ok(None);
+    };
+    let files = shell::TlsFiles {
+        cert: cert.clone(),
+        key: key.clone(),
+        client_ca: args.tls_client_ca.clone(),
+    };
+    shell::server_tls(&files)
+        .map(Some)
+        .map_err(|e| anyhow::anyhow!("TLS on the agents' stream: {e}"))
 }
 
 fn main() -> Result<()> {
@@ -184,6 +211,7 @@ fn serve(args: ServeArgs) -> Result<()> {
         ..AllocatorConfig::default()
     };
     cfg.rules_path = args.config.clone();
+    cfg.tls = stream_tls(&args)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -261,6 +289,7 @@ fn serve_elected(args: ServeArgs, mut rules: Config) -> Result<()> {
         let standby = tokio::spawn(shell::election::serve_standby(
             listener,
             std::sync::Arc::clone(&election),
+            stream_tls(&args)?,
             sb_rx,
         ));
         let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
@@ -294,6 +323,7 @@ fn serve_elected(args: ServeArgs, mut rules: Config) -> Result<()> {
         let mut cfg = ShellConfig::new(grpc, Some(args.admin), term);
         cfg.allocator = allocator_config(&args);
         cfg.rules_path = args.config.clone();
+        cfg.tls = stream_tls(&args)?;
         let (tx, rx) = tokio::sync::watch::channel(false);
         let (bound, handle) = shell::start_with_handle(&rules, cfg, rx).await?;
         println!(

@@ -74,6 +74,21 @@ struct ServeArgs {
     /// exponential backoff from 100 ms).
     #[arg(long, default_value_t = 5_000, requires = "allocator", value_parser = clap::value_parser!(u64).range(100..=600_000))]
     allocator_backoff_max_ms: u64,
+    /// TLS to the allocator: the CA that signs its certificate (PEM). Without it the
+    /// stream is plain HTTP/2.
+    #[arg(long, requires = "allocator")]
+    allocator_ca: Option<PathBuf>,
+    /// The DNS name the allocator's certificate must carry. Default: the host part of
+    /// --allocator.
+    #[arg(long, requires = "allocator_ca")]
+    allocator_tls_name: Option<String>,
+    /// This agent's certificate (PEM), for an allocator that requires client
+    /// certificates (--tls-client-ca there). With --allocator-key.
+    #[arg(long, requires_all = ["allocator_ca", "allocator_key"])]
+    allocator_cert: Option<PathBuf>,
+    /// The private key of --allocator-cert (PEM).
+    #[arg(long, requires = "allocator_cert")]
+    allocator_key: Option<PathBuf>,
     /// OpenAI-compatible proxy listen address (with --proxy-upstream). Tenants come
     /// from `[[api_key]]` entries of the config (see `bursar-agent hash-key`).
     #[arg(long, requires = "proxy_upstream")]
@@ -318,6 +333,24 @@ fn serve(args: ServeArgs) -> Result<()> {
             let mut cfg = bursar_agent::shell::sync::SyncConfig::new(allocator.clone(), agent_id);
             cfg.report_interval = Duration::from_millis(args.report_interval_ms);
             cfg.backoff_max = Duration::from_millis(args.allocator_backoff_max_ms);
+            if let Some(ca) = &args.allocator_ca {
+                let bare = allocator
+                    .trim_start_matches("https://")
+                    .trim_start_matches("http://");
+                let host = bare.rsplit_once(':').map_or(bare, |(h, _)| h);
+                let files = bursar_agent::shell::sync::ClientTlsFiles {
+                    ca: ca.clone(),
+                    server_name: args
+                        .allocator_tls_name
+                        .clone()
+                        .unwrap_or_else(|| host.trim_matches(['[', ']']).to_string()),
+                    identity: args.allocator_cert.clone().zip(args.allocator_key.clone()),
+                };
+                cfg.tls = Some(
+                    bursar_agent::shell::sync::client_tls(&files)
+                        .map_err(|e| anyhow::anyhow!("TLS to the allocator: {e}"))?,
+                );
+            }
             let (status, _task) =
                 bursar_agent::shell::sync::spawn(Arc::clone(&state), cfg, rx.clone());
             let _ = state.sync.set(status);

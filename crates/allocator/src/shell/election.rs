@@ -246,10 +246,21 @@ impl pb::allocator_server::Allocator for Standby {
 pub async fn serve_standby(
     listener: TcpListener,
     election: Arc<Election>,
+    tls: Option<tonic::transport::ServerTlsConfig>,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-    let _ = tonic::transport::Server::builder()
+    let mut server = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        match server.tls_config(tls) {
+            Ok(s) => server = s,
+            Err(e) => {
+                eprintln!("bursar-allocator: standby TLS refused: {e}");
+                return;
+            }
+        }
+    }
+    let _ = server
         .add_service(pb::allocator_server::AllocatorServer::new(Standby {
             election,
         }))

@@ -79,6 +79,32 @@ pub struct ShellConfig {
     /// The file the rules came from: what a reload re-reads. `None` (embedded rules):
     /// reloads are refused.
     pub rules_path: Option<PathBuf>,
+    /// TLS on the agents' stream ([`server_tls`]); `None`: plain HTTP/2.
+    pub tls: Option<tonic::transport::ServerTlsConfig>,
+}
+
+/// TLS files of the agents' stream: the allocator's certificate and key, and the CA
+/// that signs agents' certificates (mutual TLS: an agent without one is refused).
+#[derive(Clone, Debug)]
+pub struct TlsFiles {
+    /// Certificate chain (PEM).
+    pub cert: PathBuf,
+    /// Private key (PEM).
+    pub key: PathBuf,
+    /// CA of agents' client certificates (PEM); `None`: server authentication only.
+    pub client_ca: Option<PathBuf>,
+}
+
+/// Reads the files into a server TLS configuration; errors name the file.
+pub fn server_tls(files: &TlsFiles) -> Result<tonic::transport::ServerTlsConfig, String> {
+    use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+    let read = |p: &PathBuf| std::fs::read(p).map_err(|e| format!("{}: {e}", p.display()));
+    let identity = Identity::from_pem(read(&files.cert)?, read(&files.key)?);
+    let mut cfg = ServerTlsConfig::new().identity(identity);
+    if let Some(ca) = &files.client_ca {
+        cfg = cfg.client_ca_root(Certificate::from_pem(read(ca)?));
+    }
+    Ok(cfg)
 }
 
 impl ShellConfig {
@@ -94,6 +120,7 @@ impl ShellConfig {
             hello_timeout: Duration::from_secs(5),
             admin_max_keys: 1_000,
             rules_path: None,
+            tls: None,
         }
     }
 }
@@ -104,6 +131,9 @@ pub enum ShellError {
     /// A setting is out of range (operator).
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// The TLS certificate, key or CA was refused (operator).
+    #[error("TLS on the agents' stream: {0}")]
+    Tls(String),
     /// A bound on the shell's own queues is zero (operator).
     #[error("shell setting `{0}` must be at least 1")]
     Bound(&'static str),
@@ -376,8 +406,14 @@ pub async fn start_with_handle(
             })
         },
     );
+    let mut server = tonic::transport::Server::builder();
+    if let Some(tls) = cfg.tls.clone() {
+        server = server
+            .tls_config(tls)
+            .map_err(|e| ShellError::Tls(e.to_string()))?;
+    }
     tokio::spawn(async move {
-        let _ = tonic::transport::Server::builder()
+        let _ = server
             .http2_keepalive_interval(Some(Duration::from_secs(2)))
             .http2_keepalive_timeout(Some(Duration::from_secs(5)))
             .add_service(svc.into_server())

@@ -82,6 +82,36 @@ pub struct SyncConfig {
     pub connect_timeout: Duration,
     /// Messages queued towards the allocator. Default 64.
     pub outbound_queue_max: usize,
+    /// TLS to the allocator ([`client_tls`]); `None`: plain HTTP/2. With TLS, every
+    /// address (the configured one and a redirect's) is dialled as `https://`.
+    pub tls: Option<tonic::transport::ClientTlsConfig>,
+}
+
+/// TLS files for the allocator stream: the CA that signs the allocator's certificate,
+/// the name to verify it against, and this agent's certificate and key (needed when
+/// the allocator requires client certificates).
+#[derive(Clone, Debug)]
+pub struct ClientTlsFiles {
+    /// CA of the allocator's certificate (PEM).
+    pub ca: std::path::PathBuf,
+    /// The DNS name the allocator's certificate must carry.
+    pub server_name: String,
+    /// This agent's certificate and key (PEM), for mutual TLS.
+    pub identity: Option<(std::path::PathBuf, std::path::PathBuf)>,
+}
+
+/// Reads the files into a client TLS configuration; errors name the file.
+pub fn client_tls(files: &ClientTlsFiles) -> Result<tonic::transport::ClientTlsConfig, String> {
+    use tonic::transport::{Certificate, ClientTlsConfig, Identity};
+    let read =
+        |p: &std::path::PathBuf| std::fs::read(p).map_err(|e| format!("{}: {e}", p.display()));
+    let mut cfg = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(read(&files.ca)?))
+        .domain_name(files.server_name.clone());
+    if let Some((cert, key)) = &files.identity {
+        cfg = cfg.identity(Identity::from_pem(read(cert)?, read(key)?));
+    }
+    Ok(cfg)
 }
 
 impl SyncConfig {
@@ -104,6 +134,7 @@ impl SyncConfig {
             backoff_max: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(2),
             outbound_queue_max: 64,
+            tls: None,
         }
     }
 }
@@ -214,11 +245,15 @@ fn jitter(max_ns: u64) -> u64 {
     h.finish() % max_ns.max(1)
 }
 
-fn uri(addr: &str) -> String {
-    if addr.starts_with("http://") || addr.starts_with("https://") {
-        addr.to_string()
-    } else {
-        format!("http://{addr}")
+fn uri(addr: &str, tls: bool) -> String {
+    let bare = addr
+        .strip_prefix("http://")
+        .or_else(|| addr.strip_prefix("https://"));
+    match (bare, tls) {
+        (Some(_), false) => addr.to_string(),
+        (Some(b), true) => format!("https://{b}"),
+        (None, false) => format!("http://{addr}"),
+        (None, true) => format!("https://{addr}"),
     }
 }
 
@@ -558,9 +593,17 @@ impl Client {
 
     /// One stream, from connect to its end.
     async fn stream(&mut self, target: &str, shutdown: &mut watch::Receiver<bool>) -> End {
-        let endpoint = match tonic::transport::Endpoint::from_shared(uri(target)) {
-            Ok(e) => e,
-            Err(e) => return End::Lost(format!("bad address: {e}")),
+        let endpoint =
+            match tonic::transport::Endpoint::from_shared(uri(target, self.cfg.tls.is_some())) {
+                Ok(e) => e,
+                Err(e) => return End::Lost(format!("bad address: {e}")),
+            };
+        let endpoint = match &self.cfg.tls {
+            Some(t) => match endpoint.tls_config(t.clone()) {
+                Ok(e) => e,
+                Err(e) => return End::Lost(format!("TLS: {e}")),
+            },
+            None => endpoint,
         }
         .connect_timeout(self.cfg.connect_timeout)
         .tcp_nodelay(true)
@@ -690,5 +733,31 @@ impl Client {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_get_the_scheme_tls_needs() {
+        assert_eq!(uri("10.0.0.1:7070", false), "http://10.0.0.1:7070");
+        assert_eq!(uri("10.0.0.1:7070", true), "https://10.0.0.1:7070");
+        // A redirect or a flag with a scheme follows the TLS setting, never the reverse.
+        assert_eq!(uri("http://a:1", true), "https://a:1");
+        assert_eq!(uri("https://a:1", true), "https://a:1");
+        assert_eq!(uri("http://a:1", false), "http://a:1");
+    }
+
+    #[test]
+    fn missing_tls_files_are_named() {
+        let e = client_tls(&ClientTlsFiles {
+            ca: "/nonexistent/ca.pem".into(),
+            server_name: "a".into(),
+            identity: None,
+        })
+        .unwrap_err();
+        assert!(e.contains("/nonexistent/ca.pem"), "{e}");
     }
 }
