@@ -392,17 +392,17 @@ fn a_corrupt_frame_from_a_peer_is_refused_and_changes_nothing() {
 }
 
 /// The convergence benchmark (docs/BENCHMARKS.md, "Ledger cluster"): one node is cut
-/// off while 1,000,000 events are written to another, then healed; prints the time
-/// until its digest equals the others' and the frame bytes it received per event.
-/// Run in release:
-/// `cargo test --release -p bursar-ledger --test cluster -- --ignored --nocapture million`
+/// off while many events are written to another, then healed; prints the time until
+/// its digest equals the others' and the frame bytes it received per event, and holds
+/// the wire target (under 100 bytes per event). The suite runs 30,000 events; the
+/// benchmark's million, in release:
+/// `BURSAR_CONVERGE_EVENTS=1000000 cargo test --release -p bursar-ledger --test cluster -- --nocapture convergence_of_many`
 #[test]
-#[ignore = "a benchmark: about a minute in release"]
-fn convergence_of_a_million_events_after_a_heal() {
+fn convergence_of_many_events_after_a_heal() {
     let n_events: usize = std::env::var("BURSAR_CONVERGE_EVENTS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(1_000_000);
+        .unwrap_or(30_000);
     let tmp = tempfile::tempdir().unwrap();
     let cdir = tmp.path().join("certs");
     certs(&cdir, &["a", "b", "c"]);
@@ -461,4 +461,8 @@ fn convergence_of_a_million_events_after_a_heal() {
         got as f64 / n_events as f64
     );
     assert_eq!(root(&c)["events"], n_events as u64);
+    assert!(
+        (got as f64 / n_events as f64) < 100.0,
+        "{got} bytes for {n_events} events"
+    );
 }
