@@ -169,49 +169,26 @@ fn client_tls(dir: &Path, ca: &str, who: Option<&str>) -> ClientTlsConfig {
     t
 }
 
-fn certs() -> tempfile_dir::Dir {
-    let dir = tempfile_dir::Dir::new();
-    let server_ca = ca(&dir.0, "server");
-    let fleet = ca(&dir.0, "fleet");
-    let foreign = ca(&dir.0, "foreign");
-    leaf(&dir.0, &server_ca, "allocator", NAME);
-    leaf(&dir.0, &fleet, "agent", "agent-1");
-    leaf(&dir.0, &foreign, "stranger", "agent-x");
+fn certs() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let server_ca = ca(dir.path(), "server");
+    let fleet = ca(dir.path(), "fleet");
+    let foreign = ca(dir.path(), "foreign");
+    leaf(dir.path(), &server_ca, "allocator", NAME);
+    leaf(dir.path(), &fleet, "agent", "agent-1");
+    leaf(dir.path(), &foreign, "stranger", "agent-x");
     dir
-}
-
-/// A temporary directory without a new dependency.
-mod tempfile_dir {
-    pub struct Dir(pub std::path::PathBuf);
-    impl Dir {
-        pub fn new() -> Dir {
-            use std::sync::atomic::{AtomicU64, Ordering};
-            static N: AtomicU64 = AtomicU64::new(0);
-            let p = std::env::temp_dir().join(format!(
-                "bursar-tls-test-{}-{}",
-                std::process::id(),
-                N.fetch_add(1, Ordering::Relaxed)
-            ));
-            std::fs::create_dir_all(&p).unwrap();
-            Dir(p)
-        }
-    }
-    impl Drop for Dir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
 }
 
 #[tokio::test]
 async fn only_agents_with_a_certificate_from_the_fleet_ca_get_in() {
     let dir = certs();
-    let (_a, grpc, admin) = start_allocator(&dir.0);
+    let (_a, grpc, admin) = start_allocator(dir.path());
     // The fleet's certificate: welcomed.
     let m = try_agent(
         grpc,
         "https",
-        Some(client_tls(&dir.0, "server-ca.pem", Some("agent"))),
+        Some(client_tls(dir.path(), "server-ca.pem", Some("agent"))),
     )
     .await
     .expect("an agent with a fleet certificate is welcomed");
@@ -224,12 +201,12 @@ async fn only_agents_with_a_certificate_from_the_fleet_ca_get_in() {
         (
             "no certificate",
             "https",
-            Some(client_tls(&dir.0, "server-ca.pem", None)),
+            Some(client_tls(dir.path(), "server-ca.pem", None)),
         ),
         (
             "another CA",
             "https",
-            Some(client_tls(&dir.0, "server-ca.pem", Some("stranger"))),
+            Some(client_tls(dir.path(), "server-ca.pem", Some("stranger"))),
         ),
         ("plain HTTP/2", "http", None),
     ] {
@@ -240,7 +217,7 @@ async fn only_agents_with_a_certificate_from_the_fleet_ca_get_in() {
     let r = try_agent(
         grpc,
         "https",
-        Some(client_tls(&dir.0, "foreign-ca.pem", Some("agent"))),
+        Some(client_tls(dir.path(), "foreign-ca.pem", Some("agent"))),
     )
     .await;
     assert!(
@@ -267,8 +244,8 @@ fn agent_bin() -> PathBuf {
 #[test]
 fn a_real_agent_connects_over_mutual_tls() {
     let dir = certs();
-    let (_a, grpc, admin) = start_allocator(&dir.0);
-    let rules = dir.0.join("rules.toml");
+    let (_a, grpc, admin) = start_allocator(dir.path());
+    let rules = dir.path().join("rules.toml");
     let _agent = Proc(
         Command::new(agent_bin())
             .arg("--config")
@@ -281,11 +258,11 @@ fn a_real_agent_connects_over_mutual_tls() {
                 NAME,
             ])
             .arg("--allocator-ca")
-            .arg(dir.0.join("server-ca.pem"))
+            .arg(dir.path().join("server-ca.pem"))
             .arg("--allocator-cert")
-            .arg(dir.0.join("agent.pem"))
+            .arg(dir.path().join("agent.pem"))
             .arg("--allocator-key")
-            .arg(dir.0.join("agent.key"))
+            .arg(dir.path().join("agent.key"))
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .spawn()

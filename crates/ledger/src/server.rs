@@ -364,20 +364,18 @@ fn writer_loop(
                     .fetch_add(report.conflict, Ordering::Relaxed);
                 if let Some(push) = push {
                     // Events new here from local ingest go to peers (after the commit).
-                    let mut fresh = Vec::new();
-                    let mut at = 0;
-                    for (j, len) in jobs.iter().zip(&lens) {
-                        if j.local {
-                            for (e, o) in
-                                all[at..at + len].iter().zip(&report.outcomes[at..at + len])
-                            {
-                                if *o == crate::merge::Outcome::New {
-                                    fresh.push(e.clone());
-                                }
-                            }
-                        }
-                        at += len;
-                    }
+                    // The batch is no longer needed: move them, do not copy them.
+                    let local = jobs
+                        .iter()
+                        .zip(&lens)
+                        .flat_map(|(j, &len)| std::iter::repeat_n(j.local, len));
+                    let fresh: Vec<Event> = std::mem::take(&mut all)
+                        .into_iter()
+                        .zip(&report.outcomes)
+                        .zip(local)
+                        .filter(|((_, o), local)| *local && **o == crate::merge::Outcome::New)
+                        .map(|((e, _), _)| e)
+                        .collect();
                     if !fresh.is_empty() && push.try_send(fresh).is_err() {
                         m.push_dropped.fetch_add(1, Ordering::Relaxed);
                     }

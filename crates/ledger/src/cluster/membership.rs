@@ -80,12 +80,11 @@ fn send(inner: &Arc<Inner>, to: SocketAddr, packet: bytes::Bytes) {
     if inner.isolated() {
         return;
     }
-    let cached = inner.conns.lock().expect("conns").get(&to).cloned();
-    match cached {
-        Some(c) if c.close_reason().is_none() => {
+    match inner.cached(to) {
+        Some(c) => {
             let _ = c.send_datagram(packet);
         }
-        _ => inner.dial_in_background(to, Some(packet)),
+        None => inner.dial_in_background(to, Some(packet)),
     }
 }
 

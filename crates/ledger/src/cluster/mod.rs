@@ -416,36 +416,37 @@ impl Inner {
         out
     }
 
-    /// The connection to `addr`, dialing it if needed.
-    pub(crate) async fn connection(&self, addr: SocketAddr) -> Result<quinn::Connection, String> {
+    /// The live cached connection to `addr`, if any.
+    pub(crate) fn cached(&self, addr: SocketAddr) -> Option<quinn::Connection> {
+        self.conns
+            .lock()
+            .expect("conns")
+            .get(&addr)
+            .filter(|c| c.close_reason().is_none())
+            .cloned()
+    }
+
+    /// Dials `addr` (a new connection; callers check the cache first).
+    async fn dial(&self, addr: SocketAddr) -> Result<quinn::Connection, String> {
         if self.isolated() {
             return Err("isolated".into());
-        }
-        if let Some(c) = self.conns.lock().expect("conns").get(&addr)
-            && c.close_reason().is_none()
-        {
-            return Ok(c.clone());
         }
         let connecting = self
             .endpoint
             .connect_with(self.client.clone(), addr, tls::CLUSTER_SERVER_NAME)
             .map_err(|e| format!("connect {addr}: {e}"))?;
-        let conn = tokio::time::timeout(Duration::from_secs(5), connecting)
+        tokio::time::timeout(Duration::from_secs(5), connecting)
             .await
             .map_err(|_| format!("connect {addr}: timed out"))?
-            .map_err(|e| format!("connect {addr}: {e}"))?;
-        Ok(conn)
+            .map_err(|e| format!("connect {addr}: {e}"))
     }
 
     /// Registers a connection and starts serving its datagrams and streams.
     pub(crate) fn adopt(self: &Arc<Self>, conn: quinn::Connection) {
-        let addr = conn.remote_address();
-        if let Some(old) = self.conns.lock().expect("conns").insert(addr, conn.clone())
-            && old.stable_id() != conn.stable_id()
-            && old.close_reason().is_some()
-        {
-            drop(old);
-        }
+        self.conns
+            .lock()
+            .expect("conns")
+            .insert(conn.remote_address(), conn.clone());
         tokio::spawn(membership::datagram_loop(self.clone(), conn.clone()));
         tokio::spawn(exchange::serve_streams(self.clone(), conn));
     }
@@ -461,7 +462,7 @@ impl Inner {
         }
         let inner = self.clone();
         tokio::spawn(async move {
-            let r = inner.connection(addr).await;
+            let r = inner.dial(addr).await;
             inner.dialing.lock().expect("dialing").remove(&addr);
             if let Ok(conn) = r {
                 inner.adopt(conn.clone());
@@ -477,12 +478,13 @@ impl Inner {
         self: &Arc<Self>,
         addr: SocketAddr,
     ) -> Result<quinn::Connection, String> {
-        if let Some(c) = self.conns.lock().expect("conns").get(&addr)
-            && c.close_reason().is_none()
-        {
-            return Ok(c.clone());
+        if self.isolated() {
+            return Err("isolated".into());
         }
-        let c = self.connection(addr).await?;
+        if let Some(c) = self.cached(addr) {
+            return Ok(c);
+        }
+        let c = self.dial(addr).await?;
         self.adopt(c.clone());
         Ok(c)
     }
