@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use bursar_agent::clock::{Clock, CoarseClock};
 use bursar_agent::testing::{THREE_DIMENSIONS, engine};
-use bursar_agent::{AdmitRequest, CompletionStatus, Cost, Engine, KeyHandle, Usage};
+use bursar_agent::{AdmitRequest, Completion, CompletionStatus, Cost, Engine, KeyHandle, Usage};
 use criterion::{Criterion, criterion_group, criterion_main};
 use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
 
@@ -190,7 +190,9 @@ fn admit_complete(c: &mut Criterion) {
                     },
                 )
                 .expect("ok");
-            debug_assert!(d.is_admitted());
+            // Checked in release too: a drained bucket would turn this into a benchmark
+            // of rejections (it did, before the rates were raised).
+            assert!(d.is_admitted(), "the benchmark must measure admissions");
             black_box(&d);
             let usage = Usage {
                 input_tokens: 900,
@@ -200,6 +202,7 @@ fn admit_complete(c: &mut Criterion) {
             let c = e
                 .complete(now, id, usage, CompletionStatus::Ok)
                 .expect("live");
+            assert_eq!(c, Completion::Settled, "a live lease settles once");
             // The shell's maintenance tick, every 100 ms as in the shell; its cost is
             // amortised into the figure, as it is in production.
             if now >= next_maintain {

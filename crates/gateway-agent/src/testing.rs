@@ -62,7 +62,9 @@ mode = "shadow"
 "#;
 
 /// Three rate rules (requests, input tokens, output tokens) on one `org` key: the
-/// shape of the 3-dimension admit benchmark.
+/// shape of the 3-dimension admit benchmark. The rates are high enough (10^12 units a
+/// second, burst the same) that a benchmark admitting millions of requests a second
+/// never drains them: it measures admissions, not rejections.
 pub const THREE_DIMENSIONS: &str = r#"
 [engine]
 unmatched = "reject"
@@ -71,21 +73,21 @@ unmatched = "reject"
 name = "rpm"
 match = { org = "*" }
 dimension = "requests"
-rate = 1_000_000_000
+rate = 1_000_000_000_000
 per = "second"
 
 [[rule]]
 name = "itpm"
 match = { org = "*" }
 dimension = "input_tokens"
-rate = 1_000_000_000
+rate = 1_000_000_000_000
 per = "second"
 
 [[rule]]
 name = "otpm"
 match = { org = "*" }
 dimension = "output_tokens"
-rate = 1_000_000_000
+rate = 1_000_000_000_000
 per = "second"
 "#;
 
