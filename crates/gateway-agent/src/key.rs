@@ -52,6 +52,43 @@ impl fmt::Display for LimitKey {
     }
 }
 
+const RULE_MIX_ID: u64 = 0x9e37_79b9_7f4a_7c15;
+const RULE_MIX_CHECK: u64 = 0xd6e8_feb8_6659_fd93;
+
+/// The value hashes of the last key looked up during one request: consecutive rules
+/// that matched the same descriptor values (an org's request, input and output token
+/// limits all match `org`) reuse them. Compared by the values' addresses and lengths,
+/// which are the request's own descriptor strings.
+#[derive(Default)]
+pub(crate) struct KeyMemo {
+    values: [(usize, usize); crate::config::MAX_DESCRIPTORS],
+    n: usize,
+    hashes: Option<(u64, u64)>,
+}
+
+impl KeyMemo {
+    /// The value hashes of `values`, computed at most once while they repeat.
+    #[inline]
+    pub(crate) fn hashes(&mut self, hashing: &KeyHashing, values: &[&str]) -> (u64, u64) {
+        if let Some(h) = self.hashes
+            && self.n == values.len()
+            && self.values[..self.n]
+                .iter()
+                .zip(values)
+                .all(|(&(p, l), v)| p == v.as_ptr() as usize && l == v.len())
+        {
+            return h;
+        }
+        let h = hashing.values_hashes(values);
+        for (slot, v) in self.values.iter_mut().zip(values) {
+            *slot = (v.as_ptr() as usize, v.len());
+        }
+        self.n = values.len();
+        self.hashes = Some(h);
+        h
+    }
+}
+
 /// Seeded hashing for key ids and request ids. The seed is random per engine, so ids
 /// are not predictable from outside and collisions cannot be aimed at.
 #[derive(Clone)]
@@ -72,32 +109,67 @@ impl KeyHashing {
         }
     }
 
-    /// Id of the limit key (rule, values). Values are written with their lengths so
-    /// that ("ab","c") and ("a","bc") differ.
+    /// Id of the limit key (rule, values).
     #[inline]
     pub(crate) fn key_id<'a>(&self, rule: u32, values: impl Iterator<Item = &'a str>) -> u64 {
-        Self::hash_key(&self.keys, rule, values)
+        Self::with_rule(Self::hash_values(&self.keys, values), rule, RULE_MIX_ID)
     }
 
     /// The key's check hash (independently seeded).
     #[inline]
     pub(crate) fn key_check<'a>(&self, rule: u32, values: impl Iterator<Item = &'a str>) -> u64 {
-        Self::hash_key(&self.checks, rule, values)
+        Self::with_rule(
+            Self::hash_values(&self.checks, values),
+            rule,
+            RULE_MIX_CHECK,
+        )
     }
 
+    /// Both seeded hashes of a key's values, before the rule is mixed in: requests
+    /// whose rules match the same descriptor values hash them once (the decision path
+    /// keeps them in a [`KeyMemo`]).
     #[inline]
-    fn hash_key<'a>(
+    pub(crate) fn values_hashes(&self, values: &[&str]) -> (u64, u64) {
+        (
+            Self::hash_values(&self.keys, values.iter().copied()),
+            Self::hash_values(&self.checks, values.iter().copied()),
+        )
+    }
+
+    /// (id, check) of the key (rule, values) from [`KeyHashing::values_hashes`].
+    #[inline]
+    pub(crate) fn ids_from(hashes: (u64, u64), rule: u32) -> (u64, u64) {
+        (
+            Self::with_rule(hashes.0, rule, RULE_MIX_ID),
+            Self::with_rule(hashes.1, rule, RULE_MIX_CHECK),
+        )
+    }
+
+    /// Values are written with their lengths so that ("ab","c") and ("a","bc") differ.
+    #[inline]
+    fn hash_values<'a>(
         state: &foldhash::fast::RandomState,
-        rule: u32,
         values: impl Iterator<Item = &'a str>,
     ) -> u64 {
         let mut h = state.build_hasher();
-        h.write_u32(rule);
         for v in values {
             h.write_usize(v.len());
             h.write(v.as_bytes());
         }
         h.finish()
+    }
+
+    /// Mixes the rule into a seeded hash of the values: for one rule a bijection of the
+    /// hash (distinct values collide only if their seeded hashes do); across rules the
+    /// offset differs. The finalizer is MurmurHash3's `fmix64`.
+    #[inline]
+    fn with_rule(h: u64, rule: u32, k: u64) -> u64 {
+        let mut x = h ^ (rule as u64 + 1).wrapping_mul(k);
+        x ^= x >> 33;
+        x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+        x ^= x >> 33;
+        x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+        x ^ (x >> 33)
     }
 
     /// 128-bit id of a request id: two independently seeded hashes. Leases are keyed by

@@ -37,6 +37,26 @@ impl InlineId {
         }
     }
 
+    /// Overwrites the id in place, copying only `id`'s bytes (the rest are stale and
+    /// never read). `id` must be at most [`MAX_REQUEST_ID_BYTES`].
+    #[inline]
+    pub(crate) fn set(&mut self, id: &str) {
+        assert!(id.len() <= MAX_REQUEST_ID_BYTES);
+        self.bytes[..id.len()].copy_from_slice(id.as_bytes());
+        self.len = id.len() as u8;
+    }
+
+    pub(crate) const EMPTY: InlineId = InlineId {
+        len: 0,
+        bytes: [0; MAX_REQUEST_ID_BYTES],
+    };
+
+    /// True when this is `id` (bytes compared; no UTF-8 check on the decision path).
+    #[inline]
+    pub(crate) fn is(&self, id: &str) -> bool {
+        &self.bytes[..self.len as usize] == id.as_bytes()
+    }
+
     pub(crate) fn as_str(&self) -> &str {
         // Built from a &str and never modified.
         std::str::from_utf8(&self.bytes[..self.len as usize]).expect("inline id is UTF-8")
@@ -49,13 +69,13 @@ pub struct LeaseLimit {
     pub(crate) slot: Arc<Slot>,
     pub(crate) dimension: Dimension,
     pub(crate) mode: Mode,
+    /// True when `reserved` is counted in the key's `held` until settled (token
+    /// dimensions that debited something; requests and concurrency never hold).
+    pub(crate) holds: bool,
     /// Units reserved (tokens, requests, or 1 slot).
     pub(crate) reserved: u64,
     /// Raw amount debited from `slot` (ns for rate buckets, slots for concurrency).
     pub(crate) debited: u64,
-    /// Units counted in the key's `held` until settled (token dimensions: `reserved`;
-    /// requests and concurrency: 0).
-    pub(crate) held: u64,
 }
 
 impl LeaseLimit {
@@ -78,18 +98,33 @@ impl LeaseLimit {
     pub fn mode(&self) -> Mode {
         self.mode
     }
+
+    /// Units counted in the key's `held` until settled.
+    #[inline]
+    pub(crate) fn held(&self) -> u64 {
+        if self.holds { self.reserved } else { 0 }
+    }
 }
 
-/// A reservation in flight.
+/// A reservation in flight. Its request id is kept beside it in the shard (written
+/// once, never moved with the lease).
 #[derive(Clone)]
 pub(crate) struct Lease {
-    pub(crate) id: InlineId,
     pub(crate) admitted_at_ns: u64,
     pub(crate) expires_at_ns: u64,
     pub(crate) input_tokens: u64,
     pub(crate) max_output_tokens: Option<u64>,
     pub(crate) limits: [Option<LeaseLimit>; MAX_LIMITS_PER_REQUEST],
     pub(crate) len: u8,
+}
+
+/// A lease's fields other than its limits: what admission builds before the insert.
+#[derive(Clone, Copy)]
+pub(crate) struct LeaseHead {
+    pub(crate) admitted_at_ns: u64,
+    pub(crate) expires_at_ns: u64,
+    pub(crate) input_tokens: u64,
+    pub(crate) max_output_tokens: Option<u64>,
 }
 
 impl Lease {
@@ -311,8 +346,10 @@ struct Shard {
     /// The map key of each slab entry (the maintenance tick walks the slab, not the map).
     slab_keys: Vec<u64>,
     free: Vec<u32>,
+    /// The request id of each slab entry.
+    slab_ids: Vec<InlineId>,
     /// Expired leases not yet completed, by map key (off the decision path).
-    expired: HashMap<u64, Box<(u64, Lease)>, PassThroughState>,
+    expired: HashMap<u64, Box<Expired>, PassThroughState>,
     /// Tombstones in completion order (stale entries are skipped when popped).
     order: VecDeque<(u64, u64)>,
     tombs: usize,
@@ -387,28 +424,32 @@ fn key(hash: u128) -> u64 {
     hash as u64
 }
 
+/// A lease that expired before it was completed, with its id (its expiry time is in
+/// the map entry).
+pub(crate) struct Expired {
+    pub(crate) id: InlineId,
+    pub(crate) lease: Lease,
+}
+
 /// What removing a lease for completion found.
-// The lease moves out by value once per completion; boxing it would allocate on the
-// completion path.
-#[allow(clippy::large_enum_variant)]
 pub(crate) enum Removed {
-    /// The live lease (now tombstoned as completed).
-    Live(Lease),
+    /// The live lease, moved into the caller's slot (now tombstoned as completed).
+    Live,
     /// Already completed (a duplicate).
     Completed,
-    /// Expired earlier, not yet completed: (expiry time, the lease as it was), now
-    /// tombstoned as completed, so a second late completion is a duplicate.
-    Expired(Box<(u64, Lease)>),
+    /// Expired earlier, not yet completed: the lease as it was, now tombstoned as
+    /// completed, so a second late completion is a duplicate.
+    Expired(Box<Expired>),
     /// Never seen, or forgotten.
     Unknown,
 }
 
-/// Why a lease could not be inserted. The lease is handed back for rollback.
+/// Why a lease could not be inserted. Its limits stay with the caller for rollback.
 pub(crate) enum InsertError {
     /// The table (this shard) is at its bound.
-    Full(Lease),
+    Full,
     /// A live lease with the same id exists (a concurrent retry won).
-    Exists(Lease),
+    Exists,
 }
 
 pub(crate) struct LeaseTable {
@@ -427,6 +468,7 @@ impl LeaseTable {
                     // Reserved, not initialised: pages are touched as leases arrive.
                     slab: Vec::with_capacity(per_shard),
                     slab_keys: Vec::with_capacity(per_shard),
+                    slab_ids: Vec::with_capacity(per_shard),
                     free: Vec::with_capacity(per_shard),
                     expired: HashMap::default(),
                     max_leases: per_shard,
@@ -456,18 +498,24 @@ impl LeaseTable {
     ) -> Option<R> {
         let shard = self.shard(hash);
         match shard.map.get(key(hash)) {
-            Some(Entry::Live(i)) => shard.slab[i as usize]
-                .as_ref()
-                .filter(|l| l.id.as_str() == id)
-                .map(f),
+            Some(Entry::Live(i)) if shard.slab_ids[i as usize].is(id) => {
+                shard.slab[i as usize].as_ref().map(f)
+            }
             _ => None,
         }
     }
 
-    // The lease is handed back by value so the caller can roll back without a copy or
-    // an allocation.
-    #[allow(clippy::result_large_err)]
-    pub(crate) fn insert(&self, hash: u128, lease: Lease) -> Result<(), InsertError> {
+    /// Inserts a lease for `id`: `head`, and the first `n` of `held`, which move into
+    /// the table only on success (each `Option` is taken: no copy of the whole array,
+    /// no reference count touched). On an error `held` is untouched, for rollback.
+    pub(crate) fn insert(
+        &self,
+        hash: u128,
+        id: &str,
+        head: LeaseHead,
+        held: &mut [Option<LeaseLimit>; MAX_LIMITS_PER_REQUEST],
+        n: usize,
+    ) -> Result<(), InsertError> {
         let mut shard = self.shard(hash);
         let shard = &mut *shard;
         let hash = key(hash);
@@ -476,22 +524,32 @@ impl LeaseTable {
         if let Probe::Found(p) = probe
             && matches!(shard.map.entry_at(p), Entry::Live(_))
         {
-            return Err(InsertError::Exists(lease));
+            return Err(InsertError::Exists);
         }
         let i = match shard.free.pop() {
-            Some(i) => {
-                shard.slab[i as usize] = Some(lease);
-                shard.slab_keys[i as usize] = hash;
-                i
-            }
+            Some(i) => i,
             None if shard.slab.len() < shard.max_leases => {
                 // Within the reserved capacity: no reallocation.
-                shard.slab.push(Some(lease));
-                shard.slab_keys.push(hash);
+                shard.slab.push(None);
+                shard.slab_keys.push(0);
+                shard.slab_ids.push(InlineId::EMPTY);
                 (shard.slab.len() - 1) as u32
             }
-            None => return Err(InsertError::Full(lease)),
+            None => return Err(InsertError::Full),
         };
+        let lease = shard.slab[i as usize].insert(Lease {
+            admitted_at_ns: head.admitted_at_ns,
+            expires_at_ns: head.expires_at_ns,
+            input_tokens: head.input_tokens,
+            max_output_tokens: head.max_output_tokens,
+            limits: [const { None }; MAX_LIMITS_PER_REQUEST],
+            len: n as u8,
+        });
+        for (dst, src) in lease.limits.iter_mut().zip(held[..n].iter_mut()) {
+            *dst = src.take();
+        }
+        shard.slab_keys[i as usize] = hash;
+        shard.slab_ids[i as usize].set(id);
         match probe {
             Probe::Found(p) => {
                 // A finished id admitted again: its tombstone gives way to the new lease
@@ -507,7 +565,15 @@ impl LeaseTable {
         Ok(())
     }
 
-    pub(crate) fn remove_for_completion(&self, hash: u128, id: &str, now: u64) -> Removed {
+    /// Removes `id`'s live lease for completion into `out` (one move, into a slot the
+    /// caller owns), or reports what the id's entry says instead.
+    pub(crate) fn remove_for_completion(
+        &self,
+        hash: u128,
+        id: &str,
+        now: u64,
+        out: &mut Option<Lease>,
+    ) -> Removed {
         let mut shard = self.shard(hash);
         let shard = &mut *shard;
         let hash = key(hash);
@@ -516,24 +582,18 @@ impl LeaseTable {
         };
         match shard.map.entry_at(p) {
             Entry::Live(i) => {
-                if shard.slab[i as usize]
-                    .as_ref()
-                    .is_none_or(|l| l.id.as_str() != id)
-                {
+                if !shard.slab_ids[i as usize].is(id) {
                     return Removed::Unknown;
                 }
                 shard.map.set_at(p, Entry::Completed { at_ns: now });
-                let lease = shard.take_live(i);
+                *out = shard.slab[i as usize].take();
+                shard.free.push(i);
                 shard.note_tomb(hash, now, true);
-                Removed::Live(lease)
+                Removed::Live
             }
             Entry::Completed { .. } => Removed::Completed,
             Entry::Expired { .. } => {
-                if shard
-                    .expired
-                    .get(&hash)
-                    .is_none_or(|b| b.1.id.as_str() != id)
-                {
+                if shard.expired.get(&hash).is_none_or(|b| !b.id.is(id)) {
                     return Removed::Unknown;
                 }
                 let b = shard.expired.remove(&hash).expect("checked above");
@@ -549,20 +609,22 @@ impl LeaseTable {
         let mut shard = self.shard(hash);
         let shard = &mut *shard;
         match shard.map.get(key(hash)) {
-            Some(Entry::Live(i)) => match shard.slab[i as usize].as_mut() {
-                Some(l) if l.id.as_str() == id => {
-                    l.expires_at_ns = expires_at_ns;
-                    true
+            Some(Entry::Live(i)) if shard.slab_ids[i as usize].is(id) => {
+                match shard.slab[i as usize].as_mut() {
+                    Some(l) => {
+                        l.expires_at_ns = expires_at_ns;
+                        true
+                    }
+                    None => false,
                 }
-                _ => false,
-            },
+            }
             _ => false,
         }
     }
 
-    /// Moves every lease expired at `now` into `out` and tombstones it; forgets
-    /// tombstones older than `tomb_ttl_ns`.
-    pub(crate) fn expire(&self, now: u64, tomb_ttl_ns: u64, out: &mut Vec<Lease>) {
+    /// Moves every lease expired at `now` into `out` (with its id) and tombstones it;
+    /// forgets tombstones older than `tomb_ttl_ns`.
+    pub(crate) fn expire(&self, now: u64, tomb_ttl_ns: u64, out: &mut Vec<(InlineId, Lease)>) {
         for shard in self.shards.iter() {
             let mut shard = shard.lock().unwrap_or_else(|e| e.into_inner());
             let shard = &mut *shard;
@@ -571,13 +633,18 @@ impl LeaseTable {
                     continue;
                 }
                 let h = shard.slab_keys[i];
+                let id = shard.slab_ids[i].clone();
                 let lease = shard.take_live(i as u32);
                 shard.map.insert(h, Entry::Expired { at_ns: now });
-                shard
-                    .expired
-                    .insert(h, Box::new((now.min(TIME_MASK), lease.clone())));
+                shard.expired.insert(
+                    h,
+                    Box::new(Expired {
+                        id: id.clone(),
+                        lease: lease.clone(),
+                    }),
+                );
                 shard.note_tomb(h, now, true);
-                out.push(lease);
+                out.push((id, lease));
             }
             while let Some(&(_, at)) = shard.order.front() {
                 if at.saturating_add(tomb_ttl_ns) > now {
