@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use arc_swap::{ArcSwap, Cache};
 
-use crate::bucket::{self, Params, RateLimit, Slot, State, Take};
+use crate::bucket::{self, Params, RateLimit, Shape, Slot, State, Take};
 use crate::config::{
     Config, Dimension, MAX_COST, MAX_DESCRIPTOR_BYTES, MAX_DESCRIPTORS, MAX_LIMITS_PER_REQUEST,
     MAX_REQUEST_ID_BYTES, Mode, Pattern, Posture, Rule, RuleLimit, RuleSet, SliceSource, Unmatched,
@@ -94,7 +94,7 @@ pub struct LimitStatus {
     pub cost: u64,
     /// True when this limit (a shadow rule) would have rejected.
     pub shadow_rejected: bool,
-    params: Params,
+    params: Shape,
     state: State,
     now: u64,
 }
@@ -112,15 +112,17 @@ impl LimitStatus {
 
     /// Whole units left after this decision.
     pub fn remaining(&self) -> u64 {
-        Slot::level(&self.params, self.state, self.now).clamp(0, self.limit() as i128) as u64
+        Slot::level(&self.params.params(), self.state, self.now).clamp(0, self.limit() as i128)
+            as u64
     }
 
     /// Nanoseconds until the limit is whole again, if nothing more is admitted and the
     /// reservations held settle with no refund (slots: unknown, reported as 0).
     pub fn reset_after_ns(&self) -> u64 {
-        match &self.params {
+        match self.params.params() {
             Params::Rate(p) => {
-                let owed = self.limit() as i128 - Slot::level(&self.params, self.state, self.now);
+                let owed =
+                    self.limit() as i128 - Slot::level(&Params::Rate(p), self.state, self.now);
                 p.debit_ns(owed.max(0) as u64)
             }
             Params::Closed(_) | Params::Slots(_) => 0,
@@ -130,9 +132,9 @@ impl LimitStatus {
     /// The rate in force, for rate buckets: (rate, period in ns).
     pub fn rate(&self) -> Option<(u64, u64)> {
         match &self.params {
-            Params::Rate(p) => Some((p.limit.rate, p.limit.period_ns)),
-            Params::Closed(l) => Some((0, l.period_ns)),
-            Params::Slots(_) => None,
+            Shape::Rate(l) => Some((l.rate, l.period_ns)),
+            Shape::Closed(l) => Some((0, l.period_ns)),
+            Shape::Slots(_) => None,
         }
     }
 }
@@ -1948,7 +1950,7 @@ fn status(
         mode: rule.rule.mode,
         cost,
         shadow_rejected,
-        params: *params,
+        params: params.shape(),
         state,
         now,
     }
@@ -1969,7 +1971,7 @@ fn replay(l: &Lease, now: u64) -> Decision {
             mode: ll.mode,
             cost: ll.reserved,
             shadow_rejected: false,
-            params: ll.slot.params,
+            params: ll.slot.params.shape(),
             state: ll.slot.load(),
             now,
         });
