@@ -15,7 +15,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -37,17 +37,30 @@ rate = 100000000000
 per = "minute"
 "#;
 
-static N: AtomicU64 = AtomicU64::new(0);
+/// A temporary directory, removed when dropped (the tests used to leave theirs in
+/// /tmp); derefs to its path.
+struct TempDir(tempfile::TempDir);
 
-fn tempdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!(
-        "bursar-outbox-it-{name}-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).expect("temp dir");
-    d
+impl std::ops::Deref for TempDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        self.0.path()
+    }
+}
+
+impl AsRef<std::ffi::OsStr> for TempDir {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.0.path().as_os_str()
+    }
+}
+
+fn tempdir(name: &str) -> TempDir {
+    TempDir(
+        tempfile::Builder::new()
+            .prefix(&format!("bursar-outbox-it-{name}-"))
+            .tempdir()
+            .expect("temp dir"),
+    )
 }
 
 fn ledger_bin() -> PathBuf {
@@ -73,11 +86,16 @@ struct Ledger {
     addr: SocketAddr,
     dir: PathBuf,
     node_id: String,
+    /// The data directory's owner, when the ledger made it (removed on drop).
+    _tmp: Option<TempDir>,
 }
 
 impl Ledger {
     fn start(node_id: &str) -> Ledger {
-        Ledger::start_at(&tempdir(node_id), node_id, "127.0.0.1:0")
+        let tmp = tempdir(node_id);
+        let mut l = Ledger::start_at(&tmp, node_id, "127.0.0.1:0");
+        l._tmp = Some(tmp);
+        l
     }
 
     fn start_at(dir: &Path, node_id: &str, http: &str) -> Ledger {
@@ -104,6 +122,7 @@ impl Ledger {
             addr,
             dir: dir.to_path_buf(),
             node_id: node_id.to_string(),
+            _tmp: None,
         }
     }
 
@@ -192,7 +211,7 @@ struct AgentProc {
 
 impl AgentProc {
     fn start(outbox: &Path, ledgers: &[String], extra: &[&str]) -> AgentProc {
-        let config = outbox.with_extension("rules.toml");
+        let config = outbox.join("rules.toml");
         std::fs::write(&config, RULES).expect("write rules");
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_bursar-agent"));
         cmd.arg("--config")
@@ -603,7 +622,7 @@ fn a_full_outbox_answers_503_and_leaves_the_lease_live() {
 fn a_corrupt_outbox_file_stops_the_start_with_a_clear_error() {
     let outbox = tempdir("corrupt");
     std::fs::write(outbox.join("outbox.redb"), vec![0x5Au8; 16384]).unwrap();
-    let config = outbox.with_extension("rules.toml");
+    let config = outbox.join("rules.toml");
     std::fs::write(&config, RULES).unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_bursar-agent"))
         .arg("--config")
@@ -718,7 +737,7 @@ fn durable_completion_throughput() {
     for clients in [1usize, 8, 32] {
         for with_outbox in [false, true] {
             let outbox = tempdir("bench");
-            let config = outbox.with_extension("rules.toml");
+            let config = outbox.join("rules.toml");
             std::fs::write(&config, RULES).unwrap();
             let mut cmd = Command::new(&agent_bin);
             cmd.arg("--config").arg(&config).args([
@@ -837,7 +856,7 @@ fn durable_completion_throughput() {
 fn a_second_agent_on_the_same_outbox_is_refused_with_a_clear_error() {
     let outbox = tempdir("busy");
     let first = AgentProc::start(&outbox, &["http://127.0.0.1:9".to_string()], &[]);
-    let config = outbox.with_extension("second.toml");
+    let config = outbox.join("second.toml");
     std::fs::write(&config, RULES).unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_bursar-agent"))
         .arg("--config")

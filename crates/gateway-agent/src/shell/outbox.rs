@@ -947,17 +947,23 @@ mod tests {
         OutboxConfig::new(dir.to_path_buf(), 2)
     }
 
-    fn tempdir(name: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!(
-            "bursar-outbox-unit-{name}-{}-{}",
-            std::process::id(),
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos()
-        ));
-        std::fs::create_dir_all(&d).unwrap();
-        d
+    /// A temporary directory removed on drop; derefs to its path.
+    struct TempDir(tempfile::TempDir);
+
+    impl std::ops::Deref for TempDir {
+        type Target = Path;
+        fn deref(&self) -> &Path {
+            self.0.path()
+        }
+    }
+
+    fn tempdir(name: &str) -> TempDir {
+        TempDir(
+            tempfile::Builder::new()
+                .prefix(&format!("bursar-outbox-unit-{name}-"))
+                .tempdir()
+                .unwrap(),
+        )
     }
 
     const RULES: &str = r#"
