@@ -66,15 +66,17 @@ pub struct RateLimit {
     pub period_ns: u64,
 }
 
-/// Precomputed GCRA parameters of an open rate bucket.
+/// Precomputed GCRA parameters of an open rate bucket. `repr(C)`, the fields the
+/// decision reads first, so that in a [`Slot`] they share the state's cache line.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
 pub(crate) struct RateParams {
-    pub(crate) limit: RateLimit,
     /// Emission interval in ns, 32.32 fixed point, rounded up; as two words so the
     /// struct needs no 16-byte alignment and a slot fits one 128-byte block.
     interval_fp: [u64; 2],
     /// `debit_ns(burst)`.
     pub(crate) tau_ns: u64,
+    pub(crate) limit: RateLimit,
 }
 
 impl RateParams {
@@ -131,8 +133,9 @@ impl RateParams {
     }
 }
 
-/// Parameters of one slot.
+/// Parameters of one slot. `repr(C)`: a fixed layout, for [`Slot`]'s.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
 pub(crate) enum Params {
     /// An open rate bucket.
     Rate(RateParams),
@@ -245,9 +248,17 @@ impl State {
 
 /// Per-key state, padded to two cache lines so that neighbours never share a line
 /// (FIELD-NOTES: false sharing doubled the cost of adjacent limiters).
-#[repr(align(128))]
+#[repr(C, align(128))]
 pub(crate) struct Slot {
+    // The first cache line holds what a decision reads: the state, the check hash
+    // and the GCRA parameters (a keyed check over 10,000 keys then misses on one slot
+    // line, not two). The counters and the key follow on the second.
     state: AtomicU128,
+    /// Second, independent hash of the key: the decision path matches a key by its id
+    /// (the table's key) and this, without touching the key's strings (a false match
+    /// needs a 128-bit collision).
+    pub(crate) check: u64,
+    pub(crate) params: Params,
     /// Cost admitted through this slot (demand reporting and summaries).
     pub(crate) admitted: AtomicU64,
     /// Cost rejected by this slot (rejections are demand).
@@ -259,11 +270,6 @@ pub(crate) struct Slot {
     /// Slots only: engine time of the last take (rate buckets derive idleness from
     /// their TAT).
     touched: AtomicU64,
-    pub(crate) params: Params,
-    /// Second, independent hash of the key: the decision path matches a key by its id
-    /// (the table's key) and this, without touching the key's strings (a false match
-    /// needs a 128-bit collision).
-    pub(crate) check: u64,
     pub(crate) key: Arc<LimitKey>,
 }
 
@@ -608,6 +614,17 @@ pub(crate) fn convert(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn what_a_decision_reads_sits_in_the_slot_s_first_cache_line() {
+        assert_eq!(std::mem::size_of::<Slot>(), 128);
+        assert!(std::mem::offset_of!(Slot, check) + 8 <= 64);
+        // The rate parameters a take reads: the interval and tau (the limit's rate,
+        // burst and period are for reports).
+        let params = std::mem::offset_of!(Slot, params);
+        let payload = params + std::mem::size_of::<Params>() - std::mem::size_of::<RateParams>();
+        assert!(payload + std::mem::offset_of!(RateParams, tau_ns) + 8 <= 64);
+    }
 
     fn key() -> Arc<LimitKey> {
         Arc::new(LimitKey::for_tests("r"))
