@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Instructions and simulated cache misses per hot-path operation, from cachegrind:
+# deterministic where wall-clock figures on a shared machine are not. Runs the
+# `hot_loop` example at two sizes and divides the difference (start-up cancels out).
+# Installs Debian's valgrind when missing.
+#
+#   bench/instructions.sh            # both loops
+#   bench/instructions.sh keyed-10k  # one
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v valgrind >/dev/null 2>&1; then
+  echo "== installing valgrind (Debian package)"
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq valgrind >/dev/null
+fi
+cargo build --release -q -p bursar-agent --example hot_loop
+BIN=target/release/examples/hot_loop
+
+# Cache model: 32 KiB 8-way L1d, 1 MiB 16-way last level (this machine's L2 per core).
+run() { # mode ops -> "instructions d1_misses ll_misses"
+  valgrind --tool=cachegrind --cache-sim=yes --D1=32768,8,64 --LL=1048576,16,64 \
+    --cachegrind-out-file=/dev/null "$BIN" "$1" "$2" 2>&1 |
+    awk '/I *refs/ {gsub(",","",$4); i=$4} /D1  misses/ {gsub(",","",$4); d=$4}
+         /LLd misses/ {gsub(",","",$4); l=$4} END {print i, d, l}'
+}
+
+for mode in ${1:-admit-complete keyed-10k}; do
+  case $mode in
+    admit-complete) small=20000; large=120000 ;;
+    keyed-10k) small=100000; large=1100000 ;;
+    *) echo "unknown loop: $mode" >&2; exit 2 ;;
+  esac
+  read -r i1 d1 l1 < <(run "$mode" "$small")
+  read -r i2 d2 l2 < <(run "$mode" "$large")
+  n=$((large - small))
+  awk -v m="$mode" -v n="$n" -v i="$((i2 - i1))" -v d="$((d2 - d1))" -v l="$((l2 - l1))" \
+    'BEGIN { printf "%-15s %7.0f instructions  %5.2f L1d misses  %5.2f LL misses per operation\n", m, i/n, d/n, l/n }'
+done

@@ -1,0 +1,108 @@
+//! The hot path's two loops (the criterion harness `benches/hot_path.rs` measures the
+//! same work), as a plain program for instruction and cache-miss counts under
+//! `valgrind --tool=cachegrind`: `bench/instructions.sh` runs it at two sizes and
+//! reports the difference per operation. Counts do not move with the machine's load
+//! the way wall-clock figures do on a shared box.
+//!
+//! `cargo run --release -p bursar-agent --example hot_loop -- admit-complete 100000`
+//! `cargo run --release -p bursar-agent --example hot_loop -- keyed-10k 1000000`
+
+use bursar_agent::testing::{THREE_DIMENSIONS, engine};
+use bursar_agent::{AdmitRequest, Completion, CompletionStatus, Cost, Usage};
+
+const KEYED: &str = r#"
+[engine]
+max_keys = 20_000
+[[rule]]
+name = "rps"
+match = { k = "*" }
+dimension = "requests"
+rate = 4_000_000_000
+per = "second"
+burst = 4_000_000_000
+"#;
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let mode = args.next().unwrap_or_default();
+    let n: u64 = match args.next().map(|v| v.parse()) {
+        Some(Ok(n)) => n,
+        _ => usage(),
+    };
+    let done = match mode.as_str() {
+        "admit-complete" => admit_complete(n),
+        "keyed-10k" => keyed(n),
+        _ => usage(),
+    };
+    println!("{done} operations");
+}
+
+fn usage() -> ! {
+    eprintln!("usage: hot_loop <admit-complete|keyed-10k> <operations>");
+    std::process::exit(2);
+}
+
+/// Admit from three descriptors over three rules (requests, input, output tokens),
+/// then complete with a refund; 4,096 request ids in turn, virtual time 1 us apart,
+/// the maintenance tick every 100 ms of it. Every admission is checked.
+fn admit_complete(n: u64) -> u64 {
+    let e = engine(THREE_DIMENSIONS);
+    let ids: Vec<String> = (0..4096).map(|i| format!("req-{i:08}")).collect();
+    let mut w = e.worker();
+    let desc = [("org", "acme"), ("key", "k-123"), ("model", "gpt-4o")];
+    let mut next_maintain = 0;
+    for i in 0..n {
+        let id = &ids[(i % 4096) as usize];
+        let now = i * 1_000;
+        let req = AdmitRequest {
+            request_id: id,
+            domain: None,
+            descriptors: &desc,
+            cost: Cost {
+                requests: 1,
+                input_tokens: 900,
+                max_output_tokens: Some(512),
+            },
+            ttl_ms: None,
+        };
+        let d = w.admit(now, &req).expect("valid request");
+        assert!(d.is_admitted(), "the loop must measure admissions");
+        std::hint::black_box(&d);
+        let usage = Usage {
+            input_tokens: 900,
+            cached_input_tokens: 0,
+            output_tokens: 200,
+        };
+        let c = e.complete(now, id, usage, CompletionStatus::Ok);
+        assert_eq!(c, Ok(Completion::Settled));
+        if now >= next_maintain {
+            e.maintain(now);
+            next_maintain = now + 100_000_000;
+        }
+    }
+    n
+}
+
+/// The bare keyed check (`Worker::try_acquire`) over 10,000 pre-resolved keys, in the
+/// criterion harness's order.
+fn keyed(n: u64) -> u64 {
+    let e = engine(KEYED);
+    let names: Vec<String> = (0..10_000).map(|i| format!("key-{i}")).collect();
+    let handles: Vec<_> = names
+        .iter()
+        .map(|k| e.key_handle("rps", &[k]).expect("rule"))
+        .collect();
+    let mut w = e.worker();
+    for h in &handles {
+        assert!(w.try_acquire(0, h, 1).expect("ok"));
+    }
+    e.maintain(0);
+    let mut j = 0usize;
+    let mut admitted = 0;
+    for i in 0..n {
+        j = (j + 7919) % handles.len();
+        admitted += u64::from(w.try_acquire(1 + i, &handles[j], 1).expect("ok"));
+    }
+    assert_eq!(admitted, n, "every check is admitted");
+    n
+}
