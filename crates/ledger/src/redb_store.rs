@@ -1,9 +1,15 @@
 //! The redb backend: one file, `ledger.redb`, in the data directory.
 //!
 //! Tables:
-//! - `events`: (hour, tenant, arrival sequence number) -> canonical encoding: events
-//!   clustered by bucket, appended within each bucket, read in order by queries and
-//!   export;
+//! - `event_chunks`: (hour, tenant, arrival sequence number of the chunk's first
+//!   event) -> a **chunk**: the canonical encodings of one or more events of that
+//!   bucket, each with its own arrival sequence number (`seq u64 LE, len u32 LE,
+//!   bytes`), in arrival order. One commit appends one chunk per bucket it touches
+//!   (a new chunk past [`CHUNK_BYTES_MAX`]), so a batch of 1,000 events over 8 tenants
+//!   is 8 B-tree inserts here, not 1,000. Events stay clustered by bucket, appended
+//!   within each bucket, read in order by queries and export. The chunks of a bucket
+//!   hold disjoint, increasing ranges of sequence numbers, so the chunk holding
+//!   event `seq` is the last one whose key is at most `seq`;
 //! - `ids`: request id -> where its event is (hour, sequence number, tenant): the
 //!   dedupe index. Time-ordered request ids (UUIDv7, `node-counter`) insert at a few
 //!   hot spots; random ones (UUIDv4) land all over the tree and cost more per commit
@@ -12,6 +18,9 @@
 //! - `conflicts`: (event key, element hash of the loser) -> the loser's encoding;
 //! - `meta`: `format` (a marker naming this layout), `root` (the root digest) and
 //!   `next_seq`.
+//!
+//! A file of the previous layout (`bursar-ledger/redb/3`: one `events` row per event)
+//! is converted at open, in one durable transaction (all or nothing).
 //!
 //! [`Store::apply`] is one write transaction with `Durability::Immediate`: every event
 //! of the batch, the indexes, the digests and the root are committed together with
@@ -22,14 +31,11 @@
 //! damaged (every page checksum is verified at open), or is a redb database without
 //! this ledger's format marker. It never recreates or truncates an existing file.
 
-use std::ops::ControlFlow;
+use std::ops::{ControlFlow, Range};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use redb::{
-    Database, Durability, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition,
-    TableHandle,
-};
+use redb::{Database, Durability, ReadableDatabase, ReadableTable, TableDefinition, TableHandle};
 
 use crate::digest::{Bucket, Digest, DigestSet};
 use crate::event::{Event, EventKey};
@@ -37,14 +43,29 @@ use crate::merge::{ApplyReport, Conflict};
 use crate::store::{Cursor, Store, StoreError, TxnOps, apply_batch};
 
 // Byte-string keys, not &str: redb would re-validate UTF-8 on every comparison.
-const EVENTS: TableDefinition<(u64, &[u8], u64), &[u8]> = TableDefinition::new("events");
+const CHUNKS: TableDefinition<(u64, &[u8], u64), &[u8]> = TableDefinition::new("event_chunks");
+/// Format 3's table of one event per row, (hour, tenant, seq) -> encoding; converted
+/// into `event_chunks` at open.
+const EVENTS_V3: TableDefinition<(u64, &[u8], u64), &[u8]> = TableDefinition::new("events");
 const IDS: TableDefinition<&[u8], &[u8]> = TableDefinition::new("ids");
 const DIGESTS: TableDefinition<(u64, &str), &[u8]> = TableDefinition::new("digests");
 const CONFLICTS: TableDefinition<([u8; 16], u128), &[u8]> = TableDefinition::new("conflicts");
 const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 
 /// The value of `meta["format"]`.
-pub const FORMAT: &[u8] = b"bursar-ledger/redb/3";
+pub const FORMAT: &[u8] = b"bursar-ledger/redb/4";
+
+/// The previous layout's marker (one `events` row per event); upgraded at open.
+const FORMAT_V3: &[u8] = b"bursar-ledger/redb/3";
+
+/// A chunk grows to at most this many bytes (or one event, if larger); the next event
+/// of the bucket in the same commit starts a new chunk. Bounds the bytes read to find
+/// one event by request id (a duplicate check) and rewritten to remove one (a
+/// conflict's loser).
+pub const CHUNK_BYTES_MAX: usize = 32 * 1024;
+
+/// Bytes in front of each event in a chunk: its sequence number and length.
+const ENTRY_HEADER: usize = 12;
 
 /// The data file's name inside the data directory.
 pub const FILE_NAME: &str = "ledger.redb";
@@ -57,6 +78,7 @@ pub const MARKER_NAME: &str = "ledger.marker";
 pub struct RedbStore {
     db: Arc<Database>,
     path: PathBuf,
+    chunk_bytes_max: usize,
 }
 
 impl std::fmt::Debug for RedbStore {
@@ -162,6 +184,7 @@ impl RedbStore {
         let store = RedbStore {
             db: Arc::new(db),
             path: path.to_path_buf(),
+            chunk_bytes_max: CHUNK_BYTES_MAX,
         };
         store
             .check_format(existed)
@@ -172,6 +195,13 @@ impl RedbStore {
     /// The data file.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The same store with chunks of at most `bytes` (tests: many chunks per bucket).
+    #[cfg(test)]
+    fn with_chunk_bytes_max(mut self, bytes: usize) -> RedbStore {
+        self.chunk_bytes_max = bytes;
+        self
     }
 
     fn check_format(&self, existed: bool) -> Result<(), StoreError> {
@@ -186,6 +216,12 @@ impl RedbStore {
             let format = meta.get("format").map_err(backend)?;
             match format {
                 Some(v) if v.value() == FORMAT => return Ok(()),
+                Some(v) if v.value() == FORMAT_V3 => {
+                    drop(v);
+                    drop(meta);
+                    drop(r);
+                    return self.upgrade_from_v3();
+                }
                 Some(v) => {
                     return Err(StoreError::Backend(format!(
                         "format marker {:?} is not {:?}; refusing to open",
@@ -206,7 +242,7 @@ impl RedbStore {
         let mut w = self.db.begin_write().map_err(backend)?;
         w.set_durability(Durability::Immediate).map_err(backend)?;
         {
-            w.open_table(EVENTS).map_err(backend)?;
+            w.open_table(CHUNKS).map_err(backend)?;
             w.open_table(IDS).map_err(backend)?;
             w.open_table(DIGESTS).map_err(backend)?;
             w.open_table(CONFLICTS).map_err(backend)?;
@@ -220,13 +256,52 @@ impl RedbStore {
         w.commit().map_err(backend)
     }
 
-    /// Number of stored events.
+    /// Converts format 3 (one `events` row per event) into chunks, in one durable
+    /// transaction: either the whole file is converted and marked format 4, or nothing
+    /// changed. Sequence numbers, the id index, digests and conflicts are kept as
+    /// they are (the id index names (hour, seq, tenant), which chunks still resolve).
+    fn upgrade_from_v3(&self) -> Result<(), StoreError> {
+        let mut w = self.db.begin_write().map_err(backend)?;
+        w.set_durability(Durability::Immediate).map_err(backend)?;
+        {
+            let old = w.open_table(EVENTS_V3).map_err(backend)?;
+            let mut chunks = w.open_table(CHUNKS).map_err(backend)?;
+            let mut current: Option<(u64, Vec<u8>, u64)> = None;
+            let mut bytes = Vec::new();
+            for row in old.iter().map_err(backend)? {
+                let (k, v) = row.map_err(backend)?;
+                let (hour, tenant, seq) = k.value();
+                let same = current
+                    .as_ref()
+                    .is_some_and(|(h, t, _)| *h == hour && t.as_slice() == tenant);
+                if !same || bytes.len() + ENTRY_HEADER + v.value().len() > self.chunk_bytes_max {
+                    if let Some((h, t, first)) = current.take() {
+                        chunks
+                            .insert((h, t.as_slice(), first), bytes.as_slice())
+                            .map_err(backend)?;
+                    }
+                    bytes.clear();
+                    current = Some((hour, tenant.to_vec(), seq));
+                }
+                push_entry(&mut bytes, seq, v.value());
+            }
+            if let Some((h, t, first)) = current {
+                chunks
+                    .insert((h, t.as_slice(), first), bytes.as_slice())
+                    .map_err(backend)?;
+            }
+        }
+        w.delete_table(EVENTS_V3).map_err(backend)?;
+        {
+            let mut meta = w.open_table(META).map_err(backend)?;
+            meta.insert("format", FORMAT).map_err(backend)?;
+        }
+        w.commit().map_err(backend)
+    }
+
+    /// Number of stored events (the root digest's count: one per stored event).
     pub fn len(&self) -> Result<u64, StoreError> {
-        let r = self.db.begin_read().map_err(backend)?;
-        r.open_table(EVENTS)
-            .map_err(backend)?
-            .len()
-            .map_err(backend)
+        Ok(self.root()?.events)
     }
 
     /// True when no event is stored.
@@ -246,6 +321,92 @@ fn missing(seq: u64) -> StoreError {
     StoreError::Backend(format!(
         "the id index names event position {seq}, which is not stored (damaged file?)"
     ))
+}
+
+/// Appends one event (its sequence number and canonical encoding) to a chunk.
+fn push_entry(chunk: &mut Vec<u8>, seq: u64, encoded: &[u8]) {
+    chunk.extend_from_slice(&seq.to_le_bytes());
+    chunk.extend_from_slice(&(encoded.len() as u32).to_le_bytes());
+    chunk.extend_from_slice(encoded);
+}
+
+/// One event in a chunk: its sequence number, the byte range of its whole entry and
+/// the byte range of its encoding.
+type Entry = (u64, Range<usize>, Range<usize>);
+
+/// The events of a chunk, in order. A chunk that does not parse is an error (a damaged
+/// file), never a panic.
+fn entries(chunk: &[u8]) -> impl Iterator<Item = Result<Entry, StoreError>> + '_ {
+    let mut at = 0usize;
+    std::iter::from_fn(move || {
+        if at >= chunk.len() {
+            return None;
+        }
+        let start = at;
+        let bad = || {
+            StoreError::Backend(format!(
+                "corrupt event chunk ({} bytes, entry at byte {start})",
+                chunk.len()
+            ))
+        };
+        if chunk.len() - at < ENTRY_HEADER {
+            at = chunk.len();
+            return Some(Err(bad()));
+        }
+        let seq = u64::from_le_bytes(chunk[at..at + 8].try_into().expect("8 bytes"));
+        let len = u32::from_le_bytes(chunk[at + 8..at + 12].try_into().expect("4 bytes")) as usize;
+        let body = at + ENTRY_HEADER;
+        if chunk.len() - body < len {
+            at = chunk.len();
+            return Some(Err(bad()));
+        }
+        at = body + len;
+        Some(Ok((seq, start..at, body..at)))
+    })
+}
+
+/// The byte ranges (entry, encoding) of event `seq` in `chunk`, if it is there.
+fn find_entry(chunk: &[u8], seq: u64) -> Result<Option<Entry>, StoreError> {
+    for e in entries(chunk) {
+        let e = e?;
+        if e.0 == seq {
+            return Ok(Some(e));
+        }
+    }
+    Ok(None)
+}
+
+/// The key of the chunk of bucket (`hour`, `tenant`) that holds event `seq` (the last
+/// chunk of the bucket whose key is at most `seq`), if any.
+fn chunk_key_of<T: ReadableTable<(u64, &'static [u8], u64), &'static [u8]>>(
+    chunks: &T,
+    hour: u64,
+    tenant: &[u8],
+    seq: u64,
+) -> Result<Option<u64>, StoreError> {
+    let mut range = chunks
+        .range((hour, tenant, 0u64)..=(hour, tenant, seq))
+        .map_err(backend)?;
+    match range.next_back() {
+        Some(row) => Ok(Some(row.map_err(backend)?.0.value().2)),
+        None => Ok(None),
+    }
+}
+
+/// The encoding of the stored event `seq` of bucket (`hour`, `tenant`).
+fn stored_event<T: ReadableTable<(u64, &'static [u8], u64), &'static [u8]>>(
+    chunks: &T,
+    hour: u64,
+    tenant: &[u8],
+    seq: u64,
+) -> Result<Vec<u8>, StoreError> {
+    let first = chunk_key_of(chunks, hour, tenant, seq)?.ok_or_else(|| missing(seq))?;
+    let chunk = chunks
+        .get((hour, tenant, first))
+        .map_err(backend)?
+        .ok_or_else(|| missing(seq))?;
+    let (_, _, body) = find_entry(chunk.value(), seq)?.ok_or_else(|| missing(seq))?;
+    Ok(chunk.value()[body].to_vec())
 }
 
 /// The `ids` value: hour, sequence number, tenant.
@@ -283,11 +444,55 @@ fn digest_of(what: &str, bytes: &[u8]) -> Result<Digest, StoreError> {
     })
 }
 
+/// The chunk a commit is filling for one bucket.
+struct Pending {
+    /// Its key's sequence number (at most that of its first event).
+    first_seq: u64,
+    bytes: Vec<u8>,
+}
+
 struct Txn<'t> {
-    events: redb::Table<'t, (u64, &'static [u8], u64), &'static [u8]>,
+    chunks: redb::Table<'t, (u64, &'static [u8], u64), &'static [u8]>,
     ids: redb::Table<'t, &'static [u8], &'static [u8]>,
     conflicts: redb::Table<'t, ([u8; 16], u128), &'static [u8]>,
     next_seq: u64,
+    /// Chunks being filled, one per bucket touched; written by [`Txn::flush`] (or
+    /// when one reaches `chunk_bytes_max`).
+    pending: std::collections::BTreeMap<Bucket, Pending>,
+    chunk_bytes_max: usize,
+}
+
+impl Txn<'_> {
+    /// Writes every chunk being filled. Called once, before the commit.
+    fn flush(&mut self) -> Result<(), StoreError> {
+        for (b, p) in std::mem::take(&mut self.pending) {
+            if !p.bytes.is_empty() {
+                self.chunks
+                    .insert(
+                        (b.hour, b.tenant.as_bytes(), p.first_seq),
+                        p.bytes.as_slice(),
+                    )
+                    .map_err(backend)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The encoding of stored event `seq` of bucket (`hour`, `tenant`): in a chunk this
+    /// commit is filling, or in the table.
+    fn stored(&self, hour: u64, tenant: &[u8], seq: u64) -> Result<Vec<u8>, StoreError> {
+        let bucket = Bucket {
+            hour,
+            tenant: tenant_str(tenant)?,
+        };
+        if let Some(p) = self.pending.get(&bucket)
+            && p.first_seq <= seq
+            && let Some((_, _, body)) = find_entry(&p.bytes, seq)?
+        {
+            return Ok(p.bytes[body].to_vec());
+        }
+        stored_event(&self.chunks, hour, tenant, seq)
+    }
 }
 
 impl TxnOps for Txn<'_> {
@@ -310,17 +515,31 @@ impl TxnOps for Txn<'_> {
                 .insert(rid.as_bytes(), old.as_slice())
                 .map_err(backend)?;
             let (hour, old_seq, tenant) = parse_location(&old)?;
-            let v = self
-                .events
-                .get((hour, tenant, old_seq))
-                .map_err(backend)?
-                .ok_or_else(|| missing(old_seq))?;
-            return Ok(Some(v.value().to_vec()));
+            return self.stored(hour, tenant, old_seq).map(Some);
         }
         self.next_seq += 1;
-        self.events
-            .insert((bucket.hour, bucket.tenant.as_bytes(), seq), encoded)
-            .map_err(backend)?;
+        let p = match self.pending.get_mut(bucket) {
+            Some(p) => p,
+            None => self.pending.entry(bucket.clone()).or_insert(Pending {
+                first_seq: seq,
+                bytes: Vec::with_capacity(self.chunk_bytes_max.min(64 * 1024)),
+            }),
+        };
+        if !p.bytes.is_empty()
+            && p.bytes.len() + ENTRY_HEADER + encoded.len() > self.chunk_bytes_max
+        {
+            self.chunks
+                .insert(
+                    (bucket.hour, bucket.tenant.as_bytes(), p.first_seq),
+                    p.bytes.as_slice(),
+                )
+                .map_err(backend)?;
+            p.bytes.clear();
+        }
+        if p.bytes.is_empty() {
+            p.first_seq = seq;
+        }
+        push_entry(&mut p.bytes, seq, encoded);
         Ok(None)
     }
     fn remove(&mut self, rid: &str, bucket: &Bucket) -> Result<(), StoreError> {
@@ -331,9 +550,33 @@ impl TxnOps for Txn<'_> {
             .ok_or_else(|| StoreError::Backend(format!("remove of {rid:?}, not stored")))?;
         let (_, seq, _) = parse_location(loc.value())?;
         drop(loc);
-        self.events
-            .remove((bucket.hour, bucket.tenant.as_bytes(), seq))
-            .map_err(backend)?;
+        if let Some(p) = self.pending.get_mut(bucket)
+            && p.first_seq <= seq
+            && let Some((_, entry, _)) = find_entry(&p.bytes, seq)?
+        {
+            p.bytes.drain(entry);
+            return Ok(());
+        }
+        let t = bucket.tenant.as_bytes();
+        let first = chunk_key_of(&self.chunks, bucket.hour, t, seq)?.ok_or_else(|| missing(seq))?;
+        let mut chunk = self
+            .chunks
+            .get((bucket.hour, t, first))
+            .map_err(backend)?
+            .ok_or_else(|| missing(seq))?
+            .value()
+            .to_vec();
+        let (_, entry, _) = find_entry(&chunk, seq)?.ok_or_else(|| missing(seq))?;
+        chunk.drain(entry);
+        if chunk.is_empty() {
+            self.chunks
+                .remove((bucket.hour, t, first))
+                .map_err(backend)?;
+        } else {
+            self.chunks
+                .insert((bucket.hour, t, first), chunk.as_slice())
+                .map_err(backend)?;
+        }
         Ok(())
     }
     fn put_conflict(&mut self, key: &EventKey, h: u128, loser: &[u8]) -> Result<(), StoreError> {
@@ -357,13 +600,16 @@ impl Store for RedbStore {
                 None => 0,
             };
             let mut txn = Txn {
-                events: w.open_table(EVENTS).map_err(backend)?,
+                chunks: w.open_table(CHUNKS).map_err(backend)?,
                 ids: w.open_table(IDS).map_err(backend)?,
                 conflicts: w.open_table(CONFLICTS).map_err(backend)?,
                 next_seq,
+                pending: std::collections::BTreeMap::new(),
+                chunk_bytes_max: self.chunk_bytes_max,
             };
             let mut delta = DigestSet::default();
             let report = apply_batch(&mut txn, events, &mut delta)?;
+            txn.flush()?;
             let mut digests = w.open_table(DIGESTS).map_err(backend)?;
             for (bucket, d) in delta.buckets() {
                 let k = (bucket.hour, bucket.tenant.as_str());
@@ -403,24 +649,24 @@ impl Store for RedbStore {
             return Ok(None);
         };
         let (hour, seq, tenant) = parse_location(loc.value())?;
-        let events = r.open_table(EVENTS).map_err(backend)?;
-        let v = events
-            .get((hour, tenant, seq))
-            .map_err(backend)?
-            .ok_or_else(|| missing(seq))?;
-        decode(seq, v.value()).map(Some)
+        let chunks = r.open_table(CHUNKS).map_err(backend)?;
+        decode(seq, &stored_event(&chunks, hour, tenant, seq)?).map(Some)
     }
 
     fn visit_bucket(&self, bucket: &Bucket, f: &mut dyn FnMut(&Event)) -> Result<(), StoreError> {
         let r = self.db.begin_read().map_err(backend)?;
-        let events = r.open_table(EVENTS).map_err(backend)?;
+        let chunks = r.open_table(CHUNKS).map_err(backend)?;
         let t = bucket.tenant.as_bytes();
-        for row in events
+        for row in chunks
             .range((bucket.hour, t, 0u64)..=(bucket.hour, t, u64::MAX))
             .map_err(backend)?
         {
-            let (k, v) = row.map_err(backend)?;
-            f(&decode(k.value().2, v.value())?);
+            let (_, v) = row.map_err(backend)?;
+            let chunk = v.value();
+            for e in entries(chunk) {
+                let (seq, _, body) = e?;
+                f(&decode(seq, &chunk[body])?);
+            }
         }
         Ok(())
     }
@@ -436,34 +682,46 @@ impl Store for RedbStore {
             return Ok(());
         }
         let r = self.db.begin_read().map_err(backend)?;
-        let events = r.open_table(EVENTS).map_err(backend)?;
+        let chunks = r.open_table(CHUNKS).map_err(backend)?;
         let range = match after {
             Some((b, seq)) if b.hour >= from_hour => {
-                events.range((b.hour, b.tenant.as_bytes(), *seq)..)
+                // Start at the chunk holding the cursor (entries up to it are skipped
+                // below), or at the cursor's position if no chunk of its bucket does.
+                let t = b.tenant.as_bytes();
+                let first = chunk_key_of(&chunks, b.hour, t, *seq)?.unwrap_or(*seq);
+                chunks.range((b.hour, t, first)..)
             }
-            _ => events.range((from_hour, b"".as_slice(), 0u64)..),
+            _ => chunks.range((from_hour, b"".as_slice(), 0u64)..),
         }
         .map_err(backend)?;
         for row in range {
             let (k, v) = row.map_err(backend)?;
-            let (hour, tenant, seq) = k.value();
+            let (hour, tenant, _) = k.value();
             if hour >= to_hour {
                 break;
             }
-            if let Some((b, aseq)) = after
-                && (hour, tenant, seq) <= (b.hour, b.tenant.as_bytes(), *aseq)
-            {
-                continue;
-            }
-            let cursor = (
-                Bucket {
-                    hour,
-                    tenant: tenant_str(tenant)?,
-                },
-                seq,
-            );
-            if f(&cursor, &decode(seq, v.value())?).is_break() {
-                break;
+            let mut bucket: Option<Bucket> = None;
+            let chunk = v.value();
+            for e in entries(chunk) {
+                let (seq, _, body) = e?;
+                if let Some((b, aseq)) = after
+                    && (hour, tenant, seq) <= (b.hour, b.tenant.as_bytes(), *aseq)
+                {
+                    continue;
+                }
+                let b = match bucket.take() {
+                    Some(b) => b,
+                    None => Bucket {
+                        hour,
+                        tenant: tenant_str(tenant)?,
+                    },
+                };
+                let cursor = (b, seq);
+                let flow = f(&cursor, &decode(seq, &chunk[body])?);
+                bucket = Some(cursor.0);
+                if flow.is_break() {
+                    return Ok(());
+                }
             }
         }
         Ok(())
@@ -550,6 +808,123 @@ mod tests {
                 RedbStore::open(&path).expect("reopen")
             },
         );
+    }
+
+    #[test]
+    fn the_redb_backend_passes_the_conformance_suite_with_tiny_chunks() {
+        // One or two events per chunk: lookups, removals (conflicts) and cursors
+        // cross chunk boundaries everywhere.
+        for max in [1, 300] {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let mut n = 0;
+            conformance::run(
+                &mut || {
+                    n += 1;
+                    RedbStore::open(&dir.path().join(format!("c{n}.redb")))
+                        .expect("open")
+                        .with_chunk_bytes_max(max)
+                },
+                &mut |s| {
+                    let path = s.path().to_path_buf();
+                    drop(s);
+                    RedbStore::open(&path)
+                        .expect("reopen")
+                        .with_chunk_bytes_max(max)
+                },
+            );
+        }
+    }
+
+    /// Everything a store answers, for comparing two stores.
+    fn contents(
+        s: &RedbStore,
+        events: &[Event],
+    ) -> (Digest, Vec<(Cursor, Event)>, Vec<Option<Event>>) {
+        let mut scanned = Vec::new();
+        s.scan(0, u64::MAX, None, &mut |c, e| {
+            scanned.push((c.clone(), e.clone()));
+            ControlFlow::Continue(())
+        })
+        .expect("scan");
+        let by_id = events
+            .iter()
+            .map(|e| s.event(&e.request_id).expect("event"))
+            .collect();
+        (s.root().expect("root"), scanned, by_id)
+    }
+
+    #[test]
+    fn a_format_3_file_is_converted_at_open_and_keeps_every_event() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join(FILE_NAME);
+        let now = 490_000 * crate::event::HOUR_MS;
+        let mut events = crate::testing::usage_stream(7, "d", "a", 3_000, now);
+        // A conflict: a second payload for a stored request id.
+        let mut loser = events[10].clone();
+        loser.seq += 1_000_000;
+        events.push(loser);
+        let before = {
+            let s = RedbStore::open(&path)
+                .expect("open")
+                .with_chunk_bytes_max(2_000);
+            for part in events.chunks(700) {
+                s.apply(part).expect("apply");
+            }
+            contents(&s, &events)
+        };
+        // Rewrite the file into format 3: one `events` row per event.
+        {
+            let db = Database::create(&path).expect("db");
+            let w = db.begin_write().expect("write");
+            {
+                let chunks = w.open_table(CHUNKS).expect("chunks");
+                let mut old = w.open_table(EVENTS_V3).expect("events");
+                for row in chunks.iter().expect("iter") {
+                    let (k, v) = row.expect("row");
+                    let (hour, tenant, _) = k.value();
+                    for e in entries(v.value()) {
+                        let (seq, _, body) = e.expect("entry");
+                        old.insert((hour, tenant, seq), &v.value()[body])
+                            .expect("insert");
+                    }
+                }
+                let mut meta = w.open_table(META).expect("meta");
+                meta.insert("format", FORMAT_V3).expect("format");
+            }
+            w.delete_table(CHUNKS).expect("delete");
+            w.commit().expect("commit");
+        }
+        let s = RedbStore::open(&path).expect("a format 3 file opens");
+        assert_eq!(contents(&s, &events), before);
+        assert_eq!(s.len().expect("len"), 3_000);
+        // Converted once: the marker says format 4 and the old table is gone.
+        drop(s);
+        let db = Database::create(&path).expect("db");
+        let r = db.begin_read().expect("read");
+        let meta = r.open_table(META).expect("meta");
+        assert_eq!(
+            meta.get("format").expect("get").expect("format").value(),
+            FORMAT
+        );
+        assert!(
+            r.open_table(EVENTS_V3).is_err(),
+            "the format 3 table is gone"
+        );
+    }
+
+    #[test]
+    fn a_damaged_chunk_is_an_error_not_a_panic() {
+        let mut chunk = Vec::new();
+        push_entry(&mut chunk, 7, b"abc");
+        push_entry(&mut chunk, 9, b"de");
+        let seqs: Vec<u64> = entries(&chunk).map(|e| e.expect("entry").0).collect();
+        assert_eq!(seqs, [7, 9]);
+        for cut in 1..chunk.len() {
+            let all: Vec<_> = entries(&chunk[..cut]).collect();
+            if cut != ENTRY_HEADER + 3 {
+                assert!(all.last().expect("an entry").is_err(), "cut at {cut}");
+            }
+        }
     }
 
     #[test]
