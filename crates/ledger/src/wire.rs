@@ -108,10 +108,27 @@ pub enum BatchError {
 /// Parses and validates a `POST /v1/events` body: a JSON array of at most
 /// `events_max` events, all valid, or an error naming the first problem.
 ///
-/// The fast path deserializes straight into typed fields; if that fails for any
-/// reason (a wrong type, an unknown field, bad JSON) the body is parsed again through
-/// `serde_json::Value` ([`parse_event`]) only to say precisely what is wrong.
+/// Three tiers, one set of rules: a hand-written scanner for the shape agents send
+/// ([`scan_batch`]: plain strings, unsigned integers, no `null`s) reads each event into
+/// the same typed fields as the serde path; anything it does not handle (an escape, a
+/// negative number, a `null`, bad JSON...) goes to the serde typed path; if that fails
+/// too, the body is parsed again through `serde_json::Value` ([`parse_event`]) only to
+/// say precisely what is wrong. Every tier ends in the same semantic checks
+/// (`Fields::into_event`), so they cannot disagree on what is valid.
 pub fn parse_batch(
+    body: &[u8],
+    now_ms: u64,
+    limits: &Limits,
+    events_max: usize,
+) -> Result<Vec<Event>, BatchError> {
+    if let Some(all) = scan_batch(body) {
+        return fields_to_events(all, now_ms, limits, events_max);
+    }
+    parse_batch_serde(body, now_ms, limits, events_max)
+}
+
+/// [`parse_batch`] without the scanner: the serde typed path, then the precise one.
+fn parse_batch_serde(
     body: &[u8],
     now_ms: u64,
     limits: &Limits,
@@ -145,6 +162,196 @@ pub fn parse_batch(
             parse_event(item, now_ms, limits).map_err(|error| BatchError::Event { index, error })
         })
         .collect()
+}
+
+fn fields_to_events(
+    all: Vec<Fields>,
+    now_ms: u64,
+    limits: &Limits,
+    events_max: usize,
+) -> Result<Vec<Event>, BatchError> {
+    if all.len() > events_max {
+        return Err(BatchError::TooMany(all.len(), events_max));
+    }
+    all.into_iter()
+        .enumerate()
+        .map(|(index, f)| {
+            f.into_event(now_ms, limits)
+                .map_err(|error| BatchError::Event { index, error })
+        })
+        .collect()
+}
+
+/// The scanner of [`parse_batch`]'s first tier: a JSON array of event objects whose
+/// strings have no escapes and no control characters, whose numbers are unsigned
+/// integers that fit 64 bits, with no `null`, no repeated and no unknown field. Returns
+/// `None` for anything else (the serde path then decides, with its messages); never
+/// accepts what the serde path would refuse.
+fn scan_batch(body: &[u8]) -> Option<Vec<Fields>> {
+    // One UTF-8 check for the whole body; every string is then a slice of it cut at
+    // ASCII quotes, so valid too.
+    let text = std::str::from_utf8(body).ok()?;
+    let mut s = Scanner {
+        t: text,
+        b: body,
+        at: 0,
+    };
+    s.ws();
+    s.eat(b'[')?;
+    let mut out = Vec::with_capacity(body.len() / 200 + 1);
+    s.ws();
+    if s.peek() == Some(b']') {
+        s.at += 1;
+    } else {
+        loop {
+            s.ws();
+            out.push(s.event()?);
+            s.ws();
+            match s.next()? {
+                b',' => continue,
+                b']' => break,
+                _ => return None,
+            }
+        }
+    }
+    s.ws();
+    (s.at == body.len()).then_some(out)
+}
+
+struct Scanner<'a> {
+    t: &'a str,
+    b: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Scanner<'a> {
+    fn ws(&mut self) {
+        while let Some(b' ' | b'\n' | b'\r' | b'\t') = self.b.get(self.at) {
+            self.at += 1;
+        }
+    }
+    fn peek(&self) -> Option<u8> {
+        self.b.get(self.at).copied()
+    }
+    fn next(&mut self) -> Option<u8> {
+        let c = self.peek()?;
+        self.at += 1;
+        Some(c)
+    }
+    fn eat(&mut self, c: u8) -> Option<()> {
+        (self.next()? == c).then_some(())
+    }
+    /// A string with no escape and no control character, as `&str`.
+    fn str(&mut self) -> Option<&'a str> {
+        self.eat(b'"')?;
+        let start = self.at;
+        loop {
+            match self.next()? {
+                b'"' => break,
+                b'\\' => return None,
+                c if c < 0x20 => return None,
+                _ => {}
+            }
+        }
+        self.t.get(start..self.at - 1)
+    }
+    /// An unsigned integer without leading zeros that fits 64 bits.
+    fn number(&mut self) -> Option<Number> {
+        let start = self.at;
+        let mut v: u64 = 0;
+        while let Some(c @ b'0'..=b'9') = self.peek() {
+            v = v.checked_mul(10)?.checked_add(u64::from(c - b'0'))?;
+            self.at += 1;
+        }
+        let digits = self.at - start;
+        if digits == 0 || (digits > 1 && self.b[start] == b'0') {
+            return None;
+        }
+        // A fraction or an exponent: the serde path decides.
+        if let Some(b'.' | b'e' | b'E') = self.peek() {
+            return None;
+        }
+        Some(Number::from(v))
+    }
+    fn descriptors(&mut self) -> Option<Vec<(String, String)>> {
+        self.eat(b'[')?;
+        let mut out = Vec::new();
+        self.ws();
+        if self.peek() == Some(b']') {
+            self.at += 1;
+            return Some(out);
+        }
+        loop {
+            self.ws();
+            self.eat(b'[')?;
+            self.ws();
+            let k = self.str()?;
+            self.ws();
+            self.eat(b',')?;
+            self.ws();
+            let v = self.str()?;
+            self.ws();
+            self.eat(b']')?;
+            out.push((k.to_string(), v.to_string()));
+            self.ws();
+            match self.next()? {
+                b',' => continue,
+                b']' => return Some(out),
+                _ => return None,
+            }
+        }
+    }
+    fn event(&mut self) -> Option<Fields> {
+        self.eat(b'{')?;
+        let mut f = Fields::default();
+        let mut seen = 0u32;
+        self.ws();
+        if self.peek() == Some(b'}') {
+            self.at += 1;
+            return Some(f);
+        }
+        loop {
+            self.ws();
+            let key = self.str()?;
+            let i = FIELDS.iter().position(|k| *k == key)?;
+            if seen & (1 << i) != 0 {
+                return None;
+            }
+            seen |= 1 << i;
+            self.ws();
+            self.eat(b':')?;
+            self.ws();
+            match key {
+                "seq" => f.seq = Some(self.number()?),
+                "time_ms" => f.time_ms = Some(self.number()?),
+                "input_tokens" => f.input_tokens = Some(self.number()?),
+                "cached_input_tokens" => f.cached_input_tokens = Some(self.number()?),
+                "output_tokens" => f.output_tokens = Some(self.number()?),
+                "descriptors" => f.descriptors = Some(self.descriptors()?),
+                _ => {
+                    let v = Some(self.str()?.to_string());
+                    match key {
+                        "request_id" => f.request_id = v,
+                        "origin" => f.origin = v,
+                        "tenant" => f.tenant = v,
+                        "model" => f.model = v,
+                        "kind" => f.kind = v,
+                        "status" => f.status = v,
+                        "target" => f.target = v,
+                        "target_key" => f.target_key = v,
+                        "event_key" => f.event_key = v,
+                        _ => return None,
+                    }
+                }
+            }
+            self.ws();
+            match self.next()? {
+                b',' => continue,
+                b'}' => return Some(f),
+                _ => return None,
+            }
+        }
+    }
 }
 
 /// Parses and validates one event from a JSON value, with a precise message for each
@@ -455,6 +662,109 @@ pub fn event_json(e: &Event) -> Value {
 mod tests {
     use super::*;
     use crate::event::HOUR_MS;
+    use proptest::prelude::*;
+
+    /// Bodies in the shapes clients send: the benchmark's, an export's (event keys,
+    /// kinds, descriptors), corrections (negative deltas: the serde path), spaces.
+    fn sample_bodies() -> Vec<Vec<u8>> {
+        let events = crate::testing::usage_stream(5, "node-1", "agent-a", 40, NOW);
+        let export: Vec<Value> = events.iter().map(event_json).collect();
+        let void = crate::testing::correction("v1", &events[0], None);
+        let adjust = crate::testing::correction(
+            "a1",
+            &events[1],
+            Some(crate::event::TokenDeltas {
+                input_tokens: -3,
+                cached_input_tokens: 0,
+                output_tokens: 2,
+            }),
+        );
+        let mut with_corrections = export.clone();
+        with_corrections.push(event_json(&void));
+        with_corrections.push(event_json(&adjust));
+        let bench = format!(
+            r#"[{{"request_id":"node-000000001-0000","origin":"agent-a","seq":0,"tenant":"t0","descriptors":[["key","k0"]],"model":"gpt-4o","time_ms":{NOW},"status":"ok","input_tokens":100,"cached_input_tokens":0,"output_tokens":0}}]"#
+        );
+        vec![
+            serde_json::to_vec(&export).expect("json"),
+            serde_json::to_vec_pretty(&export).expect("json"),
+            serde_json::to_vec(&with_corrections).expect("json"),
+            bench.into_bytes(),
+            b" [ ] ".to_vec(),
+        ]
+    }
+
+    #[test]
+    fn the_scanner_reads_the_common_shapes_and_agrees_with_the_serde_path() {
+        let limits = Limits::default();
+        for (i, body) in sample_bodies().iter().enumerate() {
+            let fast = parse_batch(body, NOW, &limits, 50_000);
+            assert_eq!(
+                fast,
+                parse_batch_serde(body, NOW, &limits, 50_000),
+                "body {i}"
+            );
+            assert!(fast.is_ok(), "body {i}: {fast:?}");
+            // The scanner takes the plain shapes itself; corrections with negative
+            // deltas go to the serde path.
+            assert_eq!(scan_batch(body).is_some(), i != 2, "body {i}");
+        }
+    }
+
+    #[test]
+    fn the_scanner_leaves_what_it_does_not_handle_to_the_serde_path() {
+        for body in [
+            r#"[{"request_id":"a\"b"}]"#,        // an escape
+            r#"[{"request_id":null}]"#,          // a null
+            r#"[{"seq":-1}]"#,                   // a negative number
+            r#"[{"seq":1.5}]"#,                  // a fraction
+            r#"[{"seq":1e3}]"#,                  // an exponent
+            r#"[{"seq":01}]"#,                   // a leading zero
+            r#"[{"seq":18446744073709551616}]"#, // beyond 64 bits
+            r#"[{"seq":1,"seq":2}]"#,            // a repeated field
+            r#"[{"sequence":1}]"#,               // an unknown field
+            r#"[{"seq":1},]"#,                   // a trailing comma
+            r#"[{"seq":1}] x"#,                  // trailing bytes
+            r#"{"seq":1}"#,                      // not an array
+            "[{\"model\":\"a\u{1}b\"}]",         // a control character
+            r#"[{"descriptors":[["a"]]}]"#,      // a descriptor that is not a pair
+        ] {
+            assert!(scan_batch(body.as_bytes()).is_none(), "{body}");
+        }
+        assert!(
+            scan_batch(&[b'[', b'"', 0xff, b'"', b']']).is_none(),
+            "bad UTF-8"
+        );
+    }
+
+    proptest! {
+        /// Damage a valid body anywhere: whenever the scanner still accepts it, the
+        /// answer (events or the error) is the serde path's.
+        #[test]
+        fn the_scanner_never_disagrees_with_the_serde_path(
+            which in 0usize..5,
+            edits in proptest::collection::vec((any::<usize>(), 0u8..4, prop::sample::select(
+                b"\"\\,:[]{}-0.e 9an\x01\xff".to_vec())), 1..4),
+        ) {
+            let mut body = sample_bodies().swap_remove(which);
+            for (at, op, byte) in edits {
+                let at = at % (body.len() + 1);
+                match op {
+                    0 => body.insert(at, byte),
+                    1 if at < body.len() => { body.remove(at); }
+                    2 if at < body.len() => body[at] = byte,
+                    _ => body.truncate(at),
+                }
+            }
+            let limits = Limits::default();
+            if scan_batch(&body).is_some() {
+                prop_assert_eq!(
+                    parse_batch(&body, NOW, &limits, 50_000),
+                    parse_batch_serde(&body, NOW, &limits, 50_000)
+                );
+            }
+        }
+    }
 
     const NOW: u64 = 490_000 * HOUR_MS;
 
