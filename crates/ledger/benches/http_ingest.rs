@@ -1,8 +1,10 @@
 //! End-to-end durable ingest through the real `bursar-ledger` binary: concurrent
 //! clients `POST /v1/events` batches of 1,000 time-ordered events over loopback
-//! HTTP/1.0; the server parses and validates the JSON, group-commits whatever batches
-//! are waiting in one fsynced transaction, and answers. Throughput counts events
-//! acknowledged. Client and server share the machine's cores.
+//! HTTP/1.0, a new connection per request; the server parses and validates the JSON,
+//! group-commits whatever batches are waiting in one fsynced transaction, and
+//! answers. Throughput counts events acknowledged. Client and server share the
+//! machine's cores. The `keepalive` group does the same over one HTTP/1.1 connection
+//! per client (what a forwarder that reuses its connection sees).
 //!
 //! `cargo bench -p bursar-ledger --bench http_ingest`; figures in
 //! docs/BENCHMARKS.md ("Ledger").
@@ -95,6 +97,52 @@ fn post(addr: SocketAddr, body: &[u8]) {
     );
 }
 
+/// One HTTP/1.1 connection, reused for every request.
+struct Conn {
+    s: BufReader<TcpStream>,
+}
+
+impl Conn {
+    fn open(addr: SocketAddr) -> Conn {
+        let s = TcpStream::connect(addr).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(60)))
+            .expect("timeout");
+        s.set_nodelay(true).expect("nodelay");
+        Conn {
+            s: BufReader::new(s),
+        }
+    }
+
+    fn post(&mut self, body: &[u8]) {
+        let head = format!(
+            "POST /v1/events HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        );
+        let w = self.s.get_mut();
+        w.write_all(head.as_bytes()).expect("write");
+        w.write_all(body).expect("write");
+        let mut status = String::new();
+        self.s.read_line(&mut status).expect("read");
+        assert!(status.starts_with("HTTP/1.1 200"), "{status}");
+        let mut len = 0usize;
+        loop {
+            let mut line = String::new();
+            self.s.read_line(&mut line).expect("read");
+            let line = line.trim_end();
+            if line.is_empty() {
+                break;
+            }
+            if let Some((k, v)) = line.split_once(':')
+                && k.eq_ignore_ascii_case("content-length")
+            {
+                len = v.trim().parse().expect("content-length");
+            }
+        }
+        let mut answer = vec![0u8; len];
+        self.s.read_exact(&mut answer).expect("read");
+    }
+}
+
 fn http_ingest(c: &mut Criterion) {
     let dir = tempfile::tempdir().expect("tempdir");
     let server = start(dir.path());
@@ -114,6 +162,28 @@ fn http_ingest(c: &mut Criterion) {
                 std::thread::scope(|s| {
                     for mine in &bodies {
                         s.spawn(move || mine.iter().for_each(|b| post(addr, b)));
+                    }
+                });
+                start.elapsed()
+            })
+        });
+    }
+    g.finish();
+    let mut g = c.benchmark_group("http_ingest_keepalive");
+    g.sample_size(10);
+    g.measurement_time(Duration::from_secs(10));
+    for clients in [1u64, 4] {
+        g.throughput(Throughput::Elements(BATCH * clients));
+        g.bench_function(format!("batch_{BATCH}_clients_{clients}"), |b| {
+            b.iter_custom(|iters| {
+                let bodies: Vec<Vec<Vec<u8>>> = (0..clients)
+                    .map(|_| (0..iters).map(|_| body()).collect())
+                    .collect();
+                let mut conns: Vec<Conn> = (0..clients).map(|_| Conn::open(addr)).collect();
+                let start = Instant::now();
+                std::thread::scope(|s| {
+                    for (mine, conn) in bodies.iter().zip(&mut conns) {
+                        s.spawn(move || mine.iter().for_each(|b| conn.post(b)));
                     }
                 });
                 start.elapsed()
