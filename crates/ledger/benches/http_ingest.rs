@@ -7,7 +7,8 @@
 //! per client (what a forwarder that reuses its connection sees).
 //!
 //! `cargo bench -p bursar-ledger --bench http_ingest`; figures in
-//! docs/BENCHMARKS.md ("Ledger").
+//! docs/BENCHMARKS.md ("Ledger"). With `BURSAR_BENCH_RANDOM_IDS=1` the request ids
+//! are 32 random hex digits (UUIDv4-like) instead of `node-BATCH-INDEX`.
 #![allow(missing_docs)] // criterion_main! generates an undocumented `main`.
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -55,6 +56,9 @@ fn start(dir: &std::path::Path) -> Server {
 /// A batch body with request ids never used before in this process.
 fn body() -> Vec<u8> {
     let b = NEXT.fetch_add(1, Ordering::Relaxed);
+    let mut random = std::env::var_os("BURSAR_BENCH_RANDOM_IDS")
+        .is_some()
+        .then_some(bursar_ledger::testing::SplitMix64(b));
     let t = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .expect("clock")
@@ -66,8 +70,12 @@ fn body() -> Vec<u8> {
         if i > 0 {
             s.push(',');
         }
+        let id = match &mut random {
+            Some(r) => format!("{:016x}{:016x}", r.next_u64(), r.next_u64()),
+            None => format!("node-{b:09}-{i:04}"),
+        };
         s.push_str(&format!(
-            r#"{{"request_id":"node-{b:09}-{i:04}","origin":"agent-a","seq":{i},"tenant":"t{}","descriptors":[["key","k{}"]],"model":"gpt-4o","time_ms":{t},"status":"ok","input_tokens":{},"cached_input_tokens":0,"output_tokens":{}}}"#,
+            r#"{{"request_id":"{id}","origin":"agent-a","seq":{i},"tenant":"t{}","descriptors":[["key","k{}"]],"model":"gpt-4o","time_ms":{t},"status":"ok","input_tokens":{},"cached_input_tokens":0,"output_tokens":{}}}"#,
             i % 8,
             i % 10,
             100 + i,
