@@ -836,10 +836,15 @@ mod tests {
     }
 
     /// Everything a store answers, for comparing two stores.
-    fn contents(
-        s: &RedbStore,
-        events: &[Event],
-    ) -> (Digest, Vec<(Cursor, Event)>, Vec<Option<Event>>) {
+    type Contents = (
+        Digest,
+        Vec<(Bucket, Digest)>,
+        Vec<(Cursor, Event)>,
+        Vec<Option<Event>>,
+        Vec<Conflict>,
+    );
+
+    fn contents(s: &RedbStore, events: &[Event]) -> Contents {
         let mut scanned = Vec::new();
         s.scan(0, u64::MAX, None, &mut |c, e| {
             scanned.push((c.clone(), e.clone()));
@@ -850,7 +855,13 @@ mod tests {
             .iter()
             .map(|e| s.event(&e.request_id).expect("event"))
             .collect();
-        (s.root().expect("root"), scanned, by_id)
+        (
+            s.root().expect("root"),
+            s.digests(0, u64::MAX, None).expect("digests"),
+            scanned,
+            by_id,
+            s.conflicts(1_000).expect("conflicts"),
+        )
     }
 
     #[test]
@@ -895,7 +906,9 @@ mod tests {
             w.commit().expect("commit");
         }
         let s = RedbStore::open(&path).expect("a format 3 file opens");
-        assert_eq!(contents(&s, &events), before);
+        let after = contents(&s, &events);
+        assert_eq!(after.4.len(), 1, "the conflict is still recorded");
+        assert_eq!(after, before);
         assert_eq!(s.len().expect("len"), 3_000);
         // Converted once: the marker says format 4 and the old table is gone.
         drop(s);
