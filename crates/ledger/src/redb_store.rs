@@ -520,9 +520,11 @@ impl TxnOps for Txn<'_> {
         self.next_seq += 1;
         let p = match self.pending.get_mut(bucket) {
             Some(p) => p,
+            // No room reserved up front: a commit may touch as many buckets as it has
+            // events (an import, a peer's sync), and its chunks then hold one each.
             None => self.pending.entry(bucket.clone()).or_insert(Pending {
                 first_seq: seq,
-                bytes: Vec::with_capacity(self.chunk_bytes_max.min(64 * 1024)),
+                bytes: Vec::new(),
             }),
         };
         if !p.bytes.is_empty()
