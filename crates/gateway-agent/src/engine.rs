@@ -1966,10 +1966,7 @@ fn find_live(
 ) -> Option<(u64, Arc<Slot>)> {
     for p in 0..MAX_PROBE {
         let i = id.wrapping_add(p);
-        for s in [slow.pending.get(&i), table.get(i)]
-            .into_iter()
-            .flatten()
-        {
+        for s in [slow.pending.get(&i), table.get(i)].into_iter().flatten() {
             if key_is(&s.key, rule, values) && !s.is_sealed() {
                 return Some((i, Arc::clone(s)));
             }
