@@ -1775,6 +1775,18 @@ impl Engine {
         (!slot.is_sealed()).then(|| Slot::level(&slot.params, state, now))
     }
 
+    /// The demand counters of one limit key's live slot, or `None` if the key is not
+    /// held. A sync client folds them into its per-key totals just before it applies a
+    /// slice to the key: applying replaces the slot, and a key whose slot is replaced
+    /// twice between two [`Engine::key_demand`] walks would otherwise lose the middle
+    /// slot's counts (demand under-reported under grant churn).
+    pub fn key_counters(&self, rule: &str, values: &[&str]) -> Option<SlotCounters> {
+        let (ri, _) = self.rules.by_name(rule)?;
+        let ri = ri as u32;
+        let id = self.hashing.key_id(ri, values.iter().copied());
+        self.current_slot(id, ri, values).map(SlotCounters)
+    }
+
     /// Live leases.
     pub fn leases_in_flight(&self) -> usize {
         self.leases.len()

@@ -209,6 +209,25 @@ struct Track {
     seen: u64,
 }
 
+impl Track {
+    /// Folds the key's live slot counters into the cumulative totals: the growth of the
+    /// slot last read, or, if a slice change replaced it, the old slot's final counts
+    /// and then the new one's.
+    fn observe(&mut self, c: SlotCounters) {
+        let (a, r) = (c.admitted(), c.rejected());
+        if self.slot.same_slot(&c) {
+            self.admitted += a.saturating_sub(self.slot_admitted);
+            self.rejected += r.saturating_sub(self.slot_rejected);
+        } else {
+            self.admitted += self.slot.admitted().saturating_sub(self.slot_admitted) + a;
+            self.rejected += self.slot.rejected().saturating_sub(self.slot_rejected) + r;
+            self.slot = c;
+        }
+        self.slot_admitted = a;
+        self.slot_rejected = r;
+    }
+}
+
 /// A concurrency shrink applied but not yet drained.
 struct PendingAck {
     key: KeyId,
@@ -333,17 +352,7 @@ impl Client {
             let (a, r) = (d.counters.admitted(), d.counters.rejected());
             match self.tracks.get_mut(&(d.rule.clone(), d.values.clone())) {
                 Some(t) => {
-                    if t.slot.same_slot(&d.counters) {
-                        t.admitted += a.saturating_sub(t.slot_admitted);
-                        t.rejected += r.saturating_sub(t.slot_rejected);
-                    } else {
-                        // Replaced: the old slot's final counts, then the new one's.
-                        t.admitted += t.slot.admitted().saturating_sub(t.slot_admitted) + a;
-                        t.rejected += t.slot.rejected().saturating_sub(t.slot_rejected) + r;
-                        t.slot = d.counters;
-                    }
-                    t.slot_admitted = a;
-                    t.slot_rejected = r;
+                    t.observe(d.counters);
                     t.in_flight = d.in_flight;
                     t.held = held;
                     t.seen = gen_;
@@ -490,10 +499,34 @@ impl Client {
                 transfer_tokens: g.transfer_tokens,
             });
         }
-        // No refresh needed first: each track keeps its old slot, whose final counts
-        // the next refresh adds (a sealed slot's counters stop).
+        // Each applied slice replaces the key's slot. A track keeps the slot it last
+        // read, whose final counts the next refresh adds; but a key whose slot is
+        // replaced twice before that refresh would lose the middle slot's counts (under
+        // grant churn, most of the demand). So each key's live slot is folded in just
+        // before the slice replaces it, and a batch naming one key twice is applied in
+        // parts.
         let now = self.now_ns();
-        let results = self.state.engine.apply_slices(now, &updates);
+        let mut results = Vec::with_capacity(updates.len());
+        let mut start = 0;
+        while start < updates.len() {
+            let mut end = start;
+            let mut in_part = std::collections::HashSet::new();
+            while end < updates.len() && in_part.insert((&updates[end].rule, &updates[end].values))
+            {
+                end += 1;
+            }
+            for u in &updates[start..end] {
+                let id = (u.rule.clone(), u.values.clone());
+                if let Some(t) = self.tracks.get_mut(&id) {
+                    let vals: Vec<&str> = u.values.iter().map(|v| v.as_str()).collect();
+                    if let Some(c) = self.state.engine.key_counters(&u.rule, &vals) {
+                        t.observe(c);
+                    }
+                }
+            }
+            results.extend(self.state.engine.apply_slices(now, &updates[start..end]));
+            start = end;
+        }
         let mut acks = Vec::new();
         for (u, r) in updates.into_iter().zip(results) {
             match r {
