@@ -43,20 +43,21 @@ def rng(xs, fmt):
 
 
 def results():
-    print("| scenario | overshoot max | bound | utilization vs ideal | realloc p95 ms | "
+    print("| scenario | overshoot max | bound | utilization vs ideal | second half | realloc p95 ms | "
           "cold first admit p95 ms | Jain (min) | msgs/agent/s | bytes/agent/s | violations | events/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for sc in built_ins():
         rs = [run(sc, s, "bursar") for s in SEEDS]
         su = [r["summary"] for r in rs]
         realloc = [x["realloc_p95_ms"] for x in su]
         realloc_s = "n/a" if all(x is None for x in realloc) else ", ".join(f"{x:.0f}" for x in realloc)
         jain = [x["jain_fairness"] for x in su if x["jain_fairness"] is not None]
-        print("| {} | {:.3f} | {} | {} | {} | {} | {} | {} | {} | {} | {} |".format(
+        print("| {} | {:.3f} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |".format(
             sc,
             max(x["overshoot_max_fraction_of_burst"] for x in su),
             rng([x["bound_fraction_of_burst"] for x in su], "{:.2f}"),
             rng([x["utilization_vs_ideal"] for x in su], "{:.3f}"),
+            rng([x["utilization_second_half"] for x in su], "{:.3f}"),
             realloc_s,
             rng([x["cold_first_admit_p95_ms"] for x in su], "{:.0f}"),
             f"{min(jain):.3f}" if jain else "n/a",

@@ -351,8 +351,9 @@ fn real_main() -> Result<ExitCode> {
                 }
             );
             println!(
-                "  utilization vs ideal {:.3}   jain {}   realloc p95 {}   cold first admit p95 {}",
+                "  utilization vs ideal {:.3} (second half {:.3})   jain {}   realloc p95 {}   cold first admit p95 {}",
                 s.utilization_vs_ideal,
+                s.utilization_second_half,
                 opt(s.jain_fairness, 3, ""),
                 opt(s.realloc_p95_ms, 0, " ms"),
                 opt(s.cold_first_admit_p95_ms, 0, " ms"),

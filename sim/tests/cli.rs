@@ -81,6 +81,7 @@ fn a_run_writes_a_json_report_with_the_summary_fields() {
         "overshoot_max_fraction_of_burst",
         "bound_fraction_of_burst",
         "utilization_vs_ideal",
+        "utilization_second_half",
         "realloc_p95_ms",
         "jain_fairness",
         "violations",

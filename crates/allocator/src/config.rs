@@ -22,10 +22,24 @@ pub struct AllocatorConfig {
     /// agent's maintenance period (it applies its posture on its next `maintain`,
     /// ~100 ms) and scheduling delays. Default 1,000 ms.
     pub reclaim_margin_ms: u64,
-    /// Half-life of the demand average. Default 250 ms (one report interval): a shift
-    /// of demand moves a slice in about a second (tests/conformance.rs); longer halves
-    /// the noise and doubles that time. Hysteresis, not smoothing, is what stops flapping.
+    /// Half-life of the demand average. Default 1,000 ms (four report intervals): a
+    /// gateway sees a few requests per key per interval, so one report's sample is
+    /// Poisson noise of +-50 % and more; with a 250 ms half-life that noise moved rate
+    /// between agents that were all offered the same load. A real shift or surge does
+    /// not wait for the average: see `demand_jump_permille`.
     pub demand_half_life_ms: u64,
+    /// A demand sample that differs from the smoothed demand by more than this share
+    /// (permille) of the larger of the two (750: the sample is below a quarter of the
+    /// average or above four times it), and by more than `demand_jump_floor_permille`
+    /// of the key's capacity, replaces the smoothed demand at once: a shift, a surge or
+    /// a drained gateway moves the slice in one report instead of several half-lives,
+    /// while Poisson noise (rarely beyond both bounds) is smoothed. Default 750 (1,000
+    /// never jumps).
+    pub demand_jump_permille: u32,
+    /// See `demand_jump_permille`: the smallest change, in permille of the key's
+    /// capacity (`R + O`, or slots), that may jump. Default 200 (at 100, one gateway of
+    /// 16 offered 7.5 % of the limit jumped on noise about once a second).
+    pub demand_jump_floor_permille: u32,
     /// Shortest interval a demand sample is measured over (a new key's first report
     /// covers one request). Default 250 ms (one report interval).
     pub min_sample_ms: u64,
@@ -88,7 +102,9 @@ impl Default for AllocatorConfig {
             lease_ms: 10_000,
             drift_margin_ms: 200,
             reclaim_margin_ms: 1_000,
-            demand_half_life_ms: 250,
+            demand_half_life_ms: 1_000,
+            demand_jump_permille: 750,
+            demand_jump_floor_permille: 200,
             min_sample_ms: 250,
             recompute_delay_ms: 10,
             large_key_entries: 32,
@@ -140,6 +156,11 @@ impl AllocatorConfig {
         for (field, v) in [
             ("hysteresis_permille", self.hysteresis_permille),
             ("demand_change_permille", self.demand_change_permille),
+            ("demand_jump_permille", self.demand_jump_permille),
+            (
+                "demand_jump_floor_permille",
+                self.demand_jump_floor_permille,
+            ),
             ("spare_reserve_permille", self.spare_reserve_permille),
             ("overdraft_permille", self.overdraft_permille),
         ] {

@@ -189,7 +189,8 @@ async fn an_agent_gets_a_welcome_then_a_grant_within_the_limit_and_the_admin_end
     assert_eq!(w.lease_ms, 1000);
     assert!(w.max_keys_per_message > 0);
 
-    // Demand: rejecting 50 requests on a key with no grant.
+    // Demand: rejecting 50 requests per report on a key with no grant (cumulative
+    // counters: a report with the same counts would say the demand stopped).
     let mut t = 2_000u64;
     let report = |t: u64| pb::AgentMessage {
         msg: Some(Msg::Report(pb::Report {
@@ -200,7 +201,7 @@ async fn an_agent_gets_a_welcome_then_a_grant_within_the_limit_and_the_admin_end
                     values: vec!["acme".into()],
                 }),
                 admitted: 0,
-                rejected: 50,
+                rejected: 50 * (1 + t / 250_000_000),
                 counting_since_ns: 1_000,
                 in_flight: 0,
                 held: None,
@@ -210,7 +211,12 @@ async fn an_agent_gets_a_welcome_then_a_grant_within_the_limit_and_the_admin_end
     tx.send(report(t)).await.unwrap();
     // The new term learns for lease + margin (1.2 s) before its first grant; keep
     // reporting (renewals anchor on the latest report).
+    let started = std::time::Instant::now();
     let grant = loop {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "no grant within 10 s"
+        );
         tokio::select! {
             m = inbound.message() => {
                 let m = m.unwrap().expect("stream open");
