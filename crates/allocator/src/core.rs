@@ -2624,8 +2624,9 @@ mod tests {
         for i in 0..40u64 {
             t += 250 * MS;
             for (j, id) in ids.iter().enumerate() {
-                // ~200 per second each against a limit of 1,000, jittering by ~2 %.
-                rej[j] += 50 + (i + j as u64) % 3;
+                // ~200 per second each against a limit of 1,000, jittering by up to 4 %
+                // (enough to recompute the key, not enough to leave the band).
+                rej[j] += 48 + (3 * i + j as u64) % 5;
                 a.handle_report(
                     t,
                     &report(id, 1, t, vec![line(k.clone(), 0, rej[j], held[j])]),
