@@ -2309,10 +2309,29 @@ mod tests {
         assert_eq!(gs.len(), 1);
         let g = &gs[0];
         assert_eq!((g.epoch, &*g.agent), (1, "a"));
-        // Spare goes to the rejecting agent, less the reserve kept free (25 %).
-        assert!(g.rate >= 700 && g.rate <= 1000, "{g:?}");
-        // The burst goes by the square root of the rate, the unassigned rate keeping
-        // its share free: B * sqrt(r) / (sqrt(r) + sqrt(R - r)).
+        // Spare goes to the rejecting agent (no reserve kept free by default).
+        assert!(g.rate >= 990 && g.rate <= 1000, "{g:?}");
+        assert!(g.burst >= 990 && g.burst <= 1000, "{g:?}");
+
+        // With a reserve, part of the rate stays free, and the burst goes by the
+        // square root of the rate, the unassigned rate keeping its share free:
+        // B * sqrt(r) / (sqrt(r) + sqrt(R - r)).
+        let cfg = AllocatorConfig {
+            spare_reserve_permille: 250,
+            ..quick_config()
+        };
+        let start = now - MS * (cfg.lease_ms + cfg.reclaim_margin_ms);
+        let mut a = Allocator::new(&rules(), cfg, 1, start).unwrap();
+        a.handle_timeout(now);
+        a.handle_hello(now, &hello("a", 1, 10)).unwrap();
+        a.handle_report(
+            now,
+            &report("a", 1, 20, vec![line(key("rps", "x"), 0, 1, None)]),
+        )
+        .unwrap();
+        let gs = settle(&mut a, now + 10 * MS);
+        let g = &gs[0];
+        assert!(g.rate >= 700 && g.rate <= 800, "{g:?}");
         let r = g.rate as f64;
         let expect = 1000.0 * r.sqrt() / (r.sqrt() + (1000.0 - r).sqrt());
         assert_eq!(g.burst, expect as u64, "{g:?}");
