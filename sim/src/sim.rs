@@ -10,9 +10,9 @@ use std::collections::{BTreeMap, BinaryHeap};
 use std::fmt::Write as _;
 use std::sync::Arc;
 
-use bursar_agent::engine::{KeyDemand, SlotCounters};
+use bursar_agent::engine::KeyDemand;
 use bursar_agent::{
-    AdmitRequest, CompletionStatus, Config, Cost, Decision, DiscardSink, Engine, Usage,
+    AdmitRequest, CompletionStatus, Config, Cost, Decision, DiscardSink, Engine, KeyTotals, Usage,
 };
 use bursar_allocator::{
     Ack, Allocator, AllocatorConfig, Grant, HeldGrant, HeldSlice, Hello, KeyName, KeyReport,
@@ -301,33 +301,11 @@ struct KeyState {
 
 /// What `sync.rs` keeps per key: cumulative counters across slot replacements.
 struct Track {
-    slot: SlotCounters,
-    slot_admitted: u64,
-    slot_rejected: u64,
-    admitted: u64,
-    rejected: u64,
+    totals: KeyTotals,
     since_ns: u64,
     held: Option<HeldGrant>,
     sent: Option<(u64, u64, Option<HeldGrant>)>,
     seen: u64,
-}
-
-impl Track {
-    /// `sync.rs`'s `Track::observe`: the growth of the slot last read, or, if a slice
-    /// change replaced it, the old slot's final counts and then the new one's.
-    fn observe(&mut self, c: SlotCounters) {
-        let (a, r) = (c.admitted(), c.rejected());
-        if self.slot.same_slot(&c) {
-            self.admitted += a.saturating_sub(self.slot_admitted);
-            self.rejected += r.saturating_sub(self.slot_rejected);
-        } else {
-            self.admitted += self.slot.admitted().saturating_sub(self.slot_admitted) + a;
-            self.rejected += self.slot.rejected().saturating_sub(self.slot_rejected) + r;
-            self.slot = c;
-        }
-        self.slot_admitted = a;
-        self.slot_rejected = r;
-    }
 }
 
 struct Agent {
@@ -1432,10 +1410,9 @@ impl Sim {
                 rate: s.rate,
                 burst: s.burst,
             });
-            let (ad, rj) = (d.counters.admitted(), d.counters.rejected());
             match a.tracks.get_mut(&k) {
                 Some(t) => {
-                    t.observe(d.counters);
+                    t.totals.observe(d.counters);
                     t.held = held;
                     t.seen = gen_;
                 }
@@ -1443,11 +1420,7 @@ impl Sim {
                     a.tracks.insert(
                         k,
                         Track {
-                            slot: d.counters,
-                            slot_admitted: ad,
-                            slot_rejected: rj,
-                            admitted: ad,
-                            rejected: rj,
+                            totals: KeyTotals::new(d.counters),
                             since_ns: since,
                             held,
                             sent: None,
@@ -1510,7 +1483,7 @@ impl Sim {
                 .is_multiple_of(self.sc.allocator.full_report_every as u64);
         let mut keys = Vec::new();
         for (&k, t) in a.tracks.iter_mut() {
-            let now_vals = (t.admitted, t.rejected, t.held);
+            let now_vals = (t.totals.admitted(), t.totals.rejected(), t.held);
             let include = match t.sent {
                 None => true,
                 Some(_) if only_new => false,
@@ -1522,8 +1495,8 @@ impl Sim {
             t.sent = Some(now_vals);
             keys.push(KeyReport {
                 key: self.keys[k as usize].name.clone(),
-                admitted: t.admitted,
-                rejected: t.rejected,
+                admitted: t.totals.admitted(),
+                rejected: t.totals.rejected(),
                 counting_since_ns: t.since_ns,
                 in_flight: 0,
                 held: t.held,
@@ -1595,7 +1568,7 @@ impl Sim {
                 if let Some(t) = a.tracks.get_mut(&k) {
                     let vals: Vec<&str> = u.values.iter().map(|v| v.as_str()).collect();
                     if let Some(c) = engine.key_counters(&u.rule, &vals) {
-                        t.observe(c);
+                        t.totals.observe(c);
                     }
                 }
             }

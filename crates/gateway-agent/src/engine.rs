@@ -376,6 +376,62 @@ impl std::fmt::Debug for SlotCounters {
     }
 }
 
+/// One key's demand counters accumulated across slot replacements. A slice change (or
+/// an eviction at rest) replaces a key's slot, whose counters start again from 0; a key
+/// replaced twice between two reads would lose the middle slot's counts. Feed it every
+/// view of the key's live slot: each [`KeyDemand::counters`], and
+/// [`Engine::key_counters`] just before applying a slice to the key. What the sync
+/// client (and the simulator, which drives the same engine) reports as demand.
+#[derive(Clone, Debug)]
+pub struct KeyTotals {
+    /// The slot last read, and its counts then.
+    slot: SlotCounters,
+    slot_admitted: u64,
+    slot_rejected: u64,
+    admitted: u64,
+    rejected: u64,
+}
+
+impl KeyTotals {
+    /// Totals starting with what `slot` has counted so far.
+    pub fn new(slot: SlotCounters) -> KeyTotals {
+        let (a, r) = (slot.admitted(), slot.rejected());
+        KeyTotals {
+            slot,
+            slot_admitted: a,
+            slot_rejected: r,
+            admitted: a,
+            rejected: r,
+        }
+    }
+
+    /// Folds in the key's live slot: the growth of the slot last read, or, if a slice
+    /// change replaced it, the old slot's final counts and then the new one's.
+    pub fn observe(&mut self, c: SlotCounters) {
+        let (a, r) = (c.admitted(), c.rejected());
+        if self.slot.same_slot(&c) {
+            self.admitted += a.saturating_sub(self.slot_admitted);
+            self.rejected += r.saturating_sub(self.slot_rejected);
+        } else {
+            self.admitted += self.slot.admitted().saturating_sub(self.slot_admitted) + a;
+            self.rejected += self.slot.rejected().saturating_sub(self.slot_rejected) + r;
+            self.slot = c;
+        }
+        self.slot_admitted = a;
+        self.slot_rejected = r;
+    }
+
+    /// Cost admitted since [`KeyTotals::new`].
+    pub fn admitted(&self) -> u64 {
+        self.admitted
+    }
+
+    /// Cost rejected (or blocked by another rule) since [`KeyTotals::new`].
+    pub fn rejected(&self) -> u64 {
+        self.rejected
+    }
+}
+
 /// Per-rule totals, for summaries and metrics. Approximate under concurrent slice
 /// changes (a count landing on a slot being retired can be missed); never used for
 /// billing.

@@ -69,8 +69,8 @@ pub use config::{
     RuleLimit, RuleSet, SliceSource, Unmatched,
 };
 pub use engine::{
-    AdmitRequest, Admitted, Completion, Cost, Decision, Engine, KeyHandle, LimitStatus, Limits,
-    MaintainReport, RejectReason, Rejected, RuleStats, SliceApplied, SliceUpdate, Worker,
+    AdmitRequest, Admitted, Completion, Cost, Decision, Engine, KeyHandle, KeyTotals, LimitStatus,
+    Limits, MaintainReport, RejectReason, Rejected, RuleStats, SliceApplied, SliceUpdate, Worker,
 };
 pub use error::{AdmitError, CompleteError, ExtendError, SliceError};
 pub use key::LimitKey;

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use bursar_agent::testing::{engine, engine_with_sink};
 use bursar_agent::{
     AdmitError, AdmitRequest, CompleteError, Completion, CompletionStatus, Cost, Decision,
-    ExtendError, MemorySink, Outcome, RejectReason, SliceError, SliceUpdate, Usage,
+    ExtendError, KeyTotals, MemorySink, Outcome, RejectReason, SliceError, SliceUpdate, Usage,
 };
 
 const SEC: u64 = 1_000_000_000;
@@ -920,4 +920,37 @@ fn a_grant_that_arrives_after_its_lease_ended_is_refused() {
         None,
         "nothing was installed"
     );
+}
+
+#[test]
+fn key_totals_keep_the_counts_of_a_slot_replaced_twice_between_two_reads() {
+    let e = engine(ALLOCATED);
+    let mut s = slice(50, 50, 1, 1);
+    s.transfer_tokens = 50;
+    e.apply_slices(0, &[s]);
+    let admit = |id: &str| {
+        assert!(
+            e.admit(0, &req(id, &[("org", "a")], Cost::ONE_REQUEST))
+                .unwrap()
+                .is_admitted()
+        );
+    };
+    admit("r1");
+    let mut totals = KeyTotals::new(e.key_counters("rpm", &["a"]).unwrap());
+    assert_eq!(totals.admitted(), 1);
+    admit("r2");
+    // Before each slice change, fold in the slot it is about to replace.
+    totals.observe(e.key_counters("rpm", &["a"]).unwrap());
+    e.apply_slices(0, &[slice(40, 50, 1, 2)]);
+    admit("r3");
+    totals.observe(e.key_counters("rpm", &["a"]).unwrap());
+    e.apply_slices(0, &[slice(30, 50, 1, 3)]);
+    admit("r4");
+    // The next read sees only the third slot (one admission); nothing is lost.
+    totals.observe(e.key_counters("rpm", &["a"]).unwrap());
+    assert_eq!(totals.admitted(), 4);
+    assert_eq!(totals.rejected(), 0);
+    // Reading the same slot again adds nothing.
+    totals.observe(e.key_counters("rpm", &["a"]).unwrap());
+    assert_eq!(totals.admitted(), 4);
 }

@@ -50,7 +50,7 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use super::AgentState;
 use crate::clock::Clock;
-use crate::engine::{KeyDemand, SlotCounters};
+use crate::engine::{KeyDemand, KeyTotals};
 use crate::{Engine, RuleLimit, SliceError, SliceUpdate};
 
 /// Settings of the sync client. Durations are plain `Duration`s; defaults in
@@ -193,13 +193,8 @@ type KeyId = (String, Vec<String>);
 
 /// What the client knows of one engine key.
 struct Track {
-    /// The slot last read, and its counts then.
-    slot: SlotCounters,
-    slot_admitted: u64,
-    slot_rejected: u64,
-    /// Cumulative since `since_ns`.
-    admitted: u64,
-    rejected: u64,
+    /// Cumulative since `since_ns`, across slot replacements.
+    totals: KeyTotals,
     since_ns: u64,
     in_flight: u64,
     held: Option<pb::HeldGrant>,
@@ -207,25 +202,6 @@ struct Track {
     sent: Option<(u64, u64, u64, Option<pb::HeldGrant>)>,
     /// Poll generation that last saw the key.
     seen: u64,
-}
-
-impl Track {
-    /// Folds the key's live slot counters into the cumulative totals: the growth of the
-    /// slot last read, or, if a slice change replaced it, the old slot's final counts
-    /// and then the new one's.
-    fn observe(&mut self, c: SlotCounters) {
-        let (a, r) = (c.admitted(), c.rejected());
-        if self.slot.same_slot(&c) {
-            self.admitted += a.saturating_sub(self.slot_admitted);
-            self.rejected += r.saturating_sub(self.slot_rejected);
-        } else {
-            self.admitted += self.slot.admitted().saturating_sub(self.slot_admitted) + a;
-            self.rejected += self.slot.rejected().saturating_sub(self.slot_rejected) + r;
-            self.slot = c;
-        }
-        self.slot_admitted = a;
-        self.slot_rejected = r;
-    }
 }
 
 /// A concurrency shrink applied but not yet drained.
@@ -349,10 +325,9 @@ impl Client {
                 rate: s.rate,
                 burst: s.burst,
             });
-            let (a, r) = (d.counters.admitted(), d.counters.rejected());
             match self.tracks.get_mut(&(d.rule.clone(), d.values.clone())) {
                 Some(t) => {
-                    t.observe(d.counters);
+                    t.totals.observe(d.counters);
                     t.in_flight = d.in_flight;
                     t.held = held;
                     t.seen = gen_;
@@ -361,11 +336,7 @@ impl Client {
                     self.tracks.insert(
                         (d.rule, d.values),
                         Track {
-                            slot: d.counters,
-                            slot_admitted: a,
-                            slot_rejected: r,
-                            admitted: a,
-                            rejected: r,
+                            totals: KeyTotals::new(d.counters),
                             since_ns: since,
                             in_flight: d.in_flight,
                             held,
@@ -416,7 +387,12 @@ impl Client {
     fn reports(&mut self, full: bool, only_new: bool, max_keys: usize) -> Vec<pb::AgentMessage> {
         let mut keys = Vec::new();
         for ((rule, values), t) in self.tracks.iter_mut() {
-            let now_vals = (t.admitted, t.rejected, t.in_flight, t.held);
+            let now_vals = (
+                t.totals.admitted(),
+                t.totals.rejected(),
+                t.in_flight,
+                t.held,
+            );
             let include = match t.sent {
                 None => true,
                 Some(_) if only_new => false,
@@ -431,8 +407,8 @@ impl Client {
                     rule: rule.clone(),
                     values: values.clone(),
                 }),
-                admitted: t.admitted,
-                rejected: t.rejected,
+                admitted: t.totals.admitted(),
+                rejected: t.totals.rejected(),
                 counting_since_ns: t.since_ns,
                 in_flight: t.in_flight,
                 held: t.held,
@@ -520,7 +496,7 @@ impl Client {
                 if let Some(t) = self.tracks.get_mut(&id) {
                     let vals: Vec<&str> = u.values.iter().map(|v| v.as_str()).collect();
                     if let Some(c) = self.state.engine.key_counters(&u.rule, &vals) {
-                        t.observe(c);
+                        t.totals.observe(c);
                     }
                 }
             }
