@@ -16,43 +16,19 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use bursar_agent::clock::{Clock, CoarseClock};
-use bursar_agent::testing::{THREE_DIMENSIONS, engine};
+use bursar_agent::testing::{THREE_DIMENSIONS, engine, keyed_engine};
 use bursar_agent::{AdmitRequest, Completion, CompletionStatus, Cost, Engine, KeyHandle, Usage};
 use criterion::{Criterion, criterion_group, criterion_main};
 use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
 
 const KEYS: usize = 10_000;
 
-const OURS: &str = r#"
-[engine]
-max_keys = 20_000
-[[rule]]
-name = "rps"
-match = { k = "*" }
-dimension = "requests"
-rate = 4_000_000_000
-per = "second"
-burst = 4_000_000_000
-"#;
-
 fn governor() -> DefaultKeyedRateLimiter<u64> {
     RateLimiter::keyed(Quota::per_second(NonZeroU32::MAX))
 }
 
 fn ours() -> (Arc<Engine>, Vec<KeyHandle>) {
-    let e = engine(OURS);
-    let names: Vec<String> = (0..KEYS).map(|i| format!("key-{i}")).collect();
-    let handles: Vec<KeyHandle> = names
-        .iter()
-        .map(|n| e.key_handle("rps", &[n]).expect("rule"))
-        .collect();
-    // Create every key (slow path) and publish them, so the benchmark sees warm keys.
-    let mut w = e.worker();
-    for h in &handles {
-        assert!(w.try_acquire(0, h, 1).expect("ok"));
-    }
-    e.maintain(0);
-    (e, handles)
+    keyed_engine(KEYS)
 }
 
 fn single_thread(c: &mut Criterion) {

@@ -7,20 +7,8 @@
 //! `cargo run --release -p bursar-agent --example hot_loop -- admit-complete 100000`
 //! `cargo run --release -p bursar-agent --example hot_loop -- keyed-10k 1000000`
 
-use bursar_agent::testing::{THREE_DIMENSIONS, engine};
+use bursar_agent::testing::{THREE_DIMENSIONS, engine, keyed_engine};
 use bursar_agent::{AdmitRequest, Completion, CompletionStatus, Cost, Usage};
-
-const KEYED: &str = r#"
-[engine]
-max_keys = 20_000
-[[rule]]
-name = "rps"
-match = { k = "*" }
-dimension = "requests"
-rate = 4_000_000_000
-per = "second"
-burst = 4_000_000_000
-"#;
 
 fn main() {
     let mut args = std::env::args().skip(1);
@@ -86,17 +74,8 @@ fn admit_complete(n: u64) -> u64 {
 /// The bare keyed check (`Worker::try_acquire`) over 10,000 pre-resolved keys, in the
 /// criterion harness's order.
 fn keyed(n: u64) -> u64 {
-    let e = engine(KEYED);
-    let names: Vec<String> = (0..10_000).map(|i| format!("key-{i}")).collect();
-    let handles: Vec<_> = names
-        .iter()
-        .map(|k| e.key_handle("rps", &[k]).expect("rule"))
-        .collect();
+    let (e, handles) = keyed_engine(10_000);
     let mut w = e.worker();
-    for h in &handles {
-        assert!(w.try_acquire(0, h, 1).expect("ok"));
-    }
-    e.maintain(0);
     let mut j = 0usize;
     let mut admitted = 0;
     for i in 0..n {

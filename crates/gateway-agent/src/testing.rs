@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use crate::{Config, DiscardSink, Engine, UsageSink};
+use crate::{Config, DiscardSink, Engine, KeyHandle, UsageSink};
 
 /// The demo's embedded rules: an LLM tenant layout with an org ceiling over per-key
 /// limits, three token dimensions, concurrency and a shadow rule.
@@ -168,4 +168,34 @@ impl ExactBucket {
     pub fn worst_deficit_tokens(&self) -> f64 {
         self.worst as f64 / self.period_ns as f64
     }
+}
+
+/// One `requests` rule with a key per distinct `k` value, rate and burst high enough
+/// that every check is admitted: the shape of the keyed-check benchmarks (10,000 keys).
+pub const KEYED: &str = r#"
+[engine]
+max_keys = 20_000
+[[rule]]
+name = "rps"
+match = { k = "*" }
+dimension = "requests"
+rate = 4_000_000_000
+per = "second"
+burst = 4_000_000_000
+"#;
+
+/// An engine with [`KEYED`] and `keys` warm keys (`key-0`, `key-1`, ...): each created
+/// through the slow path once and published, so checks on their handles take the
+/// decision path. What the keyed-check benchmarks measure.
+pub fn keyed_engine(keys: usize) -> (Arc<Engine>, Vec<KeyHandle>) {
+    let e = engine(KEYED);
+    let handles: Vec<KeyHandle> = (0..keys)
+        .map(|i| e.key_handle("rps", &[&format!("key-{i}")]).expect("rule"))
+        .collect();
+    let mut w = e.worker();
+    for h in &handles {
+        assert!(w.try_acquire(0, h, 1).expect("ok"));
+    }
+    e.maintain(0);
+    (e, handles)
 }

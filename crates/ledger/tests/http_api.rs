@@ -338,62 +338,69 @@ fn help_documents_the_cluster_and_bad_cluster_flags_are_clear_errors() {
     }
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path().to_str().unwrap();
+    // Each is refused before anything starts, with an error naming the problem.
+    let refused = |args: &[&str], needle: &str| {
+        let out = run(args);
+        assert!(!out.status.success(), "{args:?} was accepted");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(needle), "{args:?}: {err}");
+    };
     // --gossip without TLS material: refused before anything starts.
-    let out = run(&["--data-dir", d, "--node-id", "n", "--gossip", "127.0.0.1:0"]);
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("--tls-dir"), "{err}");
+    refused(
+        &["--data-dir", d, "--node-id", "n", "--gossip", "127.0.0.1:0"],
+        "--tls-dir",
+    );
     // --peer without --gossip.
-    let out = run(&["--data-dir", d, "--node-id", "n", "--peer", "127.0.0.1:9"]);
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("--gossip"), "{err}");
+    refused(
+        &["--data-dir", d, "--node-id", "n", "--peer", "127.0.0.1:9"],
+        "--gossip",
+    );
     // TLS files that do not exist: the error names the file.
-    let out = run(&[
-        "--data-dir",
-        d,
-        "--node-id",
-        "n",
-        "--gossip",
-        "127.0.0.1:0",
-        "--tls-dir",
-        "/nonexistent",
-    ]);
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("/nonexistent/ca.pem"), "{err}");
+    refused(
+        &[
+            "--data-dir",
+            d,
+            "--node-id",
+            "n",
+            "--gossip",
+            "127.0.0.1:0",
+            "--tls-dir",
+            "/nonexistent",
+        ],
+        "/nonexistent/ca.pem",
+    );
     // A node may not name itself as a peer.
-    let out = run(&[
-        "--data-dir",
-        d,
-        "--node-id",
-        "n",
-        "--gossip",
-        "127.0.0.1:7999",
-        "--tls-dir",
-        d,
-        "--peer",
-        "127.0.0.1:7999",
-    ]);
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("own --gossip"), "{err}");
+    refused(
+        &[
+            "--data-dir",
+            d,
+            "--node-id",
+            "n",
+            "--gossip",
+            "127.0.0.1:7999",
+            "--tls-dir",
+            d,
+            "--peer",
+            "127.0.0.1:7999",
+        ],
+        "own --gossip",
+    );
     // A seed that is not HOST:PORT.
-    let out = run(&[
-        "--data-dir",
-        d,
-        "--node-id",
-        "n",
-        "--gossip",
-        "127.0.0.1:0",
-        "--tls-dir",
-        d,
-        "--peer",
-        "nonsense",
-    ]);
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("expected HOST:PORT"), "{err}");
+    refused(
+        &[
+            "--data-dir",
+            d,
+            "--node-id",
+            "n",
+            "--gossip",
+            "127.0.0.1:0",
+            "--tls-dir",
+            d,
+            "--peer",
+            "nonsense",
+        ],
+        "expected HOST:PORT",
+    );
     // Standalone still works, and /v1/cluster says so.
     let node = Node::start(dir.path(), &[]);
     assert_eq!(node.get("/healthz").status, 200);
