@@ -618,21 +618,27 @@ fn a_full_outbox_answers_503_and_leaves_the_lease_live() {
     );
 }
 
-#[test]
-fn a_corrupt_outbox_file_stops_the_start_with_a_clear_error() {
-    let outbox = tempdir("corrupt");
-    std::fs::write(outbox.join("outbox.redb"), vec![0x5Au8; 16384]).unwrap();
-    let config = outbox.join("rules.toml");
+/// Runs an agent on `outbox` (its rules written to `rules_file` there) that is expected
+/// to refuse to start; returns how it ended.
+fn start_expecting_refusal(outbox: &Path, rules_file: &str) -> std::process::Output {
+    let config = outbox.join(rules_file);
     std::fs::write(&config, RULES).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_bursar-agent"))
+    Command::new(env!("CARGO_BIN_EXE_bursar-agent"))
         .arg("--config")
         .arg(&config)
         .args(["--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
         .arg("--outbox-dir")
-        .arg(&outbox)
+        .arg(outbox)
         .args(["--ledger", "http://127.0.0.1:9"])
         .output()
-        .expect("run bursar-agent");
+        .expect("run bursar-agent")
+}
+
+#[test]
+fn a_corrupt_outbox_file_stops_the_start_with_a_clear_error() {
+    let outbox = tempdir("corrupt");
+    std::fs::write(outbox.join("outbox.redb"), vec![0x5Au8; 16384]).unwrap();
+    let out = start_expecting_refusal(&outbox, "rules.toml");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "started over a corrupt outbox");
     assert!(
@@ -856,17 +862,7 @@ fn durable_completion_throughput() {
 fn a_second_agent_on_the_same_outbox_is_refused_with_a_clear_error() {
     let outbox = tempdir("busy");
     let first = AgentProc::start(&outbox, &["http://127.0.0.1:9".to_string()], &[]);
-    let config = outbox.join("second.toml");
-    std::fs::write(&config, RULES).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_bursar-agent"))
-        .arg("--config")
-        .arg(&config)
-        .args(["--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
-        .arg("--outbox-dir")
-        .arg(&outbox)
-        .args(["--ledger", "http://127.0.0.1:9"])
-        .output()
-        .expect("run bursar-agent");
+    let out = start_expecting_refusal(&outbox, "second.toml");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "two agents shared one outbox");
     assert!(stderr.contains("another process holds it open"), "{stderr}");
@@ -875,7 +871,6 @@ fn a_second_agent_on_the_same_outbox_is_refused_with_a_clear_error() {
         .admit_complete("still-fine", "acme", 1, 1)
         .expect("answer");
     assert_eq!(r.status, 200, "{}", r.body);
-    let _ = std::fs::remove_file(&config);
 }
 
 #[test]
