@@ -155,50 +155,41 @@ fn http_ingest(c: &mut Criterion) {
     let dir = tempfile::tempdir().expect("tempdir");
     let server = start(dir.path());
     let addr = server.1;
-    let mut g = c.benchmark_group("http_ingest");
-    g.sample_size(10);
-    g.measurement_time(Duration::from_secs(10));
-    for clients in [1u64, 4] {
-        g.throughput(Throughput::Elements(BATCH * clients));
-        g.bench_function(format!("batch_{BATCH}_clients_{clients}"), |b| {
-            b.iter_custom(|iters| {
-                // Bodies are built before the clock starts.
-                let bodies: Vec<Vec<Vec<u8>>> = (0..clients)
-                    .map(|_| (0..iters).map(|_| body()).collect())
-                    .collect();
-                let start = Instant::now();
-                std::thread::scope(|s| {
-                    for mine in &bodies {
-                        s.spawn(move || mine.iter().for_each(|b| post(addr, b)));
-                    }
-                });
-                start.elapsed()
-            })
-        });
+    // A new connection per request, then one HTTP/1.1 connection per client.
+    for (group, keepalive) in [("http_ingest", false), ("http_ingest_keepalive", true)] {
+        let mut g = c.benchmark_group(group);
+        g.sample_size(10);
+        g.measurement_time(Duration::from_secs(10));
+        for clients in [1u64, 4] {
+            g.throughput(Throughput::Elements(BATCH * clients));
+            g.bench_function(format!("batch_{BATCH}_clients_{clients}"), |b| {
+                b.iter_custom(|iters| {
+                    // Bodies (and connections) are made before the clock starts.
+                    let bodies: Vec<Vec<Vec<u8>>> = (0..clients)
+                        .map(|_| (0..iters).map(|_| body()).collect())
+                        .collect();
+                    let mut conns: Vec<Option<Conn>> = (0..clients)
+                        .map(|_| keepalive.then(|| Conn::open(addr)))
+                        .collect();
+                    let start = Instant::now();
+                    std::thread::scope(|s| {
+                        for (mine, conn) in bodies.iter().zip(&mut conns) {
+                            s.spawn(move || {
+                                for b in mine {
+                                    match conn {
+                                        Some(conn) => conn.post(b),
+                                        None => post(addr, b),
+                                    }
+                                }
+                            });
+                        }
+                    });
+                    start.elapsed()
+                })
+            });
+        }
+        g.finish();
     }
-    g.finish();
-    let mut g = c.benchmark_group("http_ingest_keepalive");
-    g.sample_size(10);
-    g.measurement_time(Duration::from_secs(10));
-    for clients in [1u64, 4] {
-        g.throughput(Throughput::Elements(BATCH * clients));
-        g.bench_function(format!("batch_{BATCH}_clients_{clients}"), |b| {
-            b.iter_custom(|iters| {
-                let bodies: Vec<Vec<Vec<u8>>> = (0..clients)
-                    .map(|_| (0..iters).map(|_| body()).collect())
-                    .collect();
-                let mut conns: Vec<Conn> = (0..clients).map(|_| Conn::open(addr)).collect();
-                let start = Instant::now();
-                std::thread::scope(|s| {
-                    for (mine, conn) in bodies.iter().zip(&mut conns) {
-                        s.spawn(move || mine.iter().for_each(|b| conn.post(b)));
-                    }
-                });
-                start.elapsed()
-            })
-        });
-    }
-    g.finish();
     drop(server);
 }
 
