@@ -4,26 +4,26 @@
 //! away the leader steps down.
 #![cfg(feature = "shell")]
 
+mod common;
+
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::mpsc as std_mpsc;
 use std::time::{Duration, Instant};
 
 use bursar_proto::allocator as pb;
-use pb::agent_message::Msg;
-use pb::allocator_client::AllocatorClient;
+use common::{Proc, field, hello, open};
 use pb::allocator_message::Msg as Out;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 
-struct Proc {
-    child: Child,
+/// A replica: its process (killed on drop) and its stdout, line by line.
+struct Replica {
+    child: Proc,
     lines: std_mpsc::Receiver<String>,
 }
 
-impl Proc {
-    fn spawn(cmd: &mut Command) -> Proc {
+impl Replica {
+    fn spawn(cmd: &mut Command) -> Replica {
         let mut child = cmd
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
@@ -38,7 +38,10 @@ impl Proc {
                 }
             }
         });
-        Proc { child, lines }
+        Replica {
+            child: Proc(child),
+            lines,
+        }
     }
 
     /// The next stdout line starting with `prefix`, within `timeout`.
@@ -55,13 +58,6 @@ impl Proc {
     }
 }
 
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -71,20 +67,24 @@ fn free_port() -> u16 {
 }
 
 struct Etcd {
-    child: Child,
+    // Declared before `_dir`: etcd is gone before its data directory is removed.
+    _child: Proc,
     url: String,
-    _dir: std::path::PathBuf,
+    _dir: tempfile::TempDir,
 }
 
 impl Etcd {
     fn start() -> Etcd {
         let (client, peer) = (free_port(), free_port());
-        let dir = std::env::temp_dir().join(format!("bursar-etcd-{}-{client}", std::process::id()));
+        let dir = tempfile::Builder::new()
+            .prefix("bursar-etcd-")
+            .tempdir()
+            .expect("temp dir");
         let url = format!("http://127.0.0.1:{client}");
         let peer_url = format!("http://127.0.0.1:{peer}");
         let child = Command::new("etcd")
             .args(["--name", "t", "--data-dir"])
-            .arg(&dir)
+            .arg(dir.path())
             .args([
                 "--listen-client-urls",
                 &url,
@@ -108,23 +108,15 @@ impl Etcd {
             std::thread::sleep(Duration::from_millis(50));
         }
         Etcd {
-            child,
+            _child: Proc(child),
             url,
             _dir: dir,
         }
     }
 }
 
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self._dir);
-    }
-}
-
-fn replica(etcd: &str) -> Proc {
-    Proc::spawn(Command::new(env!("CARGO_BIN_EXE_bursar-allocator")).args([
+fn replica(etcd: &str) -> Replica {
+    Replica::spawn(Command::new(env!("CARGO_BIN_EXE_bursar-allocator")).args([
         "--etcd",
         etcd,
         "--election-ttl-s",
@@ -140,33 +132,10 @@ fn replica(etcd: &str) -> Proc {
     ]))
 }
 
-fn field<'a>(line: &'a str, name: &str) -> &'a str {
-    line.split_whitespace()
-        .find_map(|w| w.strip_prefix(name))
-        .unwrap_or_else(|| panic!("no {name} in {line:?}"))
-}
-
 /// Opens a stream to `addr` with a hello; returns the allocator's first message.
 async fn first_message(addr: SocketAddr) -> Result<Out, tonic::Status> {
-    let mut client = AllocatorClient::connect(format!("http://{addr}"))
-        .await
-        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
-    let (tx, rx) = mpsc::channel(4);
-    tx.send(pb::AgentMessage {
-        msg: Some(Msg::Hello(pb::Hello {
-            protocol_version: pb::PROTOCOL_VERSION,
-            agent: "probe".into(),
-            incarnation: 1,
-            weight: 1,
-            agent_time_ns: 1,
-            held: vec![],
-            config_version: String::new(),
-        })),
-    })
-    .await
-    .unwrap();
-    let mut s = client.sync(ReceiverStream::new(rx)).await?.into_inner();
-    let m = s
+    let (_tx, r) = open(addr, hello("probe", pb::PROTOCOL_VERSION, 1)).await;
+    let m = r?
         .message()
         .await?
         .ok_or_else(|| tonic::Status::aborted("closed"))?;

@@ -4,27 +4,20 @@
 //! in every ledger exactly once. Runs the real binaries (built by
 //! `cargo test --workspace`, which builds every binary of the workspace).
 
-use std::path::PathBuf;
+mod common;
+
 use std::process::Command;
 
-fn sibling(name: &str) -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_BIN_EXE_bursar-allocator")).with_file_name(name);
-    assert!(
-        p.exists(),
-        "{} is missing: `cargo test --workspace` (or `cargo build`) builds it",
-        p.display()
-    );
-    p
-}
+use common::sibling_bin;
 
 #[test]
 fn the_main_job_runs_a_cluster_with_ledgers_and_stays_within_bounds() {
     let out = Command::new(env!("CARGO_BIN_EXE_bursar-allocator"))
         .args(["local", "--duration-s", "6", "--rps", "150"])
         .arg("--agent-bin")
-        .arg(sibling("bursar-agent"))
+        .arg(sibling_bin("bursar-agent"))
         .arg("--ledger-bin")
-        .arg(sibling("bursar-ledger"))
+        .arg(sibling_bin("bursar-ledger"))
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);

@@ -3,143 +3,14 @@
 //! after the learning period, acks, and the JSON admin endpoint.
 #![cfg(feature = "shell")]
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
-use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
+mod common;
+
+use std::process::Command;
 use std::time::Duration;
 
 use bursar_proto::allocator as pb;
+use common::{Allocator, RULES, hello, open};
 use pb::agent_message::Msg;
-use pb::allocator_client::AllocatorClient;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
-
-const RULES: &str = r#"
-[[rule]]
-name = "org-rps"
-match = { org = "*" }
-dimension = "requests"
-rate = 100
-per = "second"
-burst = 20
-"#;
-
-struct Allocator {
-    grpc: SocketAddr,
-    admin: SocketAddr,
-    child: Child,
-    config: std::path::PathBuf,
-}
-
-impl Allocator {
-    fn start(extra: &[&str]) -> Allocator {
-        static N: AtomicU64 = AtomicU64::new(0);
-        let config = std::env::temp_dir().join(format!(
-            "bursar-alloc-test-{}-{}.toml",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        std::fs::write(&config, RULES).unwrap();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_bursar-allocator"))
-            .arg("--config")
-            .arg(&config)
-            .args(["--grpc", "127.0.0.1:0", "--admin", "127.0.0.1:0"])
-            .args(extra)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn bursar-allocator");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        assert!(line.starts_with("bursar-allocator listening: "), "{line:?}");
-        let field = |name: &str| -> SocketAddr {
-            line.split_whitespace()
-                .find_map(|w| w.strip_prefix(name))
-                .and_then(|a| a.parse().ok())
-                .unwrap_or_else(|| panic!("no {name} in {line:?}"))
-        };
-        Allocator {
-            grpc: field("grpc="),
-            admin: field("admin="),
-            child,
-            config,
-        }
-    }
-
-    fn get_json(&self, path: &str) -> serde_json::Value {
-        let (status, v) = self.request("GET", path);
-        assert_eq!(status, 200, "{v}");
-        v
-    }
-
-    /// One admin request: the status code and the JSON body.
-    fn request(&self, method: &str, path: &str) -> (u16, serde_json::Value) {
-        let mut s = TcpStream::connect(self.admin).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        write!(
-            s,
-            "{method} {path} HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-        )
-        .unwrap();
-        let mut raw = String::new();
-        let _ = s.read_to_string(&mut raw);
-        let (head, body) = raw.split_once("\r\n\r\n").unwrap();
-        let status = head
-            .split_whitespace()
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .unwrap_or_else(|| panic!("{head}"));
-        let v = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"));
-        (status, v)
-    }
-}
-
-impl Drop for Allocator {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_file(&self.config);
-    }
-}
-
-fn hello(agent: &str, version: u32, time: u64) -> pb::AgentMessage {
-    pb::AgentMessage {
-        msg: Some(Msg::Hello(pb::Hello {
-            protocol_version: version,
-            agent: agent.into(),
-            incarnation: 1,
-            weight: 1,
-            agent_time_ns: time,
-            held: vec![],
-            config_version: String::new(),
-        })),
-    }
-}
-
-async fn open(
-    addr: SocketAddr,
-    first: pb::AgentMessage,
-) -> (
-    mpsc::Sender<pb::AgentMessage>,
-    Result<tonic::Streaming<pb::AllocatorMessage>, tonic::Status>,
-) {
-    let mut client = AllocatorClient::connect(format!("http://{addr}"))
-        .await
-        .unwrap()
-        .max_decoding_message_size(pb::MAX_MESSAGE_BYTES)
-        // Lenient on purpose: the server's bound is under test, not the client's.
-        .max_encoding_message_size(4 * pb::MAX_MESSAGE_BYTES);
-    let (tx, rx) = mpsc::channel(16);
-    tx.send(first).await.unwrap();
-    let r = client
-        .sync(ReceiverStream::new(rx))
-        .await
-        .map(|r| r.into_inner());
-    (tx, r)
-}
 
 #[tokio::test]
 async fn a_hello_with_another_protocol_version_or_no_hello_first_is_refused() {

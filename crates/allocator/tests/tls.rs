@@ -4,28 +4,21 @@
 //! `bursar-agent` process connects with `--allocator-ca` and its certificate.
 #![cfg(feature = "shell")]
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+mod common;
+
+use std::ffi::OsString;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use bursar_proto::allocator as pb;
+use common::{Allocator, Proc, hello, sibling_bin};
 use pb::allocator_client::AllocatorClient;
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
-
-const RULES: &str = r#"
-[[rule]]
-name = "org-rps"
-match = { org = "*" }
-dimension = "requests"
-rate = 100
-per = "second"
-burst = 20
-"#;
 
 const NAME: &str = "allocator.bursar.test";
 
@@ -50,79 +43,28 @@ fn leaf(dir: &Path, issuer: &Issuer<'static, KeyPair>, name: &str, san: &str) {
     std::fs::write(dir.join(format!("{name}.key")), key.serialize_pem()).unwrap();
 }
 
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+/// The allocator with its certificate from `dir`, requiring agents' certificates
+/// from the fleet CA.
+fn start_allocator(dir: &Path) -> Allocator {
+    let mut args: Vec<OsString> = [
+        "--term",
+        "3",
+        "--lease-ms",
+        "1000",
+        "--reclaim-margin-ms",
+        "200",
+    ]
+    .map(OsString::from)
+    .into();
+    for (flag, file) in [
+        ("--tls-cert", "allocator.pem"),
+        ("--tls-key", "allocator.key"),
+        ("--tls-client-ca", "fleet-ca.pem"),
+    ] {
+        args.push(flag.into());
+        args.push(dir.join(file).into());
     }
-}
-
-fn start_allocator(dir: &Path) -> (Proc, SocketAddr, SocketAddr) {
-    let rules = dir.join("rules.toml");
-    std::fs::write(&rules, RULES).unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_bursar-allocator"))
-        .arg("--config")
-        .arg(&rules)
-        .args([
-            "--grpc",
-            "127.0.0.1:0",
-            "--admin",
-            "127.0.0.1:0",
-            "--term",
-            "3",
-        ])
-        .args(["--lease-ms", "1000", "--reclaim-margin-ms", "200"])
-        .arg("--tls-cert")
-        .arg(dir.join("allocator.pem"))
-        .arg("--tls-key")
-        .arg(dir.join("allocator.key"))
-        .arg("--tls-client-ca")
-        .arg(dir.join("fleet-ca.pem"))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let field = |name: &str| -> SocketAddr {
-        line.split_whitespace()
-            .find_map(|w| w.strip_prefix(name))
-            .and_then(|a| a.parse().ok())
-            .unwrap_or_else(|| panic!("no {name} in {line:?}"))
-    };
-    (Proc(child), field("grpc="), field("admin="))
-}
-
-fn status(admin: SocketAddr) -> serde_json::Value {
-    let mut s = TcpStream::connect(admin).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(
-        s,
-        "GET /v1/status HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut raw = String::new();
-    let _ = s.read_to_string(&mut raw);
-    let (_, body) = raw.split_once("\r\n\r\n").unwrap();
-    serde_json::from_str(body).unwrap()
-}
-
-fn hello(agent: &str) -> pb::AgentMessage {
-    pb::AgentMessage {
-        msg: Some(pb::agent_message::Msg::Hello(pb::Hello {
-            protocol_version: pb::PROTOCOL_VERSION,
-            agent: agent.into(),
-            incarnation: 1,
-            weight: 1,
-            agent_time_ns: 1_000,
-            held: vec![],
-            config_version: String::new(),
-        })),
-    }
+    Allocator::start(&args)
 }
 
 /// Connects with `tls` and sends a hello; Ok(first message) or the error, as text.
@@ -140,7 +82,9 @@ async fn try_agent(
     let channel: Channel = ep.connect().await.map_err(|e| format!("connect: {e:?}"))?;
     let mut client = AllocatorClient::new(channel);
     let (tx, rx) = mpsc::channel(4);
-    tx.send(hello("tls-agent")).await.unwrap();
+    tx.send(hello("tls-agent", pb::PROTOCOL_VERSION, 1_000))
+        .await
+        .unwrap();
     let mut inbound =
         tokio::time::timeout(Duration::from_secs(5), client.sync(ReceiverStream::new(rx)))
             .await
@@ -183,7 +127,8 @@ fn certs() -> tempfile::TempDir {
 #[tokio::test]
 async fn only_agents_with_a_certificate_from_the_fleet_ca_get_in() {
     let dir = certs();
-    let (_a, grpc, admin) = start_allocator(dir.path());
+    let a = start_allocator(dir.path());
+    let grpc = a.grpc;
     // The fleet's certificate: welcomed.
     let m = try_agent(
         grpc,
@@ -225,35 +170,24 @@ async fn only_agents_with_a_certificate_from_the_fleet_ca_get_in() {
         "an allocator from an unknown CA must be refused: {r:?}"
     );
     // Only the fleet agent's hello reached the allocator.
-    let s = tokio::task::spawn_blocking(move || status(admin))
+    let s = tokio::task::spawn_blocking(move || a.get_json("/v1/status"))
         .await
         .unwrap();
     assert_eq!(s["counters"]["hellos"], 1, "{s}");
 }
 
-fn agent_bin() -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_BIN_EXE_bursar-allocator")).with_file_name("bursar-agent");
-    assert!(
-        p.exists(),
-        "{} is missing: `cargo test --workspace` (or `cargo build`) builds it",
-        p.display()
-    );
-    p
-}
-
 #[test]
 fn a_real_agent_connects_over_mutual_tls() {
     let dir = certs();
-    let (_a, grpc, admin) = start_allocator(dir.path());
-    let rules = dir.path().join("rules.toml");
+    let a = start_allocator(dir.path());
     let _agent = Proc(
-        Command::new(agent_bin())
+        Command::new(sibling_bin("bursar-agent"))
             .arg("--config")
-            .arg(&rules)
+            .arg(&a.config)
             .args(["--http", "127.0.0.1:0", "--agent-id", "tls-agent-1"])
             .args([
                 "--allocator",
-                &grpc.to_string(),
+                &a.grpc.to_string(),
                 "--allocator-tls-name",
                 NAME,
             ])
@@ -270,7 +204,7 @@ fn a_real_agent_connects_over_mutual_tls() {
     );
     let t0 = Instant::now();
     loop {
-        let s = status(admin);
+        let s = a.get_json("/v1/status");
         if s["connected"] == 1 {
             break;
         }
