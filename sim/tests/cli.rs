@@ -15,6 +15,15 @@ fn sim(args: &[&str]) -> (i32, String, String) {
     )
 }
 
+/// A fresh directory for one test's files, removed when dropped (also when the test
+/// fails).
+fn scratch(test: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("bursar-sim-{test}-"))
+        .tempdir()
+        .expect("temp dir")
+}
+
 #[test]
 fn list_names_every_built_in() {
     let (code, out, _) = sim(&["list"]);
@@ -37,9 +46,8 @@ fn a_missing_file_and_an_unknown_field_are_clear_errors() {
     assert_eq!(code, 2);
     assert!(err.contains("/nonexistent/x.toml"), "{err}");
 
-    let dir = std::env::temp_dir().join(format!("bursar-sim-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("bad.toml");
+    let dir = scratch("cli");
+    let path = dir.path().join("bad.toml");
     let text = include_str!("../scenarios/steady.toml").replace("keys = 4", "keys = 4\nkeyz = 1");
     std::fs::write(&path, text).unwrap();
     let (code, _, err) = sim(&["run", path.to_str().unwrap()]);
@@ -49,14 +57,12 @@ fn a_missing_file_and_an_unknown_field_are_clear_errors() {
     let (code, _, err) = sim(&["run", "steady", "--gateways", "0"]);
     assert_eq!(code, 2);
     assert!(err.contains("`gateways`"), "{err}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
 fn a_run_writes_a_json_report_with_the_summary_fields() {
-    let dir = std::env::temp_dir().join(format!("bursar-sim-json-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("r.json");
+    let dir = scratch("json");
+    let path = dir.path().join("r.json");
     let (code, out, err) = sim(&[
         "run",
         "steady",
@@ -89,14 +95,12 @@ fn a_run_writes_a_json_report_with_the_summary_fields() {
         assert!(v["summary"].get(f).is_some(), "summary lacks {f}");
     }
     assert_eq!(v["summary"]["violations"], 0);
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
 fn a_sweep_prints_bound_beside_measured_per_point_and_writes_json() {
-    let dir = std::env::temp_dir().join(format!("bursar-sim-sweep-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("sweep.json");
+    let dir = scratch("sweep");
+    let path = dir.path().join("sweep.json");
     let (code, out, err) = sim(&[
         "sweep",
         "partition-one",
@@ -144,7 +148,6 @@ fn a_sweep_prints_bound_beside_measured_per_point_and_writes_json() {
     let b1 = points[3]["bound_fraction_of_burst"].as_f64().unwrap();
     assert_eq!(points[3]["overdraft_permille"], 100);
     assert!(b1 > b0, "O * T adds to the bound: {b0} -> {b1}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
@@ -294,7 +297,9 @@ fn parse_attrs(mut s: &str) -> Result<Vec<(String, String)>, String> {
 
 #[test]
 fn plot_writes_three_well_formed_svg_charts_with_the_runs_data() {
-    let dir = std::env::temp_dir().join(format!("bursar-sim-plot-{}", std::process::id()));
+    // A directory that does not exist yet: `--plot` creates it.
+    let tmp = scratch("plot");
+    let dir = tmp.path().join("plot");
     let (code, out, err) = sim(&[
         "run",
         "partition-one",
@@ -341,14 +346,12 @@ fn plot_writes_three_well_formed_svg_charts_with_the_runs_data() {
     assert!(
         well_formed_svg("<?xml version=\"1.0\" encoding=\"UTF-8\"?><svg a=\"x & y\"/>").is_err()
     );
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
 fn compare_runs_every_policy_and_fails_only_on_the_real_allocator() {
-    let dir = std::env::temp_dir().join(format!("bursar-sim-compare-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("c.json");
+    let dir = scratch("compare");
+    let path = dir.path().join("c.json");
     let (code, out, err) = sim(&[
         "compare",
         "steady",
@@ -376,5 +379,4 @@ fn compare_runs_every_policy_and_fails_only_on_the_real_allocator() {
     for n in names {
         assert!(out.lines().any(|l| l.starts_with(n)), "{out}");
     }
-    std::fs::remove_dir_all(&dir).unwrap();
 }
