@@ -4,6 +4,8 @@
 //!
 //! - `full_pass/1000_agents_100k_keys_1M_entries`: one allocation of every key from
 //!   reported demand, issuing every grant (about a million).
+//! - `full_pass/..._drained_to_wire`: the same pass, then every grant drained into a
+//!   protobuf grant batched per agent, as the shell's `route` does.
 //! - `full_pass/..._regrant`: every key recomputed again once granted (few grants
 //!   change).
 //! - `report/100_keys`: one agent's report of 100 keys (demand changed on each), as the
@@ -31,6 +33,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use bursar_agent::Config;
+use bursar_allocator::shell::driver::grant_to_pb;
 use bursar_allocator::{Allocator, AllocatorConfig, Hello, KeyName, KeyReport, Report};
 use criterion::{BatchSize, Criterion, criterion_group, criterion_main};
 
@@ -168,6 +171,28 @@ fn full_pass(c: &mut Criterion) {
                 let n = a.pending_grants();
                 assert!(n >= ENTRIES / 2, "{n} grants");
                 a
+            },
+            BatchSize::LargeInput,
+        )
+    });
+    // The same pass, then the outbox drained into wire grants batched per agent, as
+    // the shell's `route` does (names resolved, key strings copied into protobuf):
+    // what the pass hands on to the shell, measured with it.
+    g.bench_function("1000_agents_100k_keys_1M_entries_drained_to_wire", |b| {
+        b.iter_batched(
+            || f.alloc.clone(),
+            |mut a| {
+                a.reallocate_all(f.now + 20 * MS);
+                let mut batches: HashMap<u32, Vec<_>> = HashMap::new();
+                a.for_each_grant(|g| {
+                    batches
+                        .entry(g.agent_index)
+                        .or_default()
+                        .push(grant_to_pb(&g))
+                });
+                let n: usize = batches.values().map(Vec::len).sum();
+                assert!(n >= ENTRIES / 2, "{n} grants");
+                (a, batches)
             },
             BatchSize::LargeInput,
         )

@@ -57,7 +57,7 @@ use foldhash::fast::FixedState;
 
 use crate::config::{AllocatorConfig, MAX_AGENT_ID_BYTES};
 use crate::error::AllocError;
-use crate::msg::{Ack, Grant, HeldGrant, Hello, KeyName, KeyReport, Report};
+use crate::msg::{Ack, Grant, GrantRef, HeldGrant, Hello, KeyName, KeyReport, Report};
 use crate::waterfill::{Claim, Fill, to_units, water_fill};
 use smallvec::SmallVec;
 
@@ -641,12 +641,54 @@ pub struct Allocator {
     dirty: BinaryHeap<Reverse<(u64, u32)>>,
     recompute_at_ns: Option<u64>,
     next_sweep_ns: u64,
-    outbox: Vec<Grant>,
+    /// Grants issued and not yet drained, by table index ([`Pending`]).
+    outbox: Vec<Pending>,
+    /// Names of agents and keys removed while the outbox held grants for them (a
+    /// pending grant still names them), and their indices, which are not reused until
+    /// the outbox is drained.
+    graves: Graves,
     /// The demand smoothing factor of the last sample interval seen: `(interval, alpha)`.
     alpha_memo: (u64, f64),
     hasher: FixedState,
     check_hasher: FixedState,
     scratch: Scratch,
+}
+
+/// A grant in the outbox: agent and key by index, named only when drained
+/// ([`Allocator::for_each_grant`]). Building a million grants in a full pass then takes
+/// no reference count and writes 72 bytes each instead of 88.
+#[derive(Clone, Copy, Debug)]
+struct Pending {
+    agent: u32,
+    key: u32,
+    fleet_size: u32,
+    incarnation: u64,
+    rate: u64,
+    burst: u64,
+    epoch: u64,
+    seq: u64,
+    lease_expires_at_ns: u64,
+    transfer_tokens: u64,
+}
+
+/// What pending grants need of agents and keys removed before the outbox was drained.
+#[derive(Clone, Debug, Default)]
+struct Graves {
+    agents: Vec<(u32, Arc<str>)>,
+    keys: Vec<(u32, Arc<KeyName>)>,
+}
+
+impl Graves {
+    /// The name of removed index `i` (a pending grant names only removed indices that
+    /// are in its grave, since they are not reused before the drain).
+    fn find<T>(graves: &[(u32, T)], i: u32) -> &T {
+        &graves
+            .iter()
+            .rev()
+            .find(|(j, _)| *j == i)
+            .expect("a pending grant names a live or buried index")
+            .1
+    }
 }
 
 #[derive(Clone, Debug, Default)]
@@ -712,6 +754,7 @@ impl Allocator {
             dirty: BinaryHeap::new(),
             recompute_at_ns: None,
             outbox: Vec::new(),
+            graves: Graves::default(),
             alpha_memo: (0, 0.0),
             hasher: FixedState::with_seed(cfg.hash_seed),
             check_hasher: FixedState::with_seed(cfg.hash_seed ^ 0x9E37_79B9_7F4A_7C15),
@@ -756,11 +799,47 @@ impl Allocator {
         self.outbox.len()
     }
 
-    /// Takes every grant issued so far, oldest first. The shell sends each on its
-    /// agent's stream (a grant for a disconnected agent may be dropped: it stays
-    /// counted until its lease ends, which is safe).
-    pub fn drain_grants(&mut self) -> std::vec::Drain<'_, Grant> {
-        self.outbox.drain(..)
+    /// Takes every grant issued so far, oldest first, as owned [`Grant`]s. The shell
+    /// sends each on its agent's stream (a grant for a disconnected agent may be
+    /// dropped: it stays counted until its lease ends, which is safe).
+    /// [`Allocator::for_each_grant`] does the same without taking reference counts.
+    pub fn drain_grants(&mut self) -> std::vec::IntoIter<Grant> {
+        let mut out = Vec::with_capacity(self.outbox.len());
+        self.for_each_grant(|g| out.push(g.to_grant()));
+        out.into_iter()
+    }
+
+    /// Takes every grant issued so far, oldest first, and hands each to `f` with the
+    /// agent and key names borrowed (see [`GrantRef`]). Afterwards the outbox is empty
+    /// and the indices of agents and keys removed meanwhile become reusable.
+    pub fn for_each_grant(&mut self, mut f: impl FnMut(GrantRef<'_>)) {
+        for p in self.outbox.drain(..) {
+            let agent = match &self.agents[p.agent as usize] {
+                Some(ag) => &ag.id,
+                None => Graves::find(&self.graves.agents, p.agent),
+            };
+            let key = match &self.keys[p.key as usize] {
+                Some(k) => &k.name,
+                None => Graves::find(&self.graves.keys, p.key),
+            };
+            f(GrantRef {
+                agent,
+                agent_index: p.agent,
+                incarnation: p.incarnation,
+                key,
+                rate: p.rate,
+                burst: p.burst,
+                epoch: p.epoch,
+                seq: p.seq,
+                lease_expires_at_ns: p.lease_expires_at_ns,
+                fleet_size: p.fleet_size,
+                transfer_tokens: p.transfer_tokens,
+            });
+        }
+        self.free_agents
+            .extend(self.graves.agents.drain(..).map(|(a, _)| a));
+        self.free_keys
+            .extend(self.graves.keys.drain(..).map(|(k, _)| k));
     }
 
     /// When [`Allocator::handle_timeout`] next has work: a recomputation, the expiry
@@ -908,7 +987,12 @@ impl Allocator {
                 break;
             }
         }
-        self.free_keys.push(id);
+        if self.outbox.is_empty() {
+            self.free_keys.push(id);
+        } else {
+            // A pending grant still names it: freed when the outbox is drained.
+            self.graves.keys.push((id, key.name));
+        }
         self.live_keys -= 1;
     }
 
@@ -1290,7 +1374,11 @@ impl Allocator {
         self.release_agent(now, a);
         let ag = self.agents[a as usize].take().expect("live agent");
         self.agent_index.remove(&ag.id);
-        self.free_agents.push(a);
+        if self.outbox.is_empty() {
+            self.free_agents.push(a);
+        } else {
+            self.graves.agents.push((a, ag.id));
+        }
         self.live_agents -= 1;
         Ok(())
     }
@@ -1627,10 +1715,10 @@ impl Allocator {
                 expires_ns,
             })
         });
-        self.outbox.push(Grant {
-            agent: Arc::clone(&ag.id),
+        self.outbox.push(Pending {
+            agent,
             incarnation: ag.incarnation,
-            key: Arc::clone(&key.name),
+            key: k,
             rate: slice.rate,
             burst: slice.burst,
             epoch: term,
@@ -2013,7 +2101,8 @@ impl Allocator {
                     rejecting: e.rejecting,
                 });
             }
-            if !idle {
+            // A key left with no entry (its agents forgotten or restarted) goes too.
+            if !idle && !key.entries.is_empty() {
                 break;
             }
             for pos in (0..key.entries.len()).rev() {
@@ -2231,6 +2320,32 @@ impl Allocator {
         if entries != self.entry_count || live_keys != self.live_keys {
             return Err("entry or key count out of step".into());
         }
+        // Every pending grant names a live index or a buried one, and a buried index
+        // is neither live nor free (it is reused only after the drain).
+        let buried_agent = |i: u32| self.graves.agents.iter().any(|(j, _)| *j == i);
+        let buried_key = |i: u32| self.graves.keys.iter().any(|(j, _)| *j == i);
+        for p in &self.outbox {
+            let agent_ok = self
+                .agents
+                .get(p.agent as usize)
+                .is_some_and(|a| a.is_some())
+                || buried_agent(p.agent);
+            let key_ok =
+                self.keys.get(p.key as usize).is_some_and(|k| k.is_some()) || buried_key(p.key);
+            if !agent_ok || !key_ok {
+                return Err(format!("pending grant seq {} names a freed index", p.seq));
+            }
+        }
+        for &(i, _) in &self.graves.agents {
+            if self.agents[i as usize].is_some() || self.free_agents.contains(&i) {
+                return Err(format!("buried agent index {i} live or free"));
+            }
+        }
+        for &(i, _) in &self.graves.keys {
+            if self.keys[i as usize].is_some() || self.free_keys.contains(&i) {
+                return Err(format!("buried key index {i} live or free"));
+            }
+        }
         if self.live_keys > self.cfg.max_keys
             || self.entry_count > self.cfg.max_entries
             || self.live_agents > self.cfg.max_agents
@@ -2292,6 +2407,72 @@ mod tests {
 
     fn for_agent<'a>(gs: &'a [Grant], agent: &str) -> Vec<&'a Grant> {
         gs.iter().filter(|g| &*g.agent == agent).collect()
+    }
+
+    #[test]
+    fn a_pending_grant_keeps_its_names_when_its_agent_and_key_go_before_the_drain() {
+        let now = 5 * SEC;
+        let mut a = warm_allocator(1, now);
+        a.handle_hello(now, &hello("a", 1, 10)).unwrap();
+        a.handle_report(
+            now,
+            &report("a", 1, 20, vec![line(key("rps", "x"), 0, 1, None)]),
+        )
+        .unwrap();
+        settle(&mut a, now + 10 * MS);
+        // b's grant for y waits in the outbox while b is forgotten and, a lease and
+        // more later, the sweep removes y (no entry left).
+        a.handle_hello(now, &hello("b", 1, 10)).unwrap();
+        a.handle_report(
+            now,
+            &report("b", 1, 20, vec![line(key("rps", "y"), 0, 1, None)]),
+        )
+        .unwrap();
+        a.handle_timeout(now + 10 * MS);
+        assert_eq!(a.pending_grants(), 1);
+        a.forget_agent(now + 20 * MS, "b").unwrap();
+        a.check_invariants().unwrap();
+        let later = now + 10 * SEC;
+        a.handle_report(later, &report("a", 1, 10 * SEC, vec![]))
+            .unwrap();
+        a.handle_timeout(later);
+        assert!(a.key_status(&key("rps", "y")).is_none(), "y was swept");
+        a.check_invariants().unwrap();
+        // New arrivals get fresh indices: the buried ones are not reused yet.
+        a.handle_hello(later, &hello("c", 1, 10)).unwrap();
+        a.handle_report(
+            later,
+            &report("c", 1, 20, vec![line(key("rps", "z"), 0, 1, None)]),
+        )
+        .unwrap();
+        a.handle_timeout(later + 10 * MS);
+        a.check_invariants().unwrap();
+        let gs: Vec<Grant> = a.drain_grants().collect();
+        let named: Vec<(&str, String)> =
+            gs.iter().map(|g| (&*g.agent, g.key.to_string())).collect();
+        assert_eq!(named[0], ("b", key("rps", "y").to_string()), "{named:?}");
+        assert!(
+            named.contains(&("c", key("rps", "z").to_string())),
+            "{named:?}"
+        );
+        // After the drain the indices are free again, and reused.
+        a.check_invariants().unwrap();
+        a.handle_hello(later, &hello("d", 1, 10)).unwrap();
+        a.handle_report(
+            later,
+            &report("d", 1, 20, vec![line(key("rps", "w"), 0, 1, None)]),
+        )
+        .unwrap();
+        a.handle_timeout(later + 20 * MS);
+        a.check_invariants().unwrap();
+        let gs = settle(&mut a, later + 30 * MS);
+        assert!(gs.iter().all(|g| &*g.agent != "b"));
+        assert_eq!(a.agents.iter().flatten().count(), 3, "a, c, d");
+        assert!(
+            a.agents.len() <= 3 + 1,
+            "b's index was reused: {}",
+            a.agents.len()
+        );
     }
 
     #[test]

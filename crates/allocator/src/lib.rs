@@ -108,4 +108,6 @@ pub use core::{
     AgentSlice, Allocator, KeyStatus, OvershootBound, ReloadSummary, RuleStatus, Slice,
 };
 pub use error::AllocError;
-pub use msg::{Ack, Grant, HeldGrant, HeldSlice, Hello, KeyName, KeyReport, Report, SliceAck};
+pub use msg::{
+    Ack, Grant, GrantRef, HeldGrant, HeldSlice, Hello, KeyName, KeyReport, Report, SliceAck,
+};

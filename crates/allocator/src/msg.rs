@@ -222,3 +222,54 @@ impl Grant {
         }
     }
 }
+
+/// A grant borrowed from the allocator's outbox ([`crate::Allocator::for_each_grant`]):
+/// the same fields as [`Grant`], with the agent and key names borrowed instead of
+/// counted. The core queues grants by table index and names them only here, so that a
+/// pass issuing a million grants touches no reference count; a shell that encodes
+/// straight onto the wire never needs an owned [`Grant`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GrantRef<'a> {
+    /// The agent it is for.
+    pub agent: &'a Arc<str>,
+    /// The allocator's index of that agent: stable while the agent is known, reused
+    /// only after it is forgotten and the outbox holding its grants has been drained.
+    /// A shell may batch by it instead of hashing the name.
+    pub agent_index: u32,
+    /// The incarnation it is for (see [`Grant::incarnation`]).
+    pub incarnation: u64,
+    /// The key.
+    pub key: &'a Arc<KeyName>,
+    /// Rate per the rule's period (0 for concurrency rules).
+    pub rate: u64,
+    /// Burst (slots for concurrency rules).
+    pub burst: u64,
+    /// The allocator's term.
+    pub epoch: u64,
+    /// Sequence number (see [`Grant::seq`]).
+    pub seq: u64,
+    /// When the lease ends, in the agent's clock.
+    pub lease_expires_at_ns: u64,
+    /// Agents sharing the key.
+    pub fleet_size: u32,
+    /// Tokens handed over from other agents' shrinks.
+    pub transfer_tokens: u64,
+}
+
+impl GrantRef<'_> {
+    /// The owned grant (two reference counts taken).
+    pub fn to_grant(&self) -> Grant {
+        Grant {
+            agent: Arc::clone(self.agent),
+            incarnation: self.incarnation,
+            key: Arc::clone(self.key),
+            rate: self.rate,
+            burst: self.burst,
+            epoch: self.epoch,
+            seq: self.seq,
+            lease_expires_at_ns: self.lease_expires_at_ns,
+            fleet_size: self.fleet_size,
+            transfer_tokens: self.transfer_tokens,
+        }
+    }
+}

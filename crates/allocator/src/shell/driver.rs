@@ -13,7 +13,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 use super::ShellClock;
 use crate::{
-    Ack, AllocError, Allocator, Grant, Hello, KeyStatus, ReloadSummary, Report, RuleStatus,
+    Ack, AllocError, Allocator, GrantRef, Hello, KeyStatus, ReloadSummary, Report, RuleStatus,
 };
 
 /// What the response stream of one agent carries.
@@ -165,7 +165,8 @@ pub struct Driver {
     conns: HashMap<u64, (String, u64)>,
     counters: ShellCounters,
     last_error: Option<String>,
-    batch: HashMap<Arc<str>, Vec<pb::Grant>>,
+    /// Grants being routed, by the core's agent index (see `GrantRef::agent_index`).
+    batch: HashMap<u32, (Arc<str>, Vec<pb::Grant>)>,
     reload: ReloadStatus,
 }
 
@@ -408,20 +409,19 @@ impl Driver {
         if self.core.pending_grants() == 0 {
             return;
         }
-        let grants: Vec<Grant> = self.core.drain_grants().collect();
-        for g in grants {
-            match self.routes.get(&g.agent) {
-                Some(r) if r.incarnation == g.incarnation => {
-                    self.batch
-                        .entry(Arc::clone(&g.agent))
-                        .or_default()
-                        .push(grant_to_pb(&g));
-                }
-                _ => self.counters.grants_dropped += 1,
+        let (routes, batch, counters) = (&self.routes, &mut self.batch, &mut self.counters);
+        self.core.for_each_grant(|g| match routes.get(&**g.agent) {
+            Some(r) if r.incarnation == g.incarnation => {
+                batch
+                    .entry(g.agent_index)
+                    .or_insert_with(|| (Arc::clone(g.agent), Vec::new()))
+                    .1
+                    .push(grant_to_pb(&g));
             }
-        }
+            _ => counters.grants_dropped += 1,
+        });
         let max = self.core.config().max_keys_per_message.max(1);
-        for (agent, grants) in self.batch.drain() {
+        for (_, (agent, grants)) in self.batch.drain() {
             let Some(r) = self.routes.get(&agent) else {
                 continue;
             };
@@ -452,7 +452,7 @@ impl Driver {
 }
 
 /// A core grant as a wire grant.
-pub fn grant_to_pb(g: &Grant) -> pb::Grant {
+pub fn grant_to_pb(g: &GrantRef<'_>) -> pb::Grant {
     pb::Grant {
         key: Some(pb::Key {
             rule: g.key.rule.clone(),
