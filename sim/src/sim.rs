@@ -1401,7 +1401,7 @@ impl Sim {
         self.demand_buf.clear();
         engine.key_demand(&mut self.demand_buf);
         for d in self.demand_buf.drain(..) {
-            let Some(k) = d.values.first().and_then(|v| key_of(v, self.keys.len())) else {
+            let Some(k) = d.values().first().and_then(|v| key_of(v, self.keys.len())) else {
                 continue;
             };
             let held = d.slice.map(|s| HeldGrant {
@@ -1668,7 +1668,7 @@ impl Sim {
                 ks.slices[i].push(0);
             }
             for d in self.demand_buf.drain(..) {
-                let Some(k) = d.values.first().and_then(|v| key_of(v, self.keys.len())) else {
+                let Some(k) = d.values().first().and_then(|v| key_of(v, self.keys.len())) else {
                     continue;
                 };
                 if let (Some(ks), Some(sl)) = (s.keys.get_mut(k as usize), d.slice)

@@ -308,10 +308,8 @@ pub struct MaintainReport {
 /// One live limit key as the allocator sync client reads it ([`Engine::key_demand`]).
 #[derive(Clone, Debug)]
 pub struct KeyDemand {
-    /// The rule's name.
-    pub rule: String,
-    /// The rule's `*` values, in match-key order.
-    pub values: Vec<String>,
+    /// The rule's name (shared, not copied per key: a report walks every key).
+    pub rule: Arc<str>,
     /// The live slot's counters. A slice change (or eviction at rest) replaces the
     /// slot and its counters start again from 0: compare slots with
     /// [`SlotCounters::same_slot`] and read the old one's final counts.
@@ -320,6 +318,13 @@ pub struct KeyDemand {
     pub in_flight: u64,
     /// The allocator slice applied to the key, if any.
     pub slice: Option<AppliedSlice>,
+}
+
+impl KeyDemand {
+    /// The rule's `*` values, in match-key order (borrowed from the slot's key).
+    pub fn values(&self) -> &[Box<str>] {
+        &self.counters.0.key.values
+    }
 }
 
 /// An allocator slice as the engine holds it.
@@ -454,8 +459,137 @@ pub struct RuleStats {
 /// A compiled match entry: descriptor key and `Some(exact)`, or `None` for `*`.
 type MatchEntry = (Box<str>, Option<Box<str>>);
 
-/// A limit key by value: rule index and `*` values.
-type SliceKey = (u32, Box<[Box<str>]>);
+/// A limit key (rule index and `*` values) as the slice map holds it: the key of the
+/// slot the slice was applied to (a replacement slot keeps it). The map hashes the
+/// key's check hash (computed once, when the key was made) and compares pointers
+/// first, content only on a mismatch; it is searched through [`KeyView`], from a
+/// slot's [`LimitKey`] or from borrowed values, without building anything. A report
+/// walks every key: no allocation, no string hashing per key.
+#[derive(Clone, Debug)]
+struct SliceKey(Arc<LimitKey>);
+
+/// A limit key seen as check hash, rule index and `*` values, whatever holds it.
+trait KeyView {
+    /// [`KeyHashing::key_check`] of the key.
+    fn check(&self) -> u64;
+    fn rule(&self) -> u32;
+    fn count(&self) -> usize;
+    fn value(&self, i: usize) -> &str;
+    /// The shared key, if the view is one (pointer equality short-cuts the compare).
+    fn shared(&self) -> Option<&LimitKey> {
+        None
+    }
+}
+
+impl KeyView for LimitKey {
+    fn check(&self) -> u64 {
+        self.check
+    }
+    fn rule(&self) -> u32 {
+        self.rule
+    }
+    fn count(&self) -> usize {
+        self.values.len()
+    }
+    fn value(&self, i: usize) -> &str {
+        &self.values[i]
+    }
+    fn shared(&self) -> Option<&LimitKey> {
+        Some(self)
+    }
+}
+
+impl KeyView for SliceKey {
+    fn check(&self) -> u64 {
+        self.0.check
+    }
+    fn rule(&self) -> u32 {
+        self.0.rule
+    }
+    fn count(&self) -> usize {
+        self.0.values.len()
+    }
+    fn value(&self, i: usize) -> &str {
+        &self.0.values[i]
+    }
+    fn shared(&self) -> Option<&LimitKey> {
+        Some(&self.0)
+    }
+}
+
+/// Borrowed values: rule index, `*` values and their check hash.
+struct Named<'a, S> {
+    check: u64,
+    rule: u32,
+    values: &'a [S],
+}
+
+impl<'a, S: AsRef<str>> Named<'a, S> {
+    fn new(hashing: &KeyHashing, rule: u32, values: &'a [S]) -> Self {
+        Named {
+            check: hashing.key_check(rule, values.iter().map(|v| v.as_ref())),
+            rule,
+            values,
+        }
+    }
+}
+
+impl<S: AsRef<str>> KeyView for Named<'_, S> {
+    fn check(&self) -> u64 {
+        self.check
+    }
+    fn rule(&self) -> u32 {
+        self.rule
+    }
+    fn count(&self) -> usize {
+        self.values.len()
+    }
+    fn value(&self, i: usize) -> &str {
+        self.values[i].as_ref()
+    }
+}
+
+impl std::hash::Hash for dyn KeyView + '_ {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        h.write_u64(self.check());
+    }
+}
+
+impl PartialEq for dyn KeyView + '_ {
+    fn eq(&self, other: &Self) -> bool {
+        if let (Some(a), Some(b)) = (self.shared(), other.shared())
+            && std::ptr::eq(a, b)
+        {
+            return true;
+        }
+        self.check() == other.check()
+            && self.rule() == other.rule()
+            && self.count() == other.count()
+            && (0..self.count()).all(|i| self.value(i) == other.value(i))
+    }
+}
+
+impl Eq for dyn KeyView + '_ {}
+
+impl std::hash::Hash for SliceKey {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        (self as &dyn KeyView).hash(h)
+    }
+}
+
+impl PartialEq for SliceKey {
+    fn eq(&self, other: &Self) -> bool {
+        (self as &dyn KeyView) == (other as &dyn KeyView)
+    }
+}
+
+impl Eq for SliceKey {}
+
+impl<'a> std::borrow::Borrow<dyn KeyView + 'a> for SliceKey {
+    fn borrow(&self) -> &(dyn KeyView + 'a) {
+        self
+    }
+}
 
 struct CompiledRule {
     index: u32,
@@ -468,6 +602,8 @@ struct CompiledRule {
     /// Burst (or slots) of the whole limit: above it a cost never fits.
     whole_capacity: u64,
     rule: Rule,
+    /// The rule's name, shared by every [`KeyDemand`] of its keys.
+    name: Arc<str>,
 }
 
 impl CompiledRule {
@@ -542,13 +678,30 @@ fn whole_params(rule: &Rule) -> Params {
 #[repr(align(64))]
 struct KeyLine([Option<(u64, Arc<Slot>)>; 4]);
 
-/// The published key table: immutable once built (a publish builds a new one), open
-/// addressing with linear probing over 16-byte cells (key id, slot), four to a cache
-/// line, at most three quarters full. A lookup of a known key touches one table line and then
-/// the slot; `std`'s map kept its control bytes apart from its entries, one more
-/// dependent cache miss per decision once the table outgrew the cache.
+/// Lines per chunk of the key table (64 cells, 1 KiB).
+const CHUNK_LINES: usize = 16;
+const CHUNK_CELLS: usize = CHUNK_LINES * 4;
+
+/// A run of table lines, shared between successive tables until one changes it.
+#[derive(Clone, Default)]
+struct Chunk([KeyLine; CHUNK_LINES]);
+
+/// The published key table: immutable once built, open addressing with linear probing
+/// over 16-byte cells (key id, slot), four to a cache line, at most three quarters
+/// full. A lookup of a known key touches the chunk pointer (a small array that stays
+/// in cache), one table line and then the slot; `std`'s map kept its control bytes
+/// apart from its entries, one more dependent cache miss per decision once the table
+/// outgrew the cache.
+///
+/// A publish that adds or replaces a few slots ([`KeyTable::with_updates`]) copies
+/// only the chunks those slots land in and shares the rest with the previous table:
+/// an agent holding 10,000 keys that applies a grant batch of a few keys does not
+/// rebuild (and touch every slot of) the whole table. Slots sealed without a
+/// replacement (evicted at rest) stay in their cells, where every reader already
+/// treats a sealed slot as absent, until the garbage passes a quarter of the table
+/// and a publish rebuilds it whole ([`KeyTable::build`]).
 struct KeyTable {
-    lines: Box<[KeyLine]>,
+    chunks: Box<[Arc<Chunk>]>,
     /// Cells - 1.
     mask: usize,
     len: usize,
@@ -559,40 +712,78 @@ impl KeyTable {
         KeyTable::build(0, std::iter::empty())
     }
 
-    /// A table of `slots` (ids unique), sized for `capacity` of them.
-    fn build(capacity: usize, slots: impl Iterator<Item = (u64, Arc<Slot>)>) -> KeyTable {
-        let cells = (capacity.max(2) * 4 / 3 + 1).next_power_of_two().max(8);
-        let mut t = KeyTable {
-            lines: vec![KeyLine::default(); cells / 4].into_boxed_slice(),
+    fn sized(cells: usize) -> KeyTable {
+        KeyTable {
+            chunks: (0..cells.div_ceil(CHUNK_CELLS))
+                .map(|_| Arc::new(Chunk::default()))
+                .collect(),
             mask: cells - 1,
             len: 0,
-        };
+        }
+    }
+
+    fn cells_for(capacity: usize) -> usize {
+        (capacity.max(2) * 4 / 3 + 1).next_power_of_two().max(8)
+    }
+
+    /// A table of `slots` (ids unique, or a later one replaces an earlier one), sized
+    /// for `capacity` of them.
+    fn build(capacity: usize, slots: impl Iterator<Item = (u64, Arc<Slot>)>) -> KeyTable {
+        let mut t = KeyTable::sized(KeyTable::cells_for(capacity));
         for (id, slot) in slots {
-            if t.len * 4 >= cells * 3 {
+            if t.len * 4 >= (t.mask + 1) * 3 {
                 // More than promised: rebuild larger (never on the decision path).
-                let old = std::mem::replace(&mut t, KeyTable::empty());
                 let items: Vec<(u64, Arc<Slot>)> =
-                    old.iter().map(|(i, s)| (i, Arc::clone(s))).collect();
-                t = KeyTable::build(cells, items.into_iter());
+                    t.iter().map(|(i, s)| (i, Arc::clone(s))).collect();
+                t = KeyTable::build((t.mask + 1) * 2, items.into_iter());
             }
-            let mut i = id as usize & t.mask;
-            loop {
-                let cell = &mut t.lines[i >> 2].0[i & 3];
-                match cell {
-                    None => {
-                        *cell = Some((id, slot));
-                        t.len += 1;
-                        break;
-                    }
-                    Some((other, s)) if *other == id => {
-                        *s = slot;
-                        break;
-                    }
-                    Some(_) => i = (i + 1) & t.mask,
-                }
-            }
+            t.insert(id, slot);
         }
         t
+    }
+
+    /// This table with `slots` added (a slot replaces the one under its id), sharing
+    /// every chunk none of them lands in; the slots back if they could fill it past
+    /// three quarters (then rebuild it whole).
+    fn with_updates(
+        &self,
+        slots: Vec<(u64, Arc<Slot>)>,
+    ) -> Result<KeyTable, Vec<(u64, Arc<Slot>)>> {
+        if (self.len + slots.len()) * 4 >= (self.mask + 1) * 3 {
+            return Err(slots);
+        }
+        let mut t = KeyTable {
+            chunks: self.chunks.clone(),
+            mask: self.mask,
+            len: self.len,
+        };
+        for (id, slot) in slots {
+            t.insert(id, slot);
+        }
+        Ok(t)
+    }
+
+    #[inline]
+    fn cell(&self, i: usize) -> &Option<(u64, Arc<Slot>)> {
+        &self.chunks[i / CHUNK_CELLS].0[(i % CHUNK_CELLS) >> 2].0[i & 3]
+    }
+
+    /// Stores `slot` under `id`, replacing the slot there; copies the chunk first if
+    /// an older table shares it.
+    fn insert(&mut self, id: u64, slot: Arc<Slot>) {
+        let mut i = id as usize & self.mask;
+        loop {
+            match self.cell(i) {
+                None => {
+                    self.len += 1;
+                    break;
+                }
+                Some((other, _)) if *other == id => break,
+                Some(_) => i = (i + 1) & self.mask,
+            }
+        }
+        let chunk = Arc::make_mut(&mut self.chunks[i / CHUNK_CELLS]);
+        chunk.0[(i % CHUNK_CELLS) >> 2].0[i & 3] = Some((id, slot));
     }
 
     fn len(&self) -> usize {
@@ -604,7 +795,7 @@ impl KeyTable {
     fn get(&self, id: u64) -> Option<&Arc<Slot>> {
         let mut i = id as usize & self.mask;
         loop {
-            match &self.lines[i >> 2].0[i & 3] {
+            match self.cell(i) {
                 Some((other, s)) if *other == id => return Some(s),
                 Some(_) => i = (i + 1) & self.mask,
                 None => return None,
@@ -613,8 +804,9 @@ impl KeyTable {
     }
 
     fn iter(&self) -> impl Iterator<Item = (u64, &Arc<Slot>)> {
-        self.lines
+        self.chunks
             .iter()
+            .flat_map(|c| c.0.iter())
             .flat_map(|l| l.0.iter())
             .flatten()
             .map(|(id, s)| (*id, s))
@@ -655,8 +847,11 @@ struct SliceState {
 struct Slow {
     /// Slots newer than the published table (new keys and replacements).
     pending: HashMap<u64, Arc<Slot>, PassThroughState>,
+    /// Slots sealed without a replacement since the table was last rebuilt whole
+    /// (they stay in their cells until then; see [`KeyTable`]).
+    table_garbage: usize,
     /// Allocator grants by key (rule, values).
-    slices: HashMap<SliceKey, SliceState>,
+    slices: HashMap<SliceKey, SliceState, PassThroughState>,
     /// Live keys (table + pending, not counting sealed slots).
     keys: usize,
     /// Admitted/rejected/blocked of retired slots, per rule.
@@ -719,6 +914,7 @@ impl Engine {
                     whole_capacity: whole.capacity(),
                     whole,
                     rule: r.clone(),
+                    name: r.name.as_str().into(),
                 }
             })
             .collect();
@@ -757,7 +953,8 @@ impl Engine {
             table: Arc::new(ArcSwap::from_pointee(KeyTable::empty())),
             slow: Mutex::new(Slow {
                 pending: HashMap::default(),
-                slices: HashMap::new(),
+                table_garbage: 0,
+                slices: HashMap::default(),
                 keys: 0,
                 retired,
                 published_at_ns: 0,
@@ -1118,8 +1315,8 @@ impl Engine {
             max: self.cfg.max_keys,
         })?;
         let c = &self.compiled[rule as usize];
-        let boxed: Box<[Box<str>]> = values.iter().map(|v| Box::<str>::from(*v)).collect();
-        let (params, state) = match slow.slices.get(&(rule, boxed.clone())) {
+        let named = Named::new(&self.hashing, rule, values);
+        let (params, state) = match slow.slices.get(&named as &dyn KeyView) {
             // A granted key whose slot was evicted at rest: recreate it full, as it was.
             Some(s) => (s.grant, Slot::full_state(&s.grant, now)),
             None => match self.cfg.slice_source {
@@ -1139,7 +1336,7 @@ impl Engine {
             check: self.hashing.key_check(rule, values.iter().copied()),
             rule,
             display: display_key(&c.rule, values).into(),
-            values: boxed,
+            values: values.iter().map(|v| Box::<str>::from(*v)).collect(),
         });
         let slot = Arc::new(Slot::new(key, params, state));
         slow.pending.insert(slot_id, Arc::clone(&slot));
@@ -1155,14 +1352,31 @@ impl Engine {
     fn publish_locked(&self, slow: &mut Slow, now: u64) {
         slow.published_at_ns = slow.published_at_ns.max(now);
         let old = self.table.load();
-        let capacity = old.len() + slow.pending.len();
-        let kept = old
-            .iter()
+        let pending: Vec<(u64, Arc<Slot>)> = slow
+            .pending
+            .drain()
             .filter(|(_, s)| !s.is_sealed())
-            .map(|(id, s)| (id, Arc::clone(s)));
-        let pending = slow.pending.drain().filter(|(_, s)| !s.is_sealed());
-        // Pending slots come last: a replacement wins over the slot it sealed.
-        let table = KeyTable::build(capacity, kept.chain(pending));
+            .collect();
+        let capacity = old.len() + pending.len();
+        // Few changes: copy only the chunks they touch (a replacement takes the cell of
+        // the slot it sealed). Past a quarter of evicted garbage, or full: rebuild.
+        let updated = if slow.table_garbage * 4 <= old.len() {
+            old.with_updates(pending)
+        } else {
+            Err(pending)
+        };
+        let table = match updated {
+            Ok(t) => t,
+            Err(pending) => {
+                slow.table_garbage = 0;
+                let kept = old
+                    .iter()
+                    .filter(|(_, s)| !s.is_sealed())
+                    .map(|(id, s)| (id, Arc::clone(s)));
+                // Pending slots come last: a replacement wins over the slot it sealed.
+                KeyTable::build(capacity, kept.chain(pending))
+            }
+        };
         self.table.store(Arc::new(table));
     }
 
@@ -1184,13 +1398,12 @@ impl Engine {
                 break;
             }
             if self.cfg.slice_source == SliceSource::Allocated
-                && slow
-                    .slices
-                    .contains_key(&(s.key.rule, s.key.values.clone()))
+                && slow.slices.contains_key(&*s.key as &dyn KeyView)
             {
                 continue; // granted keys are the allocator's to manage
             }
             if s.seal_if_at_rest(now, idle_ns) {
+                slow.table_garbage += 1;
                 retire(&mut slow.retired, &s);
                 slow.keys -= 1;
                 evicted += 1;
@@ -1550,8 +1763,8 @@ impl Engine {
             });
         }
         let ri = ri as u32;
-        let boxed: Box<[Box<str>]> = u.values.iter().map(|v| v.as_str().into()).collect();
-        if let Some(s) = slow.slices.get(&(ri, boxed.clone()))
+        let named = Named::new(&self.hashing, ri, &u.values);
+        if let Some(s) = slow.slices.get(&named as &dyn KeyView)
             && (u.epoch < s.epoch || (u.epoch == s.epoch && u.seq <= s.seq))
         {
             return Err(SliceError::Stale {
@@ -1561,7 +1774,8 @@ impl Engine {
                 held_seq: s.seq,
             });
         }
-        if !slow.slices.contains_key(&(ri, boxed.clone())) && slow.slices.len() >= self.cfg.max_keys
+        if !slow.slices.contains_key(&named as &dyn KeyView)
+            && slow.slices.len() >= self.cfg.max_keys
         {
             return Err(SliceError::TableFull {
                 max: self.cfg.max_keys,
@@ -1581,18 +1795,20 @@ impl Engine {
                 period_ns: l.period_ns,
             }),
         };
-        let applied = self.install_locked(slow, now, ri, &u.values, grant, u.transfer_tokens)?;
-        slow.slices.insert(
-            (ri, boxed),
-            SliceState {
-                epoch: u.epoch,
-                seq: u.seq,
-                grant,
-                lease_expires_at_ns: u.lease_expires_at_ns,
-                fleet_size: u.fleet_size.max(1),
-                expired: false,
-            },
-        );
+        let (applied, key) =
+            self.install_locked(slow, now, ri, &u.values, grant, u.transfer_tokens)?;
+        let state = SliceState {
+            epoch: u.epoch,
+            seq: u.seq,
+            grant,
+            lease_expires_at_ns: u.lease_expires_at_ns,
+            fleet_size: u.fleet_size.max(1),
+            expired: false,
+        };
+        // Keyed by the live slot's key, so that report walks match it by pointer (a
+        // key recreated after an eviction is a new `LimitKey`).
+        slow.slices.remove(&named as &dyn KeyView);
+        slow.slices.insert(SliceKey(key), state);
         Ok(applied)
     }
 
@@ -1606,7 +1822,7 @@ impl Engine {
         values: &[String],
         params: Params,
         transfer: u64,
-    ) -> Result<SliceApplied, SliceError> {
+    ) -> Result<(SliceApplied, Arc<LimitKey>), SliceError> {
         let vals: Vec<&str> = values.iter().map(|s| s.as_str()).collect();
         let id = self.hashing.key_id(rule, vals.iter().copied());
         let table = self.table.load();
@@ -1617,14 +1833,15 @@ impl Engine {
         {
             // A renewal: same slice. Keep the slot (and its pending refunds).
             let state = old.load();
-            return Ok(SliceApplied {
+            let applied = SliceApplied {
                 released_tokens: 0,
                 in_flight: if matches!(params, Params::Slots(_)) {
                     state.tat
                 } else {
                     0
                 },
-            });
+            };
+            return Ok((applied, Arc::clone(&old.key)));
         }
         let (slot_id, key, state, released) = match existing {
             Some((slot_id, old)) => match old.seal() {
@@ -1664,12 +1881,15 @@ impl Engine {
             Params::Slots(_) => state.tat,
             _ => 0,
         };
-        slow.pending
-            .insert(slot_id, Arc::new(Slot::new(key, params, state)));
-        Ok(SliceApplied {
+        slow.pending.insert(
+            slot_id,
+            Arc::new(Slot::new(Arc::clone(&key), params, state)),
+        );
+        let applied = SliceApplied {
             released_tokens: released,
             in_flight,
-        })
+        };
+        Ok((applied, key))
     }
 
     /// Periodic upkeep; the shell calls it every ~100 ms. Expires leases (releasing their
@@ -1714,7 +1934,8 @@ impl Engine {
             .filter(|(_, s)| !s.expired && s.lease_expires_at_ns <= now)
             .map(|(k, s)| (k.clone(), *s))
             .collect();
-        for ((rule, values), s) in ended {
+        for (key, s) in ended {
+            let rule = key.0.rule;
             let c = &self.compiled[rule as usize];
             let fallback = match (c.rule.posture, s.grant, c.whole) {
                 (Posture::Open, g, _) => g,
@@ -1734,11 +1955,11 @@ impl Engine {
                 }
                 (Posture::Conservative, g, _) => g,
             };
-            let vals: Vec<String> = values.iter().map(|v| v.to_string()).collect();
+            let vals: Vec<String> = key.0.values.iter().map(|v| v.to_string()).collect();
             if fallback != s.grant {
                 let _ = self.install_locked(&mut slow, now, rule, &vals, fallback, 0);
             }
-            if let Some(st) = slow.slices.get_mut(&(rule, values)) {
+            if let Some(st) = slow.slices.get_mut(&key) {
                 st.expired = true;
                 st.grant = fallback;
             }
@@ -1787,27 +2008,23 @@ impl Engine {
         let table = self.table.load();
         for (_, s) in live_slots(&slow, &table) {
             let c = &self.compiled[s.key.rule as usize];
-            let slice = slow
-                .slices
-                .get(&(s.key.rule, s.key.values.clone()))
-                .map(|st| {
-                    let (rate, burst) = match st.grant {
-                        Params::Rate(p) => (p.limit.rate, p.limit.burst),
-                        Params::Closed(_) => (0, 0),
-                        Params::Slots(n) => (0, n),
-                    };
-                    AppliedSlice {
-                        epoch: st.epoch,
-                        seq: st.seq,
-                        rate,
-                        burst,
-                        lease_expires_at_ns: st.lease_expires_at_ns,
-                        expired: st.expired,
-                    }
-                });
+            let slice = slow.slices.get(&*s.key as &dyn KeyView).map(|st| {
+                let (rate, burst) = match st.grant {
+                    Params::Rate(p) => (p.limit.rate, p.limit.burst),
+                    Params::Closed(_) => (0, 0),
+                    Params::Slots(n) => (0, n),
+                };
+                AppliedSlice {
+                    epoch: st.epoch,
+                    seq: st.seq,
+                    rate,
+                    burst,
+                    lease_expires_at_ns: st.lease_expires_at_ns,
+                    expired: st.expired,
+                }
+            });
             out.push(KeyDemand {
-                rule: c.rule.name.clone(),
-                values: s.key.values.iter().map(|v| v.to_string()).collect(),
+                rule: Arc::clone(&c.name),
                 in_flight: match s.params {
                     Params::Slots(_) => s.load().tat,
                     _ => 0,
@@ -2170,4 +2387,125 @@ fn validate_usage(u: &Usage) -> Result<(), CompleteError> {
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod key_table_tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::HashMap as Model;
+
+    fn slot() -> Arc<Slot> {
+        let p = Params::Slots(1);
+        Arc::new(Slot::new(
+            Arc::new(LimitKey::for_tests("k")),
+            p,
+            Slot::full_state(&p, 0),
+        ))
+    }
+
+    fn contents(t: &KeyTable) -> Model<u64, usize> {
+        let all: Vec<(u64, usize)> = t
+            .iter()
+            .map(|(id, s)| (id, Arc::as_ptr(s) as usize))
+            .collect();
+        let m: Model<u64, usize> = all.iter().copied().collect();
+        assert_eq!(m.len(), all.len(), "an id stored twice");
+        assert_eq!(t.len(), all.len());
+        m
+    }
+
+    proptest! {
+        /// Publishing by `with_updates` (copying only the chunks touched) gives the
+        /// same table as a model map, whatever the ids (colliding ones included), and
+        /// never changes an earlier table that shares its chunks.
+        #[test]
+        fn incremental_publishes_match_a_model_and_leave_older_tables_alone(
+            batches in prop::collection::vec(
+                prop::collection::vec(0u64..600, 0..40), 1..30),
+        ) {
+            let mut model: Model<u64, usize> = Model::new();
+            let mut t = KeyTable::empty();
+            let mut history: Vec<(KeyTable, Model<u64, usize>)> = Vec::new();
+            for ids in batches {
+                let slots: Vec<(u64, Arc<Slot>)> = ids.iter().map(|&id| (id, slot())).collect();
+                for (id, s) in &slots {
+                    model.insert(*id, Arc::as_ptr(s) as usize);
+                }
+                let next = match t.with_updates(slots) {
+                    Ok(next) => next,
+                    Err(slots) => {
+                        // Full: rebuilt whole, as `publish_locked` does.
+                        let kept: Vec<(u64, Arc<Slot>)> =
+                            t.iter().map(|(id, s)| (id, Arc::clone(s))).collect();
+                        let n = kept.len() + slots.len();
+                        KeyTable::build(n, kept.into_iter().chain(slots))
+                    }
+                };
+                prop_assert_eq!(contents(&next), model.clone());
+                for &id in model.keys() {
+                    prop_assert_eq!(next.get(id).map(|s| Arc::as_ptr(s) as usize), model.get(&id).copied());
+                }
+                prop_assert!(next.get(10_000).is_none());
+                history.push((std::mem::replace(&mut t, next), model.clone()));
+            }
+            // Every earlier table still holds exactly what it held when published.
+            let mut expected: Model<u64, usize> = Model::new();
+            for (i, (old, _)) in history.iter().enumerate() {
+                if i > 0 {
+                    expected = history[i - 1].1.clone();
+                }
+                prop_assert_eq!(contents(old), expected.clone());
+            }
+        }
+    }
+
+    /// The slice map finds a key by pointer, and by content from another `LimitKey` of
+    /// the same key (recreated after an eviction) or from borrowed values; a key that
+    /// differs in a value is not found even with the same check hash.
+    #[test]
+    fn the_slice_map_finds_keys_by_pointer_or_content_only() {
+        let hashing = KeyHashing::new();
+        let make = |vals: &[&str], check: u64| {
+            Arc::new(LimitKey {
+                id: 1,
+                check,
+                rule: 2,
+                values: vals.iter().map(|v| Box::<str>::from(*v)).collect(),
+                display: "k".into(),
+            })
+        };
+        let check = hashing.key_check(2, ["acme", "gpt"].into_iter());
+        let first = make(&["acme", "gpt"], check);
+        let mut map: HashMap<SliceKey, u32, PassThroughState> = HashMap::default();
+        map.insert(SliceKey(Arc::clone(&first)), 5);
+        assert_eq!(map.get(&*first as &dyn KeyView), Some(&5));
+        let again = make(&["acme", "gpt"], check);
+        assert_eq!(map.get(&*again as &dyn KeyView), Some(&5));
+        let vals = ["acme".to_string(), "gpt".to_string()];
+        assert_eq!(
+            map.get(&Named::new(&hashing, 2, &vals) as &dyn KeyView),
+            Some(&5)
+        );
+        assert_eq!(
+            map.get(&Named::new(&hashing, 3, &vals) as &dyn KeyView),
+            None
+        );
+        let forged = make(&["acme", "gpu"], check);
+        assert_eq!(map.get(&*forged as &dyn KeyView), None);
+    }
+
+    #[test]
+    fn a_publish_of_a_few_slots_shares_the_chunks_it_does_not_touch() {
+        let t = KeyTable::build(10_000, (0..10_000u64).map(|id| (id * 7_919, slot())));
+        let next = t.with_updates(vec![(7_919, slot())]).ok().unwrap();
+        let shared = t
+            .chunks
+            .iter()
+            .zip(next.chunks.iter())
+            .filter(|(a, b)| Arc::ptr_eq(a, b))
+            .count();
+        assert_eq!(shared, t.chunks.len() - 1, "one chunk copied");
+        assert_eq!(next.len(), 10_000);
+    }
 }

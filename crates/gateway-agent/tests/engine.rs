@@ -868,7 +868,7 @@ fn a_request_rejected_by_one_rule_still_counts_as_demand_on_the_others() {
         demand.clear();
         e.key_demand(demand);
         let get = |rule: &str| {
-            let d = demand.iter().find(|d| d.rule == rule).unwrap();
+            let d = demand.iter().find(|d| &*d.rule == rule).unwrap();
             (
                 d.counters.admitted(),
                 d.counters.rejected(),

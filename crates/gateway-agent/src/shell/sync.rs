@@ -325,7 +325,11 @@ impl Client {
                 rate: s.rate,
                 burst: s.burst,
             });
-            match self.tracks.get_mut(&(d.rule.clone(), d.values.clone())) {
+            let id = (
+                d.rule.to_string(),
+                d.values().iter().map(|v| v.to_string()).collect(),
+            );
+            match self.tracks.get_mut(&id) {
                 Some(t) => {
                     t.totals.observe(d.counters);
                     t.in_flight = d.in_flight;
@@ -334,7 +338,7 @@ impl Client {
                 }
                 None => {
                     self.tracks.insert(
-                        (d.rule, d.values),
+                        id,
                         Track {
                             totals: KeyTotals::new(d.counters),
                             since_ns: since,
