@@ -1,0 +1,84 @@
+//! The agent's control-plane calls on an engine holding 10,000 keys: what a sync
+//! client pays per report (`Engine::key_demand` walks every key) and per grant batch
+//! (`Engine::apply_slices` replaces the granted keys' slots and publishes the key
+//! table before it returns). Neither is on the decision path, but a gateway with many
+//! keys runs them every report interval and on every grant message, and the simulator
+//! runs them for a thousand agents in one process.
+//!
+//! - `control/key_demand_10k_keys`: one walk into a reused buffer.
+//! - `control/apply_slices_1_grant_10k_keys`: one grant that changes a key's slice (a
+//!   new slot and a publish), cycling over the keys.
+//! - `control/apply_slices_16_grants_10k_keys`: a batch of 16 such grants.
+//!
+//! Run: `cargo bench -p bursar-agent --bench control`. Figures: docs/BENCHMARKS.md
+//! ("Agent control-plane calls").
+// `criterion_group!` generates a public function without docs.
+#![allow(missing_docs)]
+
+use std::hint::black_box;
+
+use bursar_agent::engine::SliceUpdate;
+use bursar_agent::testing::keyed_engine;
+use criterion::{Criterion, criterion_group, criterion_main};
+
+const KEYS: usize = 10_000;
+
+fn control(c: &mut Criterion) {
+    let mut g = c.benchmark_group("control");
+    let (engine, _handles) = keyed_engine(KEYS);
+    let mut buf = Vec::with_capacity(KEYS);
+    engine.key_demand(&mut buf);
+    assert_eq!(buf.len(), KEYS, "every warm key is walked");
+    g.bench_function("key_demand_10k_keys", |b| {
+        b.iter(|| {
+            buf.clear();
+            engine.key_demand(&mut buf);
+            black_box(buf.len())
+        })
+    });
+    drop(buf);
+    let values: Vec<String> = (0..KEYS).map(|i| format!("key-{i}")).collect();
+    let mut seq = 0u64;
+    for batch in [1usize, 16] {
+        let mut next = 0usize;
+        let mut updates: Vec<SliceUpdate> = Vec::with_capacity(batch);
+        g.bench_function(
+            format!(
+                "apply_slices_{batch}_grant{}_10k_keys",
+                if batch == 1 { "" } else { "s" }
+            ),
+            |b| {
+                b.iter(|| {
+                    updates.clear();
+                    for _ in 0..batch {
+                        seq += 1;
+                        updates.push(SliceUpdate {
+                            rule: "rps".into(),
+                            values: vec![values[next % KEYS].clone()],
+                            // A different slice every time: the slot is replaced.
+                            rate: 1_000_000 + seq % 2,
+                            burst: 1_000_000,
+                            epoch: 1,
+                            seq,
+                            lease_expires_at_ns: u64::MAX / 2,
+                            fleet_size: 1,
+                            transfer_tokens: 0,
+                        });
+                        next += 7;
+                    }
+                    let applied = engine.apply_slices(1, &updates);
+                    assert!(applied.iter().all(|r| r.is_ok()), "{applied:?}");
+                    black_box(applied.len())
+                })
+            },
+        );
+    }
+    g.finish();
+}
+
+criterion_group!(
+    name = benches;
+    config = Criterion::default();
+    targets = control
+);
+criterion_main!(benches);
