@@ -1397,12 +1397,23 @@ impl Engine {
             if evicted >= max {
                 break;
             }
-            if self.cfg.slice_source == SliceSource::Allocated
-                && slow.slices.contains_key(&*s.key as &dyn KeyView)
-            {
-                continue; // granted keys are the allocator's to manage
+            // A key under a live grant is the allocator's to manage (an allocated agent
+            // keeps it). Once the grant's lease has ended (the allocator reclaims it
+            // after the lease plus its margin), an idle key goes with its slice, or an
+            // agent whose keys churn would fill its tables with keys granted long ago
+            // and refuse every new one; if it comes back it is a new key (closed until
+            // granted, reported at once).
+            let ended = slow
+                .slices
+                .get(&*s.key as &dyn KeyView)
+                .map(|st| st.expired);
+            if self.cfg.slice_source == SliceSource::Allocated && ended == Some(false) {
+                continue;
             }
             if s.seal_if_at_rest(now, idle_ns) {
+                if ended == Some(true) {
+                    slow.slices.remove(&*s.key as &dyn KeyView);
+                }
                 slow.table_garbage += 1;
                 retire(&mut slow.retired, &s);
                 slow.keys -= 1;

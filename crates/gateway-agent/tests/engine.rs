@@ -954,3 +954,79 @@ fn key_totals_keep_the_counts_of_a_slot_replaced_twice_between_two_reads() {
     totals.observe(e.key_counters("rpm", &["a"]).unwrap());
     assert_eq!(totals.admitted(), 4);
 }
+
+/// An allocated agent whose keys churn (per-user limits) must not fill its tables with
+/// keys granted long ago: once a key's lease has ended and the key has been idle for
+/// `key_idle_ms`, the key and its slice go, and a new key can be granted.
+#[test]
+fn granted_keys_whose_lease_ended_are_evicted_when_idle_and_make_room() {
+    let e = engine(
+        r#"
+        [engine]
+        slice_source = "allocated"
+        max_keys = 4
+        key_idle_ms = 1000
+        [[rule]]
+        name = "rpm"
+        match = { org = "*" }
+        dimension = "requests"
+        rate = 100
+        per = "second"
+        posture = "open"
+        "#,
+    );
+    let grant = |org: &str, seq: u64, lease_end: u64| SliceUpdate {
+        rule: "rpm".into(),
+        values: vec![org.into()],
+        rate: 10,
+        burst: 10,
+        epoch: 1,
+        seq,
+        lease_expires_at_ns: lease_end,
+        fleet_size: 2,
+        transfer_tokens: 10,
+    };
+    for i in 0..4u64 {
+        let org = format!("o{i}");
+        let applied = e.apply_slices(0, &[grant(&org, i + 1, SEC)]);
+        assert!(applied[0].is_ok(), "{applied:?}");
+        let id = format!("r{i}");
+        assert!(
+            e.admit(0, &req(&id, &[("org", &org)], Cost::ONE_REQUEST))
+                .unwrap()
+                .is_admitted()
+        );
+        e.complete(0, &id, Usage::default(), CompletionStatus::Ok)
+            .unwrap();
+    }
+    assert_eq!(e.key_count(), 4);
+    // Full while the grants are live.
+    let refused = e.apply_slices(0, &[grant("o4", 5, SEC)]);
+    assert!(refused[0].is_err(), "{refused:?}");
+    // Before the leases end (1 s), idle keys stay, however long at rest.
+    let rep = e.maintain(SEC - 1);
+    assert_eq!(rep.keys_evicted, 0, "{rep:?}");
+    assert_eq!(e.key_count(), 4);
+    // The leases have ended and the keys are at rest for over 1 s.
+    let rep = e.maintain(3 * SEC);
+    assert_eq!((rep.slices_expired, rep.keys_evicted), (4, 4), "{rep:?}");
+    assert_eq!(e.key_count(), 0);
+    let mut demand = Vec::new();
+    e.key_demand(&mut demand);
+    assert!(demand.is_empty());
+    // Room for new keys and their grants.
+    let applied = e.apply_slices(3 * SEC, &[grant("o4", 6, 10 * SEC)]);
+    assert!(applied[0].is_ok(), "{applied:?}");
+    assert!(
+        e.admit(3 * SEC, &req("r4", &[("org", "o4")], Cost::ONE_REQUEST))
+            .unwrap()
+            .is_admitted()
+    );
+    // A key that went comes back closed (no grant) and is reported as new demand.
+    assert!(
+        !e.admit(3 * SEC, &req("r5", &[("org", "o0")], Cost::ONE_REQUEST))
+            .unwrap()
+            .is_admitted()
+    );
+    e.check_invariants(3 * SEC).unwrap();
+}
