@@ -656,7 +656,8 @@ pub struct Allocator {
 
 /// A grant in the outbox: agent and key by index, named only when drained
 /// ([`Allocator::for_each_grant`]). Building a million grants in a full pass then takes
-/// no reference count and writes 72 bytes each instead of 88.
+/// no reference count and writes one 64-byte line each instead of 88 bytes. The term is
+/// not stored: an allocator's term never changes (a new term is a new `Allocator`).
 #[derive(Clone, Copy, Debug)]
 struct Pending {
     agent: u32,
@@ -665,7 +666,6 @@ struct Pending {
     incarnation: u64,
     rate: u64,
     burst: u64,
-    epoch: u64,
     seq: u64,
     lease_expires_at_ns: u64,
     transfer_tokens: u64,
@@ -829,7 +829,7 @@ impl Allocator {
                 key,
                 rate: p.rate,
                 burst: p.burst,
-                epoch: p.epoch,
+                epoch: self.term,
                 seq: p.seq,
                 lease_expires_at_ns: p.lease_expires_at_ns,
                 fleet_size: p.fleet_size,
@@ -1721,7 +1721,6 @@ impl Allocator {
             key: k,
             rate: slice.rate,
             burst: slice.burst,
-            epoch: term,
             seq,
             lease_expires_at_ns: ag.report_ts.saturating_add(lease).saturating_sub(drift),
             fleet_size: fleet,
@@ -2407,6 +2406,11 @@ mod tests {
 
     fn for_agent<'a>(gs: &'a [Grant], agent: &str) -> Vec<&'a Grant> {
         gs.iter().filter(|g| &*g.agent == agent).collect()
+    }
+
+    #[test]
+    fn a_pending_grant_is_one_cache_line() {
+        assert_eq!(std::mem::size_of::<Pending>(), 64);
     }
 
     #[test]
