@@ -12,7 +12,8 @@ use std::sync::Arc;
 
 use bursar_agent::engine::KeyDemand;
 use bursar_agent::{
-    AdmitRequest, CompletionStatus, Config, Cost, Decision, DiscardSink, Engine, KeyTotals, Usage,
+    AdmitRequest, CompletionStatus, Config, Cost, Decision, DiscardSink, Engine, KeyTotals,
+    SliceApplied, Usage,
 };
 use bursar_allocator::{
     Ack, Allocator, AllocatorConfig, Grant, HeldGrant, HeldSlice, Hello, KeyName, KeyReport,
@@ -1550,30 +1551,19 @@ impl Sim {
         }
         let at = a.clock(self.now);
         let updates: Vec<_> = grants.iter().map(Grant::to_slice_update).collect();
-        // As `sync.rs` (`apply`): each key's live slot is folded into its track just
-        // before a slice replaces it, and a batch naming one key twice is applied in
-        // parts, so that no replaced slot's counts are lost.
-        let mut res = Vec::with_capacity(updates.len());
-        let mut start = 0;
-        while start < updates.len() {
-            let mut end = start;
-            let mut in_part = std::collections::BTreeSet::new();
-            while end < updates.len() && in_part.insert(&updates[end].values) {
-                end += 1;
+        // As `sync.rs` (`apply`): every slot a slice replaced is folded into its key's
+        // track, in order, so that no replaced slot's counts are lost.
+        let res = engine.apply_slices(at, &updates);
+        for (u, r) in updates.iter().zip(&res) {
+            if let Ok(SliceApplied {
+                replaced: Some(old),
+                ..
+            }) = r
+                && let Some(k) = u.values.first().and_then(|v| key_of(v, nkeys))
+                && let Some(t) = a.tracks.get_mut(&k)
+            {
+                t.totals.observe(old.clone());
             }
-            for u in &updates[start..end] {
-                let Some(k) = u.values.first().and_then(|v| key_of(v, nkeys)) else {
-                    continue;
-                };
-                if let Some(t) = a.tracks.get_mut(&k) {
-                    let vals: Vec<&str> = u.values.iter().map(|v| v.as_str()).collect();
-                    if let Some(c) = engine.key_counters(&u.rule, &vals) {
-                        t.totals.observe(c);
-                    }
-                }
-            }
-            res.extend(engine.apply_slices(at, &updates[start..end]));
-            start = end;
         }
         let mut slices = Vec::with_capacity(grants.len());
         for (g, r) in grants.iter().zip(res) {

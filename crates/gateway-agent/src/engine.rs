@@ -285,13 +285,18 @@ pub struct SliceUpdate {
 }
 
 /// What applying one slice did.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct SliceApplied {
     /// Whole units the shrink's clamp gave up (to report for transfer).
     pub released_tokens: u64,
     /// Slots in flight on the key (a concurrency shrink may be acknowledged only once
     /// this is at or below the new slot count).
     pub in_flight: u64,
+    /// The key's slot this slice replaced (sealed), with its final counts; `None` for
+    /// a new key or a renewal (same slice: the slot is kept). A sync client folds it
+    /// into its [`KeyTotals`] in order: a key replaced twice in one batch, or between
+    /// two [`Engine::key_demand`] walks, then loses no counts.
+    pub replaced: Option<SlotCounters>,
 }
 
 /// What one [`Engine::maintain`] pass did.
@@ -384,8 +389,8 @@ impl std::fmt::Debug for SlotCounters {
 /// One key's demand counters accumulated across slot replacements. A slice change (or
 /// an eviction at rest) replaces a key's slot, whose counters start again from 0; a key
 /// replaced twice between two reads would lose the middle slot's counts. Feed it every
-/// view of the key's live slot: each [`KeyDemand::counters`], and
-/// [`Engine::key_counters`] just before applying a slice to the key. What the sync
+/// view of the key's slots: each [`KeyDemand::counters`], and each
+/// [`SliceApplied::replaced`] of a slice applied to the key, in order. What the sync
 /// client (and the simulator, which drives the same engine) reports as demand.
 #[derive(Clone, Debug)]
 pub struct KeyTotals {
@@ -499,24 +504,6 @@ impl KeyView for LimitKey {
     }
 }
 
-impl KeyView for SliceKey {
-    fn check(&self) -> u64 {
-        self.0.check
-    }
-    fn rule(&self) -> u32 {
-        self.0.rule
-    }
-    fn count(&self) -> usize {
-        self.0.values.len()
-    }
-    fn value(&self, i: usize) -> &str {
-        &self.0.values[i]
-    }
-    fn shared(&self) -> Option<&LimitKey> {
-        Some(&self.0)
-    }
-}
-
 /// Borrowed values: rule index, `*` values and their check hash.
 struct Named<'a, S> {
     check: u64,
@@ -571,15 +558,17 @@ impl PartialEq for dyn KeyView + '_ {
 
 impl Eq for dyn KeyView + '_ {}
 
+// A `SliceKey` is its `LimitKey` seen through `KeyView`: hashed, compared and borrowed
+// as that, so that map lookups by any view agree with it.
 impl std::hash::Hash for SliceKey {
     fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
-        (self as &dyn KeyView).hash(h)
+        (&*self.0 as &dyn KeyView).hash(h)
     }
 }
 
 impl PartialEq for SliceKey {
     fn eq(&self, other: &Self) -> bool {
-        (self as &dyn KeyView) == (other as &dyn KeyView)
+        (&*self.0 as &dyn KeyView) == (&*other.0 as &dyn KeyView)
     }
 }
 
@@ -587,7 +576,7 @@ impl Eq for SliceKey {}
 
 impl<'a> std::borrow::Borrow<dyn KeyView + 'a> for SliceKey {
     fn borrow(&self) -> &(dyn KeyView + 'a) {
-        self
+        &*self.0
     }
 }
 
@@ -1292,7 +1281,8 @@ impl Engine {
         if let Some((_, s)) = find_live(&slow, &table, id, rule, values) {
             // A key still waiting in `pending` is used again: publish soon, so it
             // leaves the slow path. The interval grows with the table (a publish copies
-            // it): 1 ms plus 1 us per key, i.e. a few percent of a core at most.
+            // its chunk array, and all of it when it rebuilds): 1 ms plus 1 us per key,
+            // i.e. a few percent of a core at most.
             let interval = 1_000_000 + table.len() as u64 * 1_000;
             if now.saturating_sub(slow.published_at_ns) >= interval {
                 drop(table);
@@ -1333,7 +1323,7 @@ impl Engine {
         };
         let key = Arc::new(LimitKey {
             id: slot_id,
-            check: self.hashing.key_check(rule, values.iter().copied()),
+            check: named.check,
             rule,
             display: display_key(&c.rule, values).into(),
             values: values.iter().map(|v| Box::<str>::from(*v)).collect(),
@@ -1851,10 +1841,11 @@ impl Engine {
                 } else {
                     0
                 },
+                replaced: None,
             };
             return Ok((applied, Arc::clone(&old.key)));
         }
-        let (slot_id, key, state, released) = match existing {
+        let (slot_id, key, state, released, replaced) = match existing {
             Some((slot_id, old)) => match old.seal() {
                 Some(final_state) => {
                     let r = &mut slow.retired[rule as usize];
@@ -1863,7 +1854,8 @@ impl Engine {
                     r.2 += old.blocked.load(Ordering::Relaxed);
                     let (state, released) =
                         bucket::convert(&old.params, final_state, &params, now, transfer);
-                    (slot_id, Arc::clone(&old.key), state, released)
+                    let key = Arc::clone(&old.key);
+                    (slot_id, key, state, released, Some(SlotCounters(old)))
                 }
                 None => unreachable!("find_live returns unsealed slots; sealing needs the lock"),
             },
@@ -1885,7 +1877,13 @@ impl Engine {
                     values: vals.iter().map(|v| Box::<str>::from(*v)).collect(),
                 });
                 slow.keys += 1;
-                (slot_id, key, Slot::state_with(&params, now, transfer), 0)
+                (
+                    slot_id,
+                    key,
+                    Slot::state_with(&params, now, transfer),
+                    0,
+                    None,
+                )
             }
         };
         let in_flight = match params {
@@ -1899,6 +1897,7 @@ impl Engine {
         let applied = SliceApplied {
             released_tokens: released,
             in_flight,
+            replaced,
         };
         Ok((applied, key))
     }
@@ -1966,8 +1965,8 @@ impl Engine {
                 }
                 (Posture::Conservative, g, _) => g,
             };
-            let vals: Vec<String> = key.0.values.iter().map(|v| v.to_string()).collect();
             if fallback != s.grant {
+                let vals: Vec<String> = key.0.values.iter().map(|v| v.to_string()).collect();
                 let _ = self.install_locked(&mut slow, now, rule, &vals, fallback, 0);
             }
             if let Some(st) = slow.slices.get_mut(&key) {
@@ -2060,10 +2059,7 @@ impl Engine {
     }
 
     /// The demand counters of one limit key's live slot, or `None` if the key is not
-    /// held. A sync client folds them into its per-key totals just before it applies a
-    /// slice to the key: applying replaces the slot, and a key whose slot is replaced
-    /// twice between two [`Engine::key_demand`] walks would otherwise lose the middle
-    /// slot's counts (demand under-reported under grant churn).
+    /// held (one key's [`KeyDemand::counters`], without walking every key).
     pub fn key_counters(&self, rule: &str, values: &[&str]) -> Option<SlotCounters> {
         let (ri, _) = self.rules.by_name(rule)?;
         let ri = ri as u32;

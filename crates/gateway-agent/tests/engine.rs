@@ -4,8 +4,9 @@ use std::sync::Arc;
 
 use bursar_agent::testing::{engine, engine_with_sink};
 use bursar_agent::{
-    AdmitError, AdmitRequest, CompleteError, Completion, CompletionStatus, Cost, Decision,
-    ExtendError, KeyTotals, MemorySink, Outcome, RejectReason, SliceError, SliceUpdate, Usage,
+    AdmitError, AdmitRequest, CompleteError, Completion, CompletionStatus, Cost, Decision, Engine,
+    ExtendError, KeyTotals, MemorySink, Outcome, RejectReason, SliceApplied, SliceError,
+    SliceUpdate, Usage,
 };
 
 const SEC: u64 = 1_000_000_000;
@@ -19,6 +20,18 @@ fn req<'a>(id: &'a str, desc: &'a [(&'a str, &'a str)], cost: Cost) -> AdmitRequ
         cost,
         ttl_ms: None,
     }
+}
+
+/// One request admitted (asserted) and completed at once.
+fn admit_and_complete(e: &Engine, now: u64, id: &str, desc: &[(&str, &str)]) {
+    assert!(
+        e.admit(now, &req(id, desc, Cost::ONE_REQUEST))
+            .unwrap()
+            .is_admitted(),
+        "{id} {desc:?}"
+    );
+    e.complete(now, id, Usage::default(), CompletionStatus::Ok)
+        .unwrap();
 }
 
 fn tokens(input: u64, max_out: Option<u64>) -> Cost {
@@ -124,14 +137,7 @@ fn a_cost_above_burst_never_fits_and_says_so() {
 fn retry_after_is_the_time_until_the_cost_fits() {
     let e = engine(LLM);
     for i in 0..10 {
-        let id = format!("r{i}");
-        assert!(
-            e.admit(0, &req(&id, &[("org", "b")], Cost::ONE_REQUEST))
-                .unwrap()
-                .is_admitted()
-        );
-        e.complete(0, &id, Usage::default(), CompletionStatus::Ok)
-            .unwrap();
+        admit_and_complete(&e, 0, &format!("r{i}"), &[("org", "b")]);
     }
     let d = e
         .admit(0, &req("r10", &[("org", "b")], Cost::ONE_REQUEST))
@@ -589,15 +595,7 @@ fn idle_keys_are_evicted_and_the_key_table_is_bounded() {
         "#,
     );
     for i in 0..4 {
-        let user = format!("u{i}");
-        let id = format!("r{i}");
-        assert!(
-            e.admit(0, &req(&id, &[("user", &user)], Cost::ONE_REQUEST))
-                .unwrap()
-                .is_admitted()
-        );
-        e.complete(0, &id, Usage::default(), CompletionStatus::Ok)
-            .unwrap();
+        admit_and_complete(&e, 0, &format!("r{i}"), &[("user", &format!("u{i}"))]);
     }
     assert_eq!(e.key_count(), 4);
     // No key is idle yet: a fifth key is refused, clearly.
@@ -939,12 +937,16 @@ fn key_totals_keep_the_counts_of_a_slot_replaced_twice_between_two_reads() {
     let mut totals = KeyTotals::new(e.key_counters("rpm", &["a"]).unwrap());
     assert_eq!(totals.admitted(), 1);
     admit("r2");
-    // Before each slice change, fold in the slot it is about to replace.
-    totals.observe(e.key_counters("rpm", &["a"]).unwrap());
-    e.apply_slices(0, &[slice(40, 50, 1, 2)]);
+    // Each slice change hands back the slot it replaced, with its final counts: fold
+    // it in, in order.
+    let fold = |totals: &mut KeyTotals, applied: Vec<Result<SliceApplied, SliceError>>| {
+        for r in applied {
+            totals.observe(r.unwrap().replaced.expect("the key's slot was replaced"));
+        }
+    };
+    fold(&mut totals, e.apply_slices(0, &[slice(40, 50, 1, 2)]));
     admit("r3");
-    totals.observe(e.key_counters("rpm", &["a"]).unwrap());
-    e.apply_slices(0, &[slice(30, 50, 1, 3)]);
+    fold(&mut totals, e.apply_slices(0, &[slice(30, 50, 1, 3)]));
     admit("r4");
     // The next read sees only the third slot (one admission); nothing is lost.
     totals.observe(e.key_counters("rpm", &["a"]).unwrap());
@@ -953,6 +955,15 @@ fn key_totals_keep_the_counts_of_a_slot_replaced_twice_between_two_reads() {
     // Reading the same slot again adds nothing.
     totals.observe(e.key_counters("rpm", &["a"]).unwrap());
     assert_eq!(totals.admitted(), 4);
+    // One batch naming the key twice replaces two slots: both come back, in order.
+    admit("r5");
+    fold(
+        &mut totals,
+        e.apply_slices(0, &[slice(20, 50, 1, 4), slice(25, 50, 1, 5)]),
+    );
+    admit("r6");
+    totals.observe(e.key_counters("rpm", &["a"]).unwrap());
+    assert_eq!(totals.admitted(), 6);
 }
 
 /// An allocated agent whose keys churn (per-user limits) must not fill its tables with
@@ -988,45 +999,34 @@ fn granted_keys_whose_lease_ended_are_evicted_when_idle_and_make_room() {
     };
     for i in 0..4u64 {
         let org = format!("o{i}");
-        let applied = e.apply_slices(0, &[grant(&org, i + 1, SEC)]);
+        let applied = e.apply_slices(0, &[grant(&org, i + 1, 5 * SEC)]);
         assert!(applied[0].is_ok(), "{applied:?}");
-        let id = format!("r{i}");
-        assert!(
-            e.admit(0, &req(&id, &[("org", &org)], Cost::ONE_REQUEST))
-                .unwrap()
-                .is_admitted()
-        );
-        e.complete(0, &id, Usage::default(), CompletionStatus::Ok)
-            .unwrap();
+        admit_and_complete(&e, 0, &format!("r{i}"), &[("org", &org)]);
     }
     assert_eq!(e.key_count(), 4);
     // Full while the grants are live.
-    let refused = e.apply_slices(0, &[grant("o4", 5, SEC)]);
+    let refused = e.apply_slices(0, &[grant("o4", 5, 5 * SEC)]);
     assert!(refused[0].is_err(), "{refused:?}");
-    // Before the leases end (1 s), idle keys stay, however long at rest.
-    let rep = e.maintain(SEC - 1);
+    // At rest for ~3 s (three times key_idle_ms), but the leases run to 5 s: kept.
+    let rep = e.maintain(3 * SEC);
     assert_eq!(rep.keys_evicted, 0, "{rep:?}");
     assert_eq!(e.key_count(), 4);
-    // The leases have ended and the keys are at rest for over 1 s.
-    let rep = e.maintain(3 * SEC);
+    // The leases have ended and the keys are at rest: they go with their slices.
+    let rep = e.maintain(6 * SEC);
     assert_eq!((rep.slices_expired, rep.keys_evicted), (4, 4), "{rep:?}");
     assert_eq!(e.key_count(), 0);
     let mut demand = Vec::new();
     e.key_demand(&mut demand);
     assert!(demand.is_empty());
     // Room for new keys and their grants.
-    let applied = e.apply_slices(3 * SEC, &[grant("o4", 6, 10 * SEC)]);
+    let applied = e.apply_slices(6 * SEC, &[grant("o4", 6, 10 * SEC)]);
     assert!(applied[0].is_ok(), "{applied:?}");
-    assert!(
-        e.admit(3 * SEC, &req("r4", &[("org", "o4")], Cost::ONE_REQUEST))
-            .unwrap()
-            .is_admitted()
-    );
+    admit_and_complete(&e, 6 * SEC, "r4", &[("org", "o4")]);
     // A key that went comes back closed (no grant) and is reported as new demand.
     assert!(
-        !e.admit(3 * SEC, &req("r5", &[("org", "o0")], Cost::ONE_REQUEST))
+        !e.admit(6 * SEC, &req("r5", &[("org", "o0")], Cost::ONE_REQUEST))
             .unwrap()
             .is_admitted()
     );
-    e.check_invariants(3 * SEC).unwrap();
+    e.check_invariants(6 * SEC).unwrap();
 }

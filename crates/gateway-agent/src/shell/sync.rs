@@ -51,7 +51,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use super::AgentState;
 use crate::clock::Clock;
 use crate::engine::{KeyDemand, KeyTotals};
-use crate::{Engine, RuleLimit, SliceError, SliceUpdate};
+use crate::{Engine, RuleLimit, SliceApplied, SliceError, SliceUpdate};
 
 /// Settings of the sync client. Durations are plain `Duration`s; defaults in
 /// [`SyncConfig::new`].
@@ -480,32 +480,21 @@ impl Client {
             });
         }
         // Each applied slice replaces the key's slot. A track keeps the slot it last
-        // read, whose final counts the next refresh adds; but a key whose slot is
-        // replaced twice before that refresh would lose the middle slot's counts (under
-        // grant churn, most of the demand). So each key's live slot is folded in just
-        // before the slice replaces it, and a batch naming one key twice is applied in
-        // parts.
+        // read, whose final counts the next refresh adds; a key whose slot is replaced
+        // twice before that refresh would lose the middle slot's counts (under grant
+        // churn, most of the demand). So every slot a slice replaced is folded into its
+        // key's totals, in order.
         let now = self.now_ns();
-        let mut results = Vec::with_capacity(updates.len());
-        let mut start = 0;
-        while start < updates.len() {
-            let mut end = start;
-            let mut in_part = std::collections::HashSet::new();
-            while end < updates.len() && in_part.insert((&updates[end].rule, &updates[end].values))
+        let results = self.state.engine.apply_slices(now, &updates);
+        for (u, r) in updates.iter().zip(&results) {
+            if let Ok(SliceApplied {
+                replaced: Some(old),
+                ..
+            }) = r
+                && let Some(t) = self.tracks.get_mut(&(u.rule.clone(), u.values.clone()))
             {
-                end += 1;
+                t.totals.observe(old.clone());
             }
-            for u in &updates[start..end] {
-                let id = (u.rule.clone(), u.values.clone());
-                if let Some(t) = self.tracks.get_mut(&id) {
-                    let vals: Vec<&str> = u.values.iter().map(|v| v.as_str()).collect();
-                    if let Some(c) = self.state.engine.key_counters(&u.rule, &vals) {
-                        t.totals.observe(c);
-                    }
-                }
-            }
-            results.extend(self.state.engine.apply_slices(now, &updates[start..end]));
-            start = end;
         }
         let mut acks = Vec::new();
         for (u, r) in updates.into_iter().zip(results) {
