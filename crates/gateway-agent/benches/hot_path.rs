@@ -16,8 +16,11 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use bursar_agent::clock::{Clock, CoarseClock};
-use bursar_agent::testing::{THREE_DIMENSIONS, engine, keyed_engine};
-use bursar_agent::{AdmitRequest, Completion, CompletionStatus, Cost, Engine, KeyHandle, Usage};
+use bursar_agent::testing::{
+    THREE_DIMENSIONS, THREE_DIMENSIONS_COST, THREE_DIMENSIONS_DESCRIPTORS, THREE_DIMENSIONS_USAGE,
+    engine, keyed_engine,
+};
+use bursar_agent::{AdmitRequest, Completion, CompletionStatus, Engine, KeyHandle};
 use criterion::{Criterion, criterion_group, criterion_main};
 use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
 
@@ -141,7 +144,6 @@ fn admit_complete(c: &mut Criterion) {
     let e = engine(THREE_DIMENSIONS);
     let ids: Vec<String> = (0..4096).map(|i| format!("req-{i:08}")).collect();
     let mut w = e.worker();
-    let desc = [("org", "acme"), ("key", "k-123"), ("model", "gpt-4o")];
     let mut n = 0usize;
     let mut next_maintain = 0u64;
     let mut g = c.benchmark_group("admit_complete");
@@ -156,12 +158,8 @@ fn admit_complete(c: &mut Criterion) {
                     &AdmitRequest {
                         request_id: id,
                         domain: None,
-                        descriptors: &desc,
-                        cost: Cost {
-                            requests: 1,
-                            input_tokens: 900,
-                            max_output_tokens: Some(512),
-                        },
+                        descriptors: &THREE_DIMENSIONS_DESCRIPTORS,
+                        cost: THREE_DIMENSIONS_COST,
                         ttl_ms: None,
                     },
                 )
@@ -170,13 +168,8 @@ fn admit_complete(c: &mut Criterion) {
             // of rejections (it did, before the rates were raised).
             assert!(d.is_admitted(), "the benchmark must measure admissions");
             black_box(&d);
-            let usage = Usage {
-                input_tokens: 900,
-                cached_input_tokens: 0,
-                output_tokens: 200,
-            };
             let c = e
-                .complete(now, id, usage, CompletionStatus::Ok)
+                .complete(now, id, THREE_DIMENSIONS_USAGE, CompletionStatus::Ok)
                 .expect("live");
             assert_eq!(c, Completion::Settled, "a live lease settles once");
             // The shell's maintenance tick, every 100 ms as in the shell; its cost is

@@ -7,8 +7,11 @@
 //! `cargo run --release -p bursar-agent --example hot_loop -- admit-complete 100000`
 //! `cargo run --release -p bursar-agent --example hot_loop -- keyed-10k 1000000`
 
-use bursar_agent::testing::{THREE_DIMENSIONS, engine, keyed_engine};
-use bursar_agent::{AdmitRequest, Completion, CompletionStatus, Cost, Usage};
+use bursar_agent::testing::{
+    THREE_DIMENSIONS, THREE_DIMENSIONS_COST, THREE_DIMENSIONS_DESCRIPTORS, THREE_DIMENSIONS_USAGE,
+    engine, keyed_engine,
+};
+use bursar_agent::{AdmitRequest, Completion, CompletionStatus};
 
 fn main() {
     let mut args = std::env::args().skip(1);
@@ -37,7 +40,6 @@ fn admit_complete(n: u64) -> u64 {
     let e = engine(THREE_DIMENSIONS);
     let ids: Vec<String> = (0..4096).map(|i| format!("req-{i:08}")).collect();
     let mut w = e.worker();
-    let desc = [("org", "acme"), ("key", "k-123"), ("model", "gpt-4o")];
     let mut next_maintain = 0;
     for i in 0..n {
         let id = &ids[(i % 4096) as usize];
@@ -45,23 +47,14 @@ fn admit_complete(n: u64) -> u64 {
         let req = AdmitRequest {
             request_id: id,
             domain: None,
-            descriptors: &desc,
-            cost: Cost {
-                requests: 1,
-                input_tokens: 900,
-                max_output_tokens: Some(512),
-            },
+            descriptors: &THREE_DIMENSIONS_DESCRIPTORS,
+            cost: THREE_DIMENSIONS_COST,
             ttl_ms: None,
         };
         let d = w.admit(now, &req).expect("valid request");
         assert!(d.is_admitted(), "the loop must measure admissions");
         std::hint::black_box(&d);
-        let usage = Usage {
-            input_tokens: 900,
-            cached_input_tokens: 0,
-            output_tokens: 200,
-        };
-        let c = e.complete(now, id, usage, CompletionStatus::Ok);
+        let c = e.complete(now, id, THREE_DIMENSIONS_USAGE, CompletionStatus::Ok);
         assert_eq!(c, Ok(Completion::Settled));
         if now >= next_maintain {
             e.maintain(now);

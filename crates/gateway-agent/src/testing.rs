@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use crate::{Config, DiscardSink, Engine, KeyHandle, UsageSink};
+use crate::{Config, Cost, DiscardSink, Engine, KeyHandle, Usage, UsageSink};
 
 /// The demo's embedded rules: an LLM tenant layout with an org ceiling over per-key
 /// limits, three token dimensions, concurrency and a shadow rule.
@@ -90,6 +90,26 @@ dimension = "output_tokens"
 rate = 1_000_000_000_000
 per = "second"
 "#;
+
+/// The 3-dimension benchmark's request descriptors (its rules match `org`).
+pub const THREE_DIMENSIONS_DESCRIPTORS: [(&str, &str); 3] =
+    [("org", "acme"), ("key", "k-123"), ("model", "gpt-4o")];
+
+/// The 3-dimension benchmark's cost: one request, 900 input tokens, 512 output
+/// tokens reserved.
+pub const THREE_DIMENSIONS_COST: Cost = Cost {
+    requests: 1,
+    input_tokens: 900,
+    max_output_tokens: Some(512),
+};
+
+/// The 3-dimension benchmark's completion: 200 of the 512 output tokens used (the
+/// rest refunded).
+pub const THREE_DIMENSIONS_USAGE: Usage = Usage {
+    input_tokens: 900,
+    cached_input_tokens: 0,
+    output_tokens: 200,
+};
 
 /// An engine over `toml`, discarding usage records. Panics on an invalid config (a
 /// fixture bug).

@@ -196,24 +196,12 @@ fn scan_batch(body: &[u8]) -> Option<Vec<Fields>> {
         b: body,
         at: 0,
     };
-    s.ws();
-    s.eat(b'[')?;
     let mut out = Vec::with_capacity(body.len() / 200 + 1);
     s.ws();
-    if s.peek() == Some(b']') {
-        s.at += 1;
-    } else {
-        loop {
-            s.ws();
-            out.push(s.event()?);
-            s.ws();
-            match s.next()? {
-                b',' => continue,
-                b']' => break,
-                _ => return None,
-            }
-        }
-    }
+    s.list(b'[', b']', |s| {
+        out.push(s.event()?);
+        Some(())
+    })?;
     s.ws();
     (s.at == body.len()).then_some(out)
 }
@@ -240,6 +228,31 @@ impl<'a> Scanner<'a> {
     }
     fn eat(&mut self, c: u8) -> Option<()> {
         (self.next()? == c).then_some(())
+    }
+    /// `open`, then items separated by commas (each read by `item`, whitespace
+    /// around it skipped), then `close`; an empty list is allowed.
+    fn list(
+        &mut self,
+        open: u8,
+        close: u8,
+        mut item: impl FnMut(&mut Self) -> Option<()>,
+    ) -> Option<()> {
+        self.eat(open)?;
+        self.ws();
+        if self.peek() == Some(close) {
+            self.at += 1;
+            return Some(());
+        }
+        loop {
+            self.ws();
+            item(self)?;
+            self.ws();
+            match self.next()? {
+                b',' => continue,
+                c if c == close => return Some(()),
+                _ => return None,
+            }
+        }
     }
     /// A string with no escape and no control character, as `&str`.
     fn str(&mut self) -> Option<&'a str> {
@@ -274,62 +287,44 @@ impl<'a> Scanner<'a> {
         Some(Number::from(v))
     }
     fn descriptors(&mut self) -> Option<Vec<(String, String)>> {
-        self.eat(b'[')?;
         let mut out = Vec::new();
-        self.ws();
-        if self.peek() == Some(b']') {
-            self.at += 1;
-            return Some(out);
-        }
-        loop {
-            self.ws();
-            self.eat(b'[')?;
-            self.ws();
-            let k = self.str()?;
-            self.ws();
-            self.eat(b',')?;
-            self.ws();
-            let v = self.str()?;
-            self.ws();
-            self.eat(b']')?;
+        self.list(b'[', b']', |s| {
+            s.eat(b'[')?;
+            s.ws();
+            let k = s.str()?;
+            s.ws();
+            s.eat(b',')?;
+            s.ws();
+            let v = s.str()?;
+            s.ws();
+            s.eat(b']')?;
             out.push((k.to_string(), v.to_string()));
-            self.ws();
-            match self.next()? {
-                b',' => continue,
-                b']' => return Some(out),
-                _ => return None,
-            }
-        }
+            Some(())
+        })?;
+        Some(out)
     }
     fn event(&mut self) -> Option<Fields> {
-        self.eat(b'{')?;
         let mut f = Fields::default();
         let mut seen = 0u32;
-        self.ws();
-        if self.peek() == Some(b'}') {
-            self.at += 1;
-            return Some(f);
-        }
-        loop {
-            self.ws();
-            let key = self.str()?;
+        self.list(b'{', b'}', |s| {
+            let key = s.str()?;
             let i = FIELDS.iter().position(|k| *k == key)?;
             if seen & (1 << i) != 0 {
                 return None;
             }
             seen |= 1 << i;
-            self.ws();
-            self.eat(b':')?;
-            self.ws();
+            s.ws();
+            s.eat(b':')?;
+            s.ws();
             match key {
-                "seq" => f.seq = Some(self.number()?),
-                "time_ms" => f.time_ms = Some(self.number()?),
-                "input_tokens" => f.input_tokens = Some(self.number()?),
-                "cached_input_tokens" => f.cached_input_tokens = Some(self.number()?),
-                "output_tokens" => f.output_tokens = Some(self.number()?),
-                "descriptors" => f.descriptors = Some(self.descriptors()?),
+                "seq" => f.seq = Some(s.number()?),
+                "time_ms" => f.time_ms = Some(s.number()?),
+                "input_tokens" => f.input_tokens = Some(s.number()?),
+                "cached_input_tokens" => f.cached_input_tokens = Some(s.number()?),
+                "output_tokens" => f.output_tokens = Some(s.number()?),
+                "descriptors" => f.descriptors = Some(s.descriptors()?),
                 _ => {
-                    let v = Some(self.str()?.to_string());
+                    let v = Some(s.str()?.to_string());
                     match key {
                         "request_id" => f.request_id = v,
                         "origin" => f.origin = v,
@@ -344,13 +339,9 @@ impl<'a> Scanner<'a> {
                     }
                 }
             }
-            self.ws();
-            match self.next()? {
-                b',' => continue,
-                b'}' => return Some(f),
-                _ => return None,
-            }
-        }
+            Some(())
+        })?;
+        Some(f)
     }
 }
 

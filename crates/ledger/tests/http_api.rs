@@ -338,44 +338,30 @@ fn help_documents_the_cluster_and_bad_cluster_flags_are_clear_errors() {
     }
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path().to_str().unwrap();
-    // Each is refused before anything starts, with an error naming the problem.
+    // Each is refused before anything starts, with an error naming the problem. Every
+    // case runs with the same data directory and node id; `args` are the rest.
     let refused = |args: &[&str], needle: &str| {
-        let out = run(args);
-        assert!(!out.status.success(), "{args:?} was accepted");
+        let all: Vec<&str> = ["--data-dir", d, "--node-id", "n"]
+            .into_iter()
+            .chain(args.iter().copied())
+            .collect();
+        let out = run(&all);
+        assert!(!out.status.success(), "{all:?} was accepted");
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(err.contains(needle), "{args:?}: {err}");
+        assert!(err.contains(needle), "{all:?}: {err}");
     };
     // --gossip without TLS material: refused before anything starts.
-    refused(
-        &["--data-dir", d, "--node-id", "n", "--gossip", "127.0.0.1:0"],
-        "--tls-dir",
-    );
+    refused(&["--gossip", "127.0.0.1:0"], "--tls-dir");
     // --peer without --gossip.
-    refused(
-        &["--data-dir", d, "--node-id", "n", "--peer", "127.0.0.1:9"],
-        "--gossip",
-    );
+    refused(&["--peer", "127.0.0.1:9"], "--gossip");
     // TLS files that do not exist: the error names the file.
     refused(
-        &[
-            "--data-dir",
-            d,
-            "--node-id",
-            "n",
-            "--gossip",
-            "127.0.0.1:0",
-            "--tls-dir",
-            "/nonexistent",
-        ],
+        &["--gossip", "127.0.0.1:0", "--tls-dir", "/nonexistent"],
         "/nonexistent/ca.pem",
     );
     // A node may not name itself as a peer.
     refused(
         &[
-            "--data-dir",
-            d,
-            "--node-id",
-            "n",
             "--gossip",
             "127.0.0.1:7999",
             "--tls-dir",
@@ -388,10 +374,6 @@ fn help_documents_the_cluster_and_bad_cluster_flags_are_clear_errors() {
     // A seed that is not HOST:PORT.
     refused(
         &[
-            "--data-dir",
-            d,
-            "--node-id",
-            "n",
             "--gossip",
             "127.0.0.1:0",
             "--tls-dir",
