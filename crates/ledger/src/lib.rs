@@ -39,7 +39,7 @@
 //!   ([`store::apply_batch`]), [`MemStore`], and queries ([`store::usage_totals`]).
 //! - [`reconcile`]: digest-driven reconciliation between two stores, sans-IO (the
 //!   core the cluster's anti-entropy runs over its streams).
-//! - [`redb_store`]: the durable backend.
+//! - [`redb_store`]: the durable backend; [`id_runs`]: its dedupe index (sorted runs).
 //! - `cluster` (feature `cluster`): QUIC transport, TLS, membership, push and pull.
 //! - `server` (feature `server`): the HTTP JSON shell: one writer thread owns the
 //!   writes and group-commits concurrent requests; reads use MVCC snapshots.
@@ -54,6 +54,7 @@ pub mod cluster;
 pub mod conformance;
 pub mod digest;
 pub mod event;
+pub mod id_runs;
 pub mod merge;
 pub mod reconcile;
 pub mod redb_store;

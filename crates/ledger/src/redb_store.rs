@@ -10,17 +10,19 @@
 //!   within each bucket, read in order by queries and export. The chunks of a bucket
 //!   hold disjoint, increasing ranges of sequence numbers, so the chunk holding
 //!   event `seq` is the last one whose key is at most `seq`;
-//! - `ids`: request id -> where its event is (hour, sequence number, tenant): the
-//!   dedupe index. Time-ordered request ids (UUIDv7, `node-counter`) insert at a few
-//!   hot spots; random ones (UUIDv4) land all over the tree and cost more per commit
-//!   (both measured in docs/BENCHMARKS.md ("Ledger"));
+//! - `id_blocks` and `id_runs`: the dedupe index, request id -> where its event is
+//!   (hour, sequence number, tenant), as immutable sorted runs with a Bloom filter
+//!   each ([`crate::id_runs`]): a commit writes its new ids as one run whatever their
+//!   order, so random request ids (UUIDv4) cost about what time-ordered ones do
+//!   (measured in docs/BENCHMARKS.md, "Ledger");
 //! - `digests`: (hour, tenant) -> digest (80 bytes);
 //! - `conflicts`: (event key, element hash of the loser) -> the loser's encoding;
 //! - `meta`: `format` (a marker naming this layout), `root` (the root digest) and
 //!   `next_seq`.
 //!
-//! A file of the previous layout (`bursar-ledger/redb/3`: one `events` row per event)
-//! is converted at open, in one durable transaction (all or nothing).
+//! Files of earlier layouts are converted at open, each step in one durable
+//! transaction (all or nothing): format 3 (one `events` row per event) into chunks,
+//! then format 4 (the dedupe index as one B-tree, `ids`) into one run of the index.
 //!
 //! [`Store::apply`] is one write transaction with `Durability::Immediate`: every event
 //! of the batch, the indexes, the digests and the root are committed together with
@@ -31,14 +33,19 @@
 //! damaged (every page checksum is verified at open), or is a redb database without
 //! this ledger's format marker. It never recreates or truncates an existing file.
 
+use std::collections::BTreeMap;
 use std::ops::{ControlFlow, Range};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use redb::{Database, Durability, ReadableDatabase, ReadableTable, TableDefinition, TableHandle};
+use redb::{
+    Database, Durability, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition,
+    TableHandle,
+};
 
 use crate::digest::{Bucket, Digest, DigestSet};
 use crate::event::{Event, EventKey};
+use crate::id_runs::{self, BLOCKS, LEVEL_FROZEN, RUNS, Runs};
 use crate::merge::{ApplyReport, Conflict};
 use crate::store::{Cursor, Store, StoreError, TxnOps, apply_batch};
 
@@ -47,15 +54,19 @@ const CHUNKS: TableDefinition<(u64, &[u8], u64), &[u8]> = TableDefinition::new("
 /// Format 3's table of one event per row, (hour, tenant, seq) -> encoding; converted
 /// into `event_chunks` at open.
 const EVENTS_V3: TableDefinition<(u64, &[u8], u64), &[u8]> = TableDefinition::new("events");
-const IDS: TableDefinition<&[u8], &[u8]> = TableDefinition::new("ids");
+/// Format 4's dedupe index, request id -> location; converted into a run at open.
+const IDS_V4: TableDefinition<&[u8], &[u8]> = TableDefinition::new("ids");
 const DIGESTS: TableDefinition<(u64, &str), &[u8]> = TableDefinition::new("digests");
 const CONFLICTS: TableDefinition<([u8; 16], u128), &[u8]> = TableDefinition::new("conflicts");
 const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 
 /// The value of `meta["format"]`.
-pub const FORMAT: &[u8] = b"bursar-ledger/redb/4";
+pub const FORMAT: &[u8] = b"bursar-ledger/redb/5";
 
-/// The previous layout's marker (one `events` row per event); upgraded at open.
+/// Format 4's marker (the dedupe index as one B-tree); upgraded at open.
+const FORMAT_V4: &[u8] = b"bursar-ledger/redb/4";
+
+/// Format 3's marker (one `events` row per event); upgraded at open.
 const FORMAT_V3: &[u8] = b"bursar-ledger/redb/3";
 
 /// A chunk grows to at most this many bytes (or one event, if larger); the next event
@@ -79,6 +90,10 @@ pub struct RedbStore {
     db: Arc<Database>,
     path: PathBuf,
     chunk_bytes_max: usize,
+    /// The dedupe index's runs with their filters, as of the last commit (`None`:
+    /// read them again, after a commit that failed). Locked for a whole `apply`.
+    index: Arc<Mutex<Option<Runs>>>,
+    index_params: id_runs::Params,
 }
 
 impl std::fmt::Debug for RedbStore {
@@ -185,6 +200,8 @@ impl RedbStore {
             db: Arc::new(db),
             path: path.to_path_buf(),
             chunk_bytes_max: CHUNK_BYTES_MAX,
+            index: Arc::new(Mutex::new(None)),
+            index_params: id_runs::Params::default(),
         };
         store
             .check_format(existed)
@@ -204,6 +221,14 @@ impl RedbStore {
         self
     }
 
+    /// The same store with another shape of dedupe index (tests: tiny blocks and
+    /// frequent merges).
+    #[cfg(test)]
+    fn with_index_params(mut self, params: id_runs::Params) -> RedbStore {
+        self.index_params = params;
+        self
+    }
+
     fn check_format(&self, existed: bool) -> Result<(), StoreError> {
         let r = self.db.begin_read().map_err(backend)?;
         let names: Vec<String> = r
@@ -216,11 +241,20 @@ impl RedbStore {
             let format = meta.get("format").map_err(backend)?;
             match format {
                 Some(v) if v.value() == FORMAT => return Ok(()),
+                Some(v) if v.value() == FORMAT_V4 => {
+                    drop(v);
+                    drop(meta);
+                    drop(r);
+                    return self.upgrade_from_v4();
+                }
                 Some(v) if v.value() == FORMAT_V3 => {
                     drop(v);
                     drop(meta);
                     drop(r);
-                    return self.upgrade_from_v3();
+                    // Two durable steps: a crash between them leaves a format 4
+                    // file, which the next open converts.
+                    self.upgrade_from_v3()?;
+                    return self.upgrade_from_v4();
                 }
                 Some(v) => {
                     return Err(StoreError::Backend(format!(
@@ -243,7 +277,8 @@ impl RedbStore {
         w.set_durability(Durability::Immediate).map_err(backend)?;
         {
             w.open_table(CHUNKS).map_err(backend)?;
-            w.open_table(IDS).map_err(backend)?;
+            w.open_table(BLOCKS).map_err(backend)?;
+            w.open_table(RUNS).map_err(backend)?;
             w.open_table(DIGESTS).map_err(backend)?;
             w.open_table(CONFLICTS).map_err(backend)?;
             let mut meta = w.open_table(META).map_err(backend)?;
@@ -292,6 +327,39 @@ impl RedbStore {
             }
         }
         w.delete_table(EVENTS_V3).map_err(backend)?;
+        {
+            let mut meta = w.open_table(META).map_err(backend)?;
+            meta.insert("format", FORMAT_V4).map_err(backend)?;
+        }
+        w.commit().map_err(backend)
+    }
+
+    /// Converts format 4 (the dedupe index as one B-tree, `ids`) into one run of the
+    /// index, never merged, in one durable transaction. The B-tree is already in
+    /// request-id order, so this is one sequential pass.
+    fn upgrade_from_v4(&self) -> Result<(), StoreError> {
+        let mut w = self.db.begin_write().map_err(backend)?;
+        w.set_durability(Durability::Immediate).map_err(backend)?;
+        {
+            let ids = w.open_table(IDS_V4).map_err(backend)?;
+            let mut blocks = w.open_table(BLOCKS).map_err(backend)?;
+            let mut runs = w.open_table(RUNS).map_err(backend)?;
+            let mut index = Runs::load(&runs)?;
+            let count = ids.len().map_err(backend)?;
+            let rows = ids.iter().map_err(backend)?.map(|row| {
+                let (k, v) = row.map_err(backend)?;
+                Ok((k.value().to_vec(), v.value().to_vec()))
+            });
+            index.add_run(
+                &mut blocks,
+                &mut runs,
+                count,
+                LEVEL_FROZEN,
+                rows,
+                &self.index_params,
+            )?;
+        }
+        w.delete_table(IDS_V4).map_err(backend)?;
         {
             let mut meta = w.open_table(META).map_err(backend)?;
             meta.insert("format", FORMAT).map_err(backend)?;
@@ -453,7 +521,11 @@ struct Pending {
 
 struct Txn<'t> {
     chunks: redb::Table<'t, (u64, &'static [u8], u64), &'static [u8]>,
-    ids: redb::Table<'t, &'static [u8], &'static [u8]>,
+    /// The dedupe index's blocks and runs as of the last commit.
+    blocks: redb::Table<'t, (u64, &'static [u8]), &'static [u8]>,
+    runs: &'t Runs,
+    /// The ids this commit adds (location) or removes (empty): its new run.
+    new_ids: BTreeMap<Vec<u8>, Vec<u8>>,
     conflicts: redb::Table<'t, ([u8; 16], u128), &'static [u8]>,
     next_seq: u64,
     /// Chunks being filled, one per bucket touched; written by [`Txn::flush`] (or
@@ -463,6 +535,15 @@ struct Txn<'t> {
 }
 
 impl Txn<'_> {
+    /// Where `rid`'s event is (its `location`), if it is stored: in this commit's new
+    /// ids, else in the newest run that has it.
+    fn find(&self, rid: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+        if let Some(loc) = self.new_ids.get(rid) {
+            return Ok((!loc.is_empty()).then(|| loc.clone()));
+        }
+        self.runs.lookup(&self.blocks, rid, id_runs::rid_hash(rid))
+    }
+
     /// Writes every chunk being filled. Called once, before the commit.
     fn flush(&mut self) -> Result<(), StoreError> {
         for (b, p) in std::mem::take(&mut self.pending) {
@@ -502,21 +583,15 @@ impl TxnOps for Txn<'_> {
         bucket: &Bucket,
         encoded: &[u8],
     ) -> Result<Option<Vec<u8>>, StoreError> {
-        let seq = self.next_seq;
-        let loc = location(bucket.hour, seq, &bucket.tenant);
-        let previous = self
-            .ids
-            .insert(rid.as_bytes(), loc.as_slice())
-            .map_err(backend)?
-            .map(|v| v.value().to_vec());
-        if let Some(old) = previous {
-            // Already stored: put the index entry back and return what is stored.
-            self.ids
-                .insert(rid.as_bytes(), old.as_slice())
-                .map_err(backend)?;
+        if let Some(old) = self.find(rid.as_bytes())? {
             let (hour, old_seq, tenant) = parse_location(&old)?;
             return self.stored(hour, tenant, old_seq).map(Some);
         }
+        let seq = self.next_seq;
+        self.new_ids.insert(
+            rid.as_bytes().to_vec(),
+            location(bucket.hour, seq, &bucket.tenant),
+        );
         self.next_seq += 1;
         let p = match self.pending.get_mut(bucket) {
             Some(p) => p,
@@ -546,12 +621,11 @@ impl TxnOps for Txn<'_> {
     }
     fn remove(&mut self, rid: &str, bucket: &Bucket) -> Result<(), StoreError> {
         let loc = self
-            .ids
-            .remove(rid.as_bytes())
-            .map_err(backend)?
+            .find(rid.as_bytes())?
             .ok_or_else(|| StoreError::Backend(format!("remove of {rid:?}, not stored")))?;
-        let (_, seq, _) = parse_location(loc.value())?;
-        drop(loc);
+        let (_, seq, _) = parse_location(&loc)?;
+        // A tombstone: shadows the id in older runs.
+        self.new_ids.insert(rid.as_bytes().to_vec(), Vec::new());
         if let Some(p) = self.pending.get_mut(bucket)
             && p.first_seq <= seq
             && let Some((_, entry, _)) = find_entry(&p.bytes, seq)?
@@ -589,8 +663,19 @@ impl TxnOps for Txn<'_> {
 
 impl Store for RedbStore {
     fn apply(&self, events: &[Event]) -> Result<ApplyReport, StoreError> {
+        // Held until the commit is done: the index's filters must match the file.
+        let mut index = self
+            .index
+            .lock()
+            .map_err(|_| StoreError::Backend("the id index lock is poisoned".into()))?;
         let mut w = self.db.begin_write().map_err(backend)?;
         w.set_durability(Durability::Immediate).map_err(backend)?;
+        let mut runs_table = w.open_table(RUNS).map_err(backend)?;
+        let runs = match &*index {
+            Some(r) => r.clone(),
+            None => Runs::load(&runs_table)?,
+        };
+        let mut next = runs.clone();
         let report = {
             let mut meta = w.open_table(META).map_err(backend)?;
             let next_seq = match meta.get("next_seq").map_err(backend)? {
@@ -603,7 +688,9 @@ impl Store for RedbStore {
             };
             let mut txn = Txn {
                 chunks: w.open_table(CHUNKS).map_err(backend)?,
-                ids: w.open_table(IDS).map_err(backend)?,
+                blocks: w.open_table(BLOCKS).map_err(backend)?,
+                runs: &runs,
+                new_ids: BTreeMap::new(),
                 conflicts: w.open_table(CONFLICTS).map_err(backend)?,
                 next_seq,
                 pending: std::collections::BTreeMap::new(),
@@ -612,6 +699,22 @@ impl Store for RedbStore {
             let mut delta = DigestSet::default();
             let report = apply_batch(&mut txn, events, &mut delta)?;
             txn.flush()?;
+            let Txn {
+                mut blocks,
+                new_ids,
+                next_seq,
+                ..
+            } = txn;
+            next.add_run(
+                &mut blocks,
+                &mut runs_table,
+                new_ids.len() as u64,
+                0,
+                new_ids
+                    .iter()
+                    .map(|(k, v)| Ok((k.as_slice(), v.as_slice()))),
+                &self.index_params,
+            )?;
             let mut digests = w.open_table(DIGESTS).map_err(backend)?;
             for (bucket, d) in delta.buckets() {
                 let k = (bucket.hour, bucket.tenant.as_str());
@@ -628,7 +731,7 @@ impl Store for RedbStore {
                         .map_err(backend)?;
                 }
             }
-            meta.insert("next_seq", txn.next_seq.to_le_bytes().as_slice())
+            meta.insert("next_seq", next_seq.to_le_bytes().as_slice())
                 .map_err(backend)?;
             let mut root = match meta.get("root").map_err(backend)? {
                 Some(v) => digest_of("root", v.value())?,
@@ -639,18 +742,26 @@ impl Store for RedbStore {
                 .map_err(backend)?;
             report
         };
+        drop(runs_table);
         // Durability::Immediate: persistent when commit returns (one fsync).
-        w.commit().map_err(backend)?;
+        match w.commit() {
+            Ok(()) => *index = Some(next),
+            Err(e) => {
+                *index = None;
+                return Err(backend(e));
+            }
+        }
         Ok(report)
     }
 
     fn event(&self, request_id: &str) -> Result<Option<Event>, StoreError> {
         let r = self.db.begin_read().map_err(backend)?;
-        let ids = r.open_table(IDS).map_err(backend)?;
-        let Some(loc) = ids.get(request_id.as_bytes()).map_err(backend)? else {
+        let runs = r.open_table(RUNS).map_err(backend)?;
+        let blocks = r.open_table(BLOCKS).map_err(backend)?;
+        let Some(loc) = id_runs::lookup_snapshot(&runs, &blocks, request_id.as_bytes())? else {
             return Ok(None);
         };
-        let (hour, seq, tenant) = parse_location(loc.value())?;
+        let (hour, seq, tenant) = parse_location(&loc)?;
         let chunks = r.open_table(CHUNKS).map_err(backend)?;
         decode(seq, &stored_event(&chunks, hour, tenant, seq)?).map(Some)
     }
@@ -837,6 +948,130 @@ mod tests {
         }
     }
 
+    #[test]
+    fn the_redb_backend_passes_the_conformance_suite_with_a_tiny_merging_index() {
+        // A few ids per block and merges every second commit: every lookup, conflict
+        // removal and reopen crosses blocks, runs and levels.
+        let params = id_runs::Params {
+            block_bytes: 80,
+            fanout: 2,
+            merge_entries_max: 64,
+        };
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut n = 0;
+        conformance::run(
+            &mut || {
+                n += 1;
+                RedbStore::open(&dir.path().join(format!("c{n}.redb")))
+                    .expect("open")
+                    .with_index_params(params)
+            },
+            &mut |s| {
+                let path = s.path().to_path_buf();
+                drop(s);
+                RedbStore::open(&path)
+                    .expect("reopen")
+                    .with_index_params(params)
+            },
+        );
+    }
+
+    /// Rewrites the dedupe index of the file at `path` into format 4's one B-tree
+    /// (`ids`) and marks the file `format`, as a file written before the runs.
+    fn rewrite_index_as_format_4(path: &Path, format: &[u8]) {
+        let db = Database::create(path).expect("db");
+        let w = db.begin_write().expect("write");
+        {
+            let runs = w.open_table(RUNS).expect("runs");
+            let blocks = w.open_table(BLOCKS).expect("blocks");
+            let mut ids = w.open_table(IDS_V4).expect("ids");
+            // Oldest run first, so newer entries (and tombstones) overwrite.
+            for run in runs.iter().expect("runs") {
+                let run = run.expect("run").0.value();
+                let upper: &[u8] = &[];
+                for row in blocks
+                    .range((run, upper)..(run + 1, upper))
+                    .expect("blocks")
+                {
+                    let (_, block) = row.expect("block");
+                    let mut at = 0;
+                    let b = block.value();
+                    while at < b.len() {
+                        let rl = u16::from_le_bytes([b[at], b[at + 1]]) as usize;
+                        let ll = u16::from_le_bytes([b[at + 2], b[at + 3]]) as usize;
+                        let rid = &b[at + 4..at + 4 + rl];
+                        let loc = &b[at + 4 + rl..at + 4 + rl + ll];
+                        if loc.is_empty() {
+                            ids.remove(rid).expect("remove");
+                        } else {
+                            ids.insert(rid, loc).expect("insert");
+                        }
+                        at += 4 + rl + ll;
+                    }
+                }
+            }
+            let mut meta = w.open_table(META).expect("meta");
+            meta.insert("format", format).expect("format");
+        }
+        w.delete_table(RUNS).expect("delete");
+        w.delete_table(BLOCKS).expect("delete");
+        w.commit().expect("commit");
+    }
+
+    /// The format marker of the file at `path`, and whether it still has `ids`.
+    fn format_of(path: &Path) -> (Vec<u8>, bool) {
+        let db = Database::create(path).expect("db");
+        let r = db.begin_read().expect("read");
+        let meta = r.open_table(META).expect("meta");
+        let f = meta
+            .get("format")
+            .expect("get")
+            .expect("format")
+            .value()
+            .to_vec();
+        (f, r.open_table(IDS_V4).is_ok())
+    }
+
+    #[test]
+    fn a_format_4_file_is_converted_at_open_and_keeps_every_event() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join(FILE_NAME);
+        let now = 490_000 * crate::event::HOUR_MS;
+        let mut events = crate::testing::usage_stream(8, "d", "a", 2_000, now);
+        let mut loser = events[10].clone();
+        loser.seq += 1_000_000;
+        events.push(loser);
+        let params = id_runs::Params {
+            block_bytes: 200,
+            fanout: 2,
+            merge_entries_max: 1_000,
+        };
+        let before = {
+            let s = RedbStore::open(&path)
+                .expect("open")
+                .with_index_params(params);
+            for part in events.chunks(300) {
+                s.apply(part).expect("apply");
+            }
+            contents(&s, &events)
+        };
+        rewrite_index_as_format_4(&path, FORMAT_V4);
+        assert_eq!(format_of(&path), (FORMAT_V4.to_vec(), true));
+        let s = RedbStore::open(&path).expect("a format 4 file opens");
+        let after = contents(&s, &events);
+        assert_eq!(after.4.len(), 1, "the conflict is still recorded");
+        assert_eq!(after, before);
+        // New events and resends after the conversion: each resend is a duplicate.
+        let more = crate::testing::usage_stream(9, "e", "b", 500, now);
+        let report = s.apply(&more).expect("apply");
+        assert_eq!(report.new, 500);
+        let again = s.apply(&events[..1_000]).expect("resend");
+        assert_eq!((again.new, again.duplicate), (0, 1_000));
+        assert_eq!(s.len().expect("len"), 2_500);
+        drop(s);
+        assert_eq!(format_of(&path), (FORMAT.to_vec(), false));
+    }
+
     /// Everything a store answers, for comparing two stores.
     type Contents = (
         Digest,
@@ -901,26 +1136,22 @@ mod tests {
                             .expect("insert");
                     }
                 }
-                let mut meta = w.open_table(META).expect("meta");
-                meta.insert("format", FORMAT_V3).expect("format");
             }
             w.delete_table(CHUNKS).expect("delete");
             w.commit().expect("commit");
         }
+        rewrite_index_as_format_4(&path, FORMAT_V3);
         let s = RedbStore::open(&path).expect("a format 3 file opens");
         let after = contents(&s, &events);
         assert_eq!(after.4.len(), 1, "the conflict is still recorded");
         assert_eq!(after, before);
         assert_eq!(s.len().expect("len"), 3_000);
-        // Converted once: the marker says format 4 and the old table is gone.
+        // Converted once: the marker says the current format and the old tables
+        // are gone.
         drop(s);
+        assert_eq!(format_of(&path), (FORMAT.to_vec(), false));
         let db = Database::create(&path).expect("db");
         let r = db.begin_read().expect("read");
-        let meta = r.open_table(META).expect("meta");
-        assert_eq!(
-            meta.get("format").expect("get").expect("format").value(),
-            FORMAT
-        );
         assert!(
             r.open_table(EVENTS_V3).is_err(),
             "the format 3 table is gone"
