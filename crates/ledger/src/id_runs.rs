@@ -30,7 +30,7 @@
 //! lowest levels at once (the newest runs), so a larger run number is always newer
 //! data; levels never increase from older to newer runs.
 
-use std::ops::Bound;
+use std::ops::{Bound, Range};
 use std::sync::Arc;
 
 use redb::{ReadableTable, TableDefinition};
@@ -379,16 +379,16 @@ impl RunWriter {
     }
 }
 
-/// A request id and its location, copied out of a block.
-type OwnedEntry = (Vec<u8>, Vec<u8>);
-
 /// Reads one input run of a merge block by block (one range query per block: the
-/// table is written between reads).
+/// table is written between reads). Its current entry is a pair of ranges into its own
+/// copy of the block, so a merge allocates per block, not per id.
 struct RunReader {
     run: u64,
     block: Vec<u8>,
+    /// Where the entry after the current one starts.
     at: usize,
-    last: Option<Vec<u8>>,
+    /// The current entry: request id and location, as ranges of `block`.
+    head: Option<(Range<usize>, Range<usize>)>,
     /// The keys of the blocks read so far (deleted once the merge is written).
     read: Vec<Vec<u8>>,
     done: bool,
@@ -400,59 +400,61 @@ impl RunReader {
             run,
             block: Vec::new(),
             at: 0,
-            last: None,
+            head: None,
             read: Vec::new(),
             done: false,
         }
     }
 
-    /// The next entry (owned: blocks are replaced while the merge writes), or `None`
-    /// at the end of the run.
-    fn next(
+    /// The current entry, `None` once the run is exhausted.
+    fn head(&self) -> Option<(&[u8], &[u8])> {
+        self.head
+            .as_ref()
+            .map(|(r, l)| (&self.block[r.clone()], &self.block[l.clone()]))
+    }
+
+    /// Moves to the next entry, reading the next block when this one is done.
+    fn advance(
         &mut self,
         blocks: &redb::Table<'_, (u64, &'static [u8]), &'static [u8]>,
-    ) -> Result<Option<OwnedEntry>, StoreError> {
-        loop {
-            if self.done {
-                return Ok(None);
-            }
+    ) -> Result<(), StoreError> {
+        self.head = None;
+        while !self.done {
             if self.at < self.block.len() {
-                let rest = &self.block[self.at..];
-                let (rid, loc) = block_entries(rest).next().expect("not empty")?;
-                self.at += 4 + rid.len() + loc.len();
-                return Ok(Some((rid.to_vec(), loc.to_vec())));
+                let (rid, loc) = block_entries(&self.block[self.at..])
+                    .next()
+                    .expect("not empty")?;
+                let (rl, ll) = (rid.len(), loc.len());
+                let r = self.at + 4..self.at + 4 + rl;
+                let l = r.end..r.end + ll;
+                self.at = l.end;
+                self.head = Some((r, l));
+                return Ok(());
             }
             let upper: &[u8] = &[];
-            let next = {
-                let mut range = match &self.last {
-                    None => blocks.range((self.run, upper)..(self.run + 1, upper)),
-                    Some(last) => blocks.range::<(u64, &[u8])>((
-                        Bound::Excluded((self.run, last.as_slice())),
-                        Bound::Excluded((self.run + 1, upper)),
-                    )),
-                }
-                .map_err(backend)?;
-                match range.next() {
-                    None => None,
-                    Some(row) => {
-                        let (k, v) = row.map_err(backend)?;
-                        Some((k.value().1.to_vec(), v.value().to_vec()))
-                    }
-                }
-            };
-            match next {
+            let mut range = match self.read.last() {
+                None => blocks.range((self.run, upper)..(self.run + 1, upper)),
+                Some(last) => blocks.range::<(u64, &[u8])>((
+                    Bound::Excluded((self.run, last.as_slice())),
+                    Bound::Excluded((self.run + 1, upper)),
+                )),
+            }
+            .map_err(backend)?;
+            match range.next() {
                 None => self.done = true,
-                Some((last, block)) => {
-                    if block.is_empty() {
+                Some(row) => {
+                    let (k, v) = row.map_err(backend)?;
+                    if v.value().is_empty() {
                         return Err(corrupt(format!("run {} has an empty block", self.run)));
                     }
-                    self.read.push(last.clone());
-                    self.last = Some(last);
-                    self.block = block;
+                    self.read.push(k.value().1.to_vec());
+                    self.block.clear();
+                    self.block.extend_from_slice(v.value());
                     self.at = 0;
                 }
             }
         }
+        Ok(())
     }
 }
 
@@ -582,29 +584,31 @@ impl Runs {
         let mut out = RunWriter::new(self.next_id, capacity, params.block_bytes);
         self.next_id += 1;
         let mut readers: Vec<RunReader> = inputs.iter().map(|r| RunReader::new(r.id)).collect();
-        let mut heads: Vec<Option<OwnedEntry>> = Vec::with_capacity(readers.len());
         for r in &mut readers {
-            heads.push(r.next(blocks)?);
+            r.advance(blocks)?;
         }
+        let mut key: Vec<u8> = Vec::new();
         loop {
             // The smallest id among the heads; on a tie the newest input (last) wins.
-            let mut pick: Option<usize> = None;
-            for (i, h) in heads.iter().enumerate() {
-                if let Some((rid, _)) = h {
+            let mut pick: Option<(usize, &[u8])> = None;
+            for (i, r) in readers.iter().enumerate() {
+                if let Some((rid, _)) = r.head() {
                     match pick {
-                        Some(p) if heads[p].as_ref().expect("head").0 < *rid => {}
-                        _ => pick = Some(i),
+                        Some((_, best)) if best < rid => {}
+                        _ => pick = Some((i, rid)),
                     }
                 }
             }
-            let Some(p) = pick else { break };
-            let (rid, loc) = heads[p].take().expect("picked head");
-            for i in 0..heads.len() {
-                if i == p || heads[i].as_ref().is_some_and(|(r, _)| *r == rid) {
-                    heads[i] = readers[i].next(blocks)?;
+            let Some((p, _)) = pick else { break };
+            let (rid, loc) = readers[p].head().expect("picked head");
+            out.push(blocks, rid, loc)?;
+            key.clear();
+            key.extend_from_slice(rid);
+            for r in &mut readers {
+                if r.head().is_some_and(|(rid, _)| rid == key.as_slice()) {
+                    r.advance(blocks)?;
                 }
             }
-            out.push(blocks, &rid, &loc)?;
         }
         for r in &readers {
             for last in &r.read {
