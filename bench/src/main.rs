@@ -31,7 +31,9 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 
 #[derive(Parser)]
-#[command(about = "Closed-loop load on Bursar's front doors beside a Redis GCRA baseline")]
+#[command(
+    about = "Load on Bursar's front doors beside a Redis GCRA baseline: closed loop, or paced at a fixed rate"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -59,6 +61,11 @@ enum Cmd {
         /// Only the targets whose name starts with one of these (comma-separated).
         #[arg(long, default_value = "")]
         only: String,
+        /// Pace every target at this many decisions per second in total (spread over
+        /// the callers) instead of a closed loop: latency compared at equal load. A
+        /// target that cannot keep up shows it in its decisions/s.
+        #[arg(long)]
+        rate: Option<u32>,
     },
     /// Serve a no-work RLS server (baseline process).
     ServeNowork {
@@ -273,12 +280,30 @@ struct Outcome {
     hist: Histogram<u64>,
 }
 
+/// Paces one caller: `None` is a closed loop (the next call as soon as the last
+/// answers); `Some` waits for the next slot of a fixed schedule (a late call goes at
+/// once, and its latency is measured from when it was sent).
+struct Pace {
+    next: Instant,
+    period: Option<Duration>,
+}
+
+impl Pace {
+    async fn wait(&mut self) {
+        if let Some(p) = self.period {
+            self.next += p;
+            tokio::time::sleep_until(self.next.into()).await;
+        }
+    }
+}
+
 async fn caller(
     target: Target,
     keys: u32,
     seed: u64,
     until: Instant,
     warm: Instant,
+    mut pace: Pace,
 ) -> Result<Outcome> {
     let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)?;
     let (mut decisions, mut admitted) = (0u64, 0u64);
@@ -293,6 +318,7 @@ async fn caller(
         Target::Rls(addr) => {
             let mut c = RateLimitServiceClient::connect(format!("http://{addr}")).await?;
             while Instant::now() < until {
+                pace.wait().await;
                 let k = next_key();
                 let req = RateLimitRequest {
                     domain: "bench".into(),
@@ -322,6 +348,7 @@ async fn caller(
             let url = format!("http://{addr}/v1/admit");
             let mut n = 0u64;
             while Instant::now() < until {
+                pace.wait().await;
                 n += 1;
                 let k = next_key();
                 let body = serde_json::json!({
@@ -351,6 +378,7 @@ async fn caller(
         Target::RedisDirect(addr) => {
             let mut r = Redis::connect(addr).await?;
             while Instant::now() < until {
+                pace.wait().await;
                 let k = next_key();
                 let t = Instant::now();
                 let ok = r.decide(k).await?;
@@ -374,17 +402,26 @@ async fn measure(
     callers: usize,
     keys: u32,
     seconds: u64,
+    rate: Option<u32>,
 ) -> Result<(f64, f64, f64, f64)> {
-    let warm = Instant::now() + Duration::from_secs(1);
+    let start = Instant::now();
+    let warm = start + Duration::from_secs(1);
     let until = warm + Duration::from_secs(seconds);
+    // Each caller sends every `callers / rate` seconds, the callers' slots staggered.
+    let period = rate.map(|r| Duration::from_secs_f64(callers as f64 / f64::from(r.max(1))));
     let tasks: Vec<_> = (0..callers)
         .map(|i| {
+            let offset = period.map_or(Duration::ZERO, |p| p.mul_f64(i as f64 / callers as f64));
             tokio::spawn(caller(
                 target,
                 keys,
                 0x9E37_79B9 + i as u64 * 7919,
                 until,
                 warm,
+                Pace {
+                    next: start + offset,
+                    period,
+                },
             ))
         })
         .collect();
@@ -422,6 +459,7 @@ async fn run(
     callers: String,
     keys: u32,
     only: String,
+    rate: Option<u32>,
 ) -> Result<()> {
     let me = std::env::current_exe()?;
     let rules = std::env::temp_dir().join(format!("bursar-bench-{}.toml", std::process::id()));
@@ -470,10 +508,11 @@ async fn run(
         ("bursar-http admit (3 dims)", Target::Http(a_http)),
         ("redis-direct (GCRA x3)", Target::RedisDirect(redis)),
     ];
-    println!(
-        "{} s per row after 1 s warm-up, {keys} keys, closed loop; latency in ms\n",
-        seconds
-    );
+    let shape = match rate {
+        None => "closed loop".to_string(),
+        Some(r) => format!("paced at {r} decisions/s in total"),
+    };
+    println!("{seconds} s per row after 1 s warm-up, {keys} keys, {shape}; latency in ms\n");
     println!("| target | callers | decisions/s | p50 ms | p99 ms | admitted |");
     println!("|---|---|---|---|---|---|");
     for &c in &callers {
@@ -481,9 +520,9 @@ async fn run(
             if !only.is_empty() && !only.split(',').any(|o| name.starts_with(o.trim())) {
                 continue;
             }
-            let (rate, p50, p99, adm) = measure(t, c, keys, seconds).await?;
+            let (done, p50, p99, adm) = measure(t, c, keys, seconds, rate).await?;
             println!(
-                "| {name} | {c} | {rate:.0} | {p50:.3} | {p99:.3} | {:.1} % |",
+                "| {name} | {c} | {done:.0} | {p50:.3} | {p99:.3} | {:.1} % |",
                 adm * 100.0
             );
         }
@@ -502,7 +541,8 @@ async fn main() -> Result<()> {
             callers,
             keys,
             only,
-        } => run(agent, redis, seconds, callers, keys, only).await,
+            rate,
+        } => run(agent, redis, seconds, callers, keys, only, rate).await,
         Cmd::ServeNowork { addr } => serve(addr, NoWork).await,
         Cmd::ServeRedis { addr, redis } => {
             // Fail early if Redis is not there.
