@@ -987,15 +987,11 @@ fn granted_keys_whose_lease_ended_are_evicted_when_idle_and_make_room() {
         "#,
     );
     let grant = |org: &str, seq: u64, lease_end: u64| SliceUpdate {
-        rule: "rpm".into(),
         values: vec![org.into()],
-        rate: 10,
-        burst: 10,
-        epoch: 1,
-        seq,
         lease_expires_at_ns: lease_end,
         fleet_size: 2,
         transfer_tokens: 10,
+        ..slice(10, 10, 1, seq)
     };
     for i in 0..4u64 {
         let org = format!("o{i}");

@@ -215,7 +215,9 @@ impl Run {
 
 /// Parses the entries of a block, in order: (request id, location; empty = removed).
 /// A block that does not parse is an error, never a panic.
-fn block_entries(block: &[u8]) -> impl Iterator<Item = Result<(&[u8], &[u8]), StoreError>> + '_ {
+pub(crate) fn block_entries(
+    block: &[u8],
+) -> impl Iterator<Item = Result<(&[u8], &[u8]), StoreError>> + '_ {
     let mut at = 0usize;
     std::iter::from_fn(move || {
         if at >= block.len() {

@@ -671,10 +671,11 @@ impl Store for RedbStore {
         let mut w = self.db.begin_write().map_err(backend)?;
         w.set_durability(Durability::Immediate).map_err(backend)?;
         let mut runs_table = w.open_table(RUNS).map_err(backend)?;
-        let runs = match &*index {
-            Some(r) => r.clone(),
-            None => Runs::load(&runs_table)?,
-        };
+        if index.is_none() {
+            // The committed state, whatever this commit does.
+            *index = Some(Runs::load(&runs_table)?);
+        }
+        let runs = index.as_ref().expect("loaded above");
         let mut next = runs.clone();
         let report = {
             let mut meta = w.open_table(META).map_err(backend)?;
@@ -689,7 +690,7 @@ impl Store for RedbStore {
             let mut txn = Txn {
                 chunks: w.open_table(CHUNKS).map_err(backend)?,
                 blocks: w.open_table(BLOCKS).map_err(backend)?,
-                runs: &runs,
+                runs,
                 new_ids: BTreeMap::new(),
                 conflicts: w.open_table(CONFLICTS).map_err(backend)?,
                 next_seq,
@@ -906,21 +907,27 @@ mod tests {
     use super::*;
     use crate::conformance;
 
-    #[test]
-    fn the_redb_backend_passes_the_conformance_suite() {
+    /// Runs the conformance suite on fresh files in a temporary directory, every store
+    /// (opened and reopened) shaped by `configure`.
+    fn conformance_with(configure: impl Fn(RedbStore) -> RedbStore) {
         let dir = tempfile::tempdir().expect("tempdir");
         let mut n = 0;
         conformance::run(
             &mut || {
                 n += 1;
-                RedbStore::open(&dir.path().join(format!("c{n}.redb"))).expect("open")
+                configure(RedbStore::open(&dir.path().join(format!("c{n}.redb"))).expect("open"))
             },
             &mut |s| {
                 let path = s.path().to_path_buf();
                 drop(s);
-                RedbStore::open(&path).expect("reopen")
+                configure(RedbStore::open(&path).expect("reopen"))
             },
         );
+    }
+
+    #[test]
+    fn the_redb_backend_passes_the_conformance_suite() {
+        conformance_with(|s| s);
     }
 
     #[test]
@@ -928,23 +935,7 @@ mod tests {
         // One or two events per chunk: lookups, removals (conflicts) and cursors
         // cross chunk boundaries everywhere.
         for max in [1, 300] {
-            let dir = tempfile::tempdir().expect("tempdir");
-            let mut n = 0;
-            conformance::run(
-                &mut || {
-                    n += 1;
-                    RedbStore::open(&dir.path().join(format!("c{n}.redb")))
-                        .expect("open")
-                        .with_chunk_bytes_max(max)
-                },
-                &mut |s| {
-                    let path = s.path().to_path_buf();
-                    drop(s);
-                    RedbStore::open(&path)
-                        .expect("reopen")
-                        .with_chunk_bytes_max(max)
-                },
-            );
+            conformance_with(|s| s.with_chunk_bytes_max(max));
         }
     }
 
@@ -957,23 +948,7 @@ mod tests {
             fanout: 2,
             merge_entries_max: 64,
         };
-        let dir = tempfile::tempdir().expect("tempdir");
-        let mut n = 0;
-        conformance::run(
-            &mut || {
-                n += 1;
-                RedbStore::open(&dir.path().join(format!("c{n}.redb")))
-                    .expect("open")
-                    .with_index_params(params)
-            },
-            &mut |s| {
-                let path = s.path().to_path_buf();
-                drop(s);
-                RedbStore::open(&path)
-                    .expect("reopen")
-                    .with_index_params(params)
-            },
-        );
+        conformance_with(|s| s.with_index_params(params));
     }
 
     /// Rewrites the dedupe index of the file at `path` into format 4's one B-tree
@@ -994,19 +969,13 @@ mod tests {
                     .expect("blocks")
                 {
                     let (_, block) = row.expect("block");
-                    let mut at = 0;
-                    let b = block.value();
-                    while at < b.len() {
-                        let rl = u16::from_le_bytes([b[at], b[at + 1]]) as usize;
-                        let ll = u16::from_le_bytes([b[at + 2], b[at + 3]]) as usize;
-                        let rid = &b[at + 4..at + 4 + rl];
-                        let loc = &b[at + 4 + rl..at + 4 + rl + ll];
+                    for e in id_runs::block_entries(block.value()) {
+                        let (rid, loc) = e.expect("entry");
                         if loc.is_empty() {
                             ids.remove(rid).expect("remove");
                         } else {
                             ids.insert(rid, loc).expect("insert");
                         }
-                        at += 4 + rl + ll;
                     }
                 }
             }
