@@ -60,6 +60,10 @@ enum Cmd {
         /// Override `allocator.overdraft_permille`.
         #[arg(long)]
         overdraft_permille: Option<u32>,
+        /// Override `allocator.hysteresis_permille` (0..1,000; fewer grant messages
+        /// against slower small moves, see docs/tuning.md).
+        #[arg(long)]
+        hysteresis_permille: Option<u32>,
         /// Allocation policy: `bursar` (the real allocator), `static` (R/N each),
         /// `doorman` (proportional shares without revoke-before-grant) or `gubernator`
         /// (every gateway holds the full limit and syncs hits every report interval).
@@ -306,6 +310,7 @@ fn real_main() -> Result<ExitCode> {
             lease_ms,
             burst,
             overdraft_permille,
+            hysteresis_permille,
             policy,
             json,
             plot,
@@ -319,6 +324,7 @@ fn real_main() -> Result<ExitCode> {
                 lease_ms,
                 burst,
                 overdraft_permille,
+                hysteresis_permille,
             };
             let replay = replay_command(&scenario, seed, &overrides, &policy);
             overrides.apply(&mut sc)?;

@@ -144,6 +144,10 @@ pub struct AllocatorSpec {
     pub full_report_every: u32,
     /// How soon an agent reports a key it has just seen (the agent's `new_key_poll`).
     pub new_key_poll_ms: u64,
+    /// `AllocatorConfig::hysteresis_permille`: a grant moves only when its target is
+    /// more than this far from it (fewer grant messages against slower small moves;
+    /// docs/tuning.md has the measured trade).
+    pub hysteresis_permille: u32,
 }
 
 impl Default for AllocatorSpec {
@@ -155,6 +159,7 @@ impl Default for AllocatorSpec {
             report_interval_ms: 250,
             full_report_every: 8,
             new_key_poll_ms: 20,
+            hysteresis_permille: bursar_allocator::AllocatorConfig::default().hysteresis_permille,
         }
     }
 }
@@ -346,6 +351,8 @@ pub struct Overrides {
     pub burst: Option<u64>,
     /// `allocator.overdraft_permille`.
     pub overdraft_permille: Option<u32>,
+    /// `allocator.hysteresis_permille`.
+    pub hysteresis_permille: Option<u32>,
 }
 
 impl Overrides {
@@ -372,6 +379,9 @@ impl Overrides {
         if let Some(o) = self.overdraft_permille {
             sc.allocator.overdraft_permille = o;
         }
+        if let Some(h) = self.hysteresis_permille {
+            sc.allocator.hysteresis_permille = h;
+        }
         sc.validate()
     }
 
@@ -395,6 +405,10 @@ impl Overrides {
         flag(
             "overdraft-permille",
             self.overdraft_permille.map(|x| x.to_string()),
+        );
+        flag(
+            "hysteresis-permille",
+            self.hysteresis_permille.map(|x| x.to_string()),
         );
         c
     }
@@ -469,6 +483,9 @@ impl Scenario {
         }
         if a.overdraft_permille > 1_000 {
             return bad("allocator.overdraft_permille", "must be 0 to 1,000");
+        }
+        if a.hysteresis_permille > 1_000 {
+            return bad("allocator.hysteresis_permille", "must be 0 to 1,000");
         }
         if a.report_interval_ms == 0 || a.new_key_poll_ms == 0 || a.full_report_every == 0 {
             return bad(
@@ -597,6 +614,19 @@ mod tests {
         s.gateways = 0;
         let e = s.validate().unwrap_err();
         assert!(e.to_string().contains("`gateways`"), "{e}");
+    }
+
+    #[test]
+    fn a_hysteresis_band_past_the_whole_grant_is_refused_with_the_field_name() {
+        let mut s = Scenario::load("zipf").unwrap();
+        s.allocator.hysteresis_permille = 1_001;
+        let e = s.validate().unwrap_err();
+        assert!(
+            e.to_string().contains("allocator.hysteresis_permille"),
+            "{e}"
+        );
+        s.allocator.hysteresis_permille = 1_000;
+        s.validate().unwrap();
     }
 
     #[test]

@@ -464,6 +464,7 @@ impl Sim {
             lease_ms: sc.allocator.lease_ms,
             reclaim_margin_ms: sc.allocator.reclaim_margin_ms,
             overdraft_permille: sc.allocator.overdraft_permille,
+            hysteresis_permille: sc.allocator.hysteresis_permille,
             max_agents: AllocatorConfig::default().max_agents.max(sc.gateways),
             ..AllocatorConfig::default()
         };
@@ -2089,12 +2090,13 @@ mod tests {
             lease_ms: Some(5_000),
             burst: Some(800),
             overdraft_permille: Some(50),
+            hysteresis_permille: Some(150),
         };
         assert_eq!(
             replay_command("x.toml", 1, &o, "static"),
             "bursar-sim run x.toml --seed 1 --gateways 3 --keys 2 --duration-s 1.5 \
              --report-interval-ms 100 --lease-ms 5000 --burst 800 --overdraft-permille 50 \
-             --policy static"
+             --hysteresis-permille 150 --policy static"
         );
         // The overrides it names are the ones applied.
         let mut sc = Scenario::load("steady").unwrap();
@@ -2104,6 +2106,29 @@ mod tests {
             (3, 5_000, 800)
         );
         assert_eq!(sc.allocator.overdraft_permille, 50);
+        assert_eq!(sc.allocator.hysteresis_permille, 150);
+    }
+
+    #[test]
+    fn a_wider_hysteresis_band_sends_fewer_grants_and_never_overshoots() {
+        // The trade docs/tuning.md measures: the band reaches the real allocator.
+        let run = |h: u32| {
+            let mut sc = small("zipf");
+            sc.duration_s = 4.0;
+            sc.allocator.hysteresis_permille = h;
+            Sim::new(&sc, 1, "bursar").unwrap().run()
+        };
+        let (narrow, wide) = (run(50), run(250));
+        for r in [&narrow, &wide] {
+            assert_eq!(r.summary.violations, 0, "{:?}", r.violation_messages);
+            assert_eq!(r.summary.overshoot_max_fraction_of_burst, 0.0);
+        }
+        assert!(
+            wide.counters.grants * 3 < narrow.counters.grants * 2,
+            "grants: band 250 {} against band 50 {}",
+            wide.counters.grants,
+            narrow.counters.grants
+        );
     }
 
     #[test]
