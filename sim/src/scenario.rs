@@ -3,6 +3,7 @@
 
 use std::path::Path;
 
+use bursar_allocator::AllocatorConfig;
 use serde::{Deserialize, Serialize};
 
 /// A scenario could not be read or is impossible (operator error; nothing ran).
@@ -30,7 +31,7 @@ pub enum ScenarioError {
         /// File path or built-in name.
         name: String,
         /// The field.
-        field: &'static str,
+        field: String,
         /// What is wrong.
         reason: String,
     },
@@ -150,6 +151,21 @@ pub struct AllocatorSpec {
     pub hysteresis_permille: u32,
 }
 
+impl AllocatorSpec {
+    /// The real allocator's settings for a fleet of `gateways`: these fields, the
+    /// core's defaults for the rest.
+    pub fn config(&self, gateways: usize) -> AllocatorConfig {
+        AllocatorConfig {
+            lease_ms: self.lease_ms,
+            reclaim_margin_ms: self.reclaim_margin_ms,
+            overdraft_permille: self.overdraft_permille,
+            hysteresis_permille: self.hysteresis_permille,
+            max_agents: AllocatorConfig::default().max_agents.max(gateways),
+            ..AllocatorConfig::default()
+        }
+    }
+}
+
 impl Default for AllocatorSpec {
     fn default() -> Self {
         AllocatorSpec {
@@ -159,7 +175,7 @@ impl Default for AllocatorSpec {
             report_interval_ms: 250,
             full_report_every: 8,
             new_key_poll_ms: 20,
-            hysteresis_permille: bursar_allocator::AllocatorConfig::default().hysteresis_permille,
+            hysteresis_permille: AllocatorConfig::default().hysteresis_permille,
         }
     }
 }
@@ -448,10 +464,10 @@ impl Scenario {
     }
 
     fn validate_as(&self, name: &str) -> Result<(), ScenarioError> {
-        let bad = |field, reason: &str| {
+        let bad = |field: &str, reason: &str| {
             Err(ScenarioError::Invalid {
                 name: name.to_string(),
-                field,
+                field: field.to_string(),
                 reason: reason.to_string(),
             })
         };
@@ -481,11 +497,10 @@ impl Scenario {
                 "must be above the allocator's drift margin (200 ms) and at most 3,600,000",
             );
         }
-        if a.overdraft_permille > 1_000 {
-            return bad("allocator.overdraft_permille", "must be 0 to 1,000");
-        }
-        if a.hysteresis_permille > 1_000 {
-            return bad("allocator.hysteresis_permille", "must be 0 to 1,000");
+        // The rest of the allocator's settings are checked by the allocator itself, so
+        // a scenario accepts exactly what a real allocator would.
+        if let Err(e) = a.config(self.gateways).validate() {
+            return bad(&format!("allocator.{}", e.field), &e.reason);
         }
         if a.report_interval_ms == 0 || a.new_key_poll_ms == 0 || a.full_report_every == 0 {
             return bad(

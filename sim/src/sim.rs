@@ -460,14 +460,7 @@ impl Sim {
             sc.limit.posture
         );
         let config = Config::from_toml(&rules).map_err(|e| SimError::Rules(e.to_string()))?;
-        let acfg = AllocatorConfig {
-            lease_ms: sc.allocator.lease_ms,
-            reclaim_margin_ms: sc.allocator.reclaim_margin_ms,
-            overdraft_permille: sc.allocator.overdraft_permille,
-            hysteresis_permille: sc.allocator.hysteresis_permille,
-            max_agents: AllocatorConfig::default().max_agents.max(sc.gateways),
-            ..AllocatorConfig::default()
-        };
+        let acfg = sc.allocator.config(sc.gateways);
         let alloc = Allocator::new(&config, acfg.clone(), 1, 0)
             .map_err(|e| SimError::Allocator(e.to_string()))?;
         let rng = Rng::new(seed);
