@@ -48,6 +48,7 @@ pub const BUILT_INS: &[(&str, &str)] = &[
     ("whale", include_str!("../scenarios/whale.toml")),
     ("shift", include_str!("../scenarios/shift.toml")),
     ("cold-keys", include_str!("../scenarios/cold-keys.toml")),
+    ("sparse", include_str!("../scenarios/sparse.toml")),
     ("diurnal", include_str!("../scenarios/diurnal.toml")),
     (
         "partition-one",
@@ -123,6 +124,10 @@ pub struct LimitSpec {
     /// `strict`, `conservative` or `open`.
     #[serde(default = "default_posture")]
     pub posture: String,
+    /// The rule's `typical_cost` (0: unknown, the default for token rules): lets the
+    /// allocator concentrate a sparse key on the gateways with the most demand.
+    #[serde(default)]
+    pub typical_cost: u64,
 }
 
 fn default_posture() -> String {
@@ -486,6 +491,9 @@ impl Scenario {
         }
         if self.limit.rate_per_s == 0 || self.limit.burst == 0 {
             return bad("limit", "rate_per_s and burst must be at least 1");
+        }
+        if self.limit.typical_cost > self.limit.burst {
+            return bad("limit.typical_cost", "must not exceed the burst");
         }
         if !["strict", "conservative", "open"].contains(&self.limit.posture.as_str()) {
             return bad("limit.posture", "must be strict, conservative or open");

@@ -28,6 +28,11 @@ pub struct AllocatorConfig {
     /// between agents that were all offered the same load. A real shift or surge does
     /// not wait for the average: see `demand_jump_permille`.
     pub demand_half_life_ms: u64,
+    /// Half-life of the slow demand average that ranks and splits sparse keys (see
+    /// `RuleInfo`'s typical cost and docs/tuning.md, "Sparse keys"): a gateway that sees
+    /// under one request per key per report reads as 0 or as a surge report by report;
+    /// only a long average tells the busiest gateways from the rest. Default 10,000 ms.
+    pub sparse_half_life_ms: u64,
     /// A demand sample that differs from the smoothed demand by more than this share
     /// (permille) of the larger of the two (750: the sample is below a quarter of the
     /// average or above four times it), and by more than `demand_jump_floor_permille`
@@ -107,6 +112,7 @@ impl Default for AllocatorConfig {
             drift_margin_ms: 200,
             reclaim_margin_ms: 1_000,
             demand_half_life_ms: 1_000,
+            sparse_half_life_ms: 10_000,
             demand_jump_permille: 750,
             demand_jump_floor_permille: 200,
             min_sample_ms: 250,
@@ -153,6 +159,9 @@ impl AllocatorConfig {
         }
         if self.demand_half_life_ms == 0 {
             return err("demand_half_life_ms", "must be at least 1".into());
+        }
+        if self.sparse_half_life_ms == 0 {
+            return err("sparse_half_life_ms", "must be at least 1".into());
         }
         if self.min_sample_ms == 0 {
             return err("min_sample_ms", "must be at least 1".into());

@@ -194,6 +194,9 @@ struct RuleInfo {
     /// understate it after a reload).
     fallback_posture: Posture,
     fallback_limit: Slice,
+    /// The cost of a typical request (the rule's `typical_cost`; 0: unknown). A slice
+    /// whose burst is below it cannot admit such a request: see `concentrate`.
+    typical: u64,
 }
 
 /// What gives a rule's keys their meaning; a reload that changes any of it replaces
@@ -238,6 +241,7 @@ fn build_rules(
                 held_cap: Slice::ZERO,
                 fallback_posture: r.posture,
                 fallback_limit: Slice::ZERO,
+                typical: r.typical_cost,
             },
             RuleLimit::Concurrency { max_in_flight } => RuleInfo {
                 wildcards,
@@ -250,6 +254,7 @@ fn build_rules(
                 held_cap: Slice::ZERO,
                 fallback_posture: r.posture,
                 fallback_limit: Slice::ZERO,
+                typical: 0,
             },
         };
         info.held_cap = info.limit();
@@ -396,6 +401,9 @@ struct Entry {
     demand_used: f64,
     /// Smoothed rejected cost per period.
     rejected_rate: f64,
+    /// Demand averaged over `sparse_half_life_ms`, from 0 (no jumps): what ranks and
+    /// splits a sparse key's entries.
+    demand_slow: f64,
     base_admitted: u64,
     base_rejected: u64,
     base_ts: u64,
@@ -435,6 +443,7 @@ impl Entry {
             in_flight: 0,
             demand_used: 0.0,
             rejected_rate: 0.0,
+            demand_slow: 0.0,
             base_admitted: 0,
             base_rejected: 0,
             base_ts: 0,
@@ -549,6 +558,11 @@ struct Key {
     /// The burst split's normaliser from the last full recomputation (see
     /// `RuleInfo::target`; 0 before the first).
     burst_norm: f64,
+    /// A sparse key (see `concentrate`) as of its last full recomputation: its entries
+    /// claim their slow demand, and only those whose priority reached `keep_floor` hold
+    /// a share.
+    sparse: bool,
+    keep_floor: f64,
     /// No remembered grant of this key expires before this (a lower bound, kept by
     /// [`Key::edit`] and made exact by the sweep): the sweep skips the key until then.
     sweep_after_ns: u64,
@@ -648,7 +662,7 @@ pub struct Allocator {
     /// the outbox is drained.
     graves: Graves,
     /// The demand smoothing factor of the last sample interval seen: `(interval, alpha)`.
-    alpha_memo: (u64, f64),
+    alpha_memo: (u64, f64, f64),
     hasher: FixedState,
     check_hasher: FixedState,
     scratch: Scratch,
@@ -701,6 +715,10 @@ struct Scratch {
     desired: Vec<Slice>,
     /// Per entry: how far its desired rate may move to absorb the band's residue.
     room: Vec<u64>,
+    /// Claims on slow demand (sparse keys).
+    slow: Vec<Claim>,
+    /// Entries with a claim, by priority (sparse keys).
+    order: Vec<(f64, u32)>,
 }
 
 /// A key's 128-bit identity (see `Allocator::hash_name`).
@@ -757,7 +775,7 @@ impl Allocator {
             recompute_at_ns: None,
             outbox: Vec::new(),
             graves: Graves::default(),
-            alpha_memo: (0, 0.0),
+            alpha_memo: (0, 0.0, 0.0),
             hasher: FixedState::with_seed(cfg.hash_seed),
             check_hasher: FixedState::with_seed(cfg.hash_seed ^ 0x9E37_79B9_7F4A_7C15),
             scratch: Scratch::default(),
@@ -942,6 +960,8 @@ impl Allocator {
             inherited: Slice::ZERO,
             fill: Fill::default(),
             burst_norm: 0.0,
+            sparse: false,
+            keep_floor: 0.0,
             last_full_ns: 0,
             sweep_after_ns: u64::MAX,
         };
@@ -1585,6 +1605,7 @@ impl Allocator {
     /// recomputed.
     fn sample(&mut self, k: u32, pos: u32, kr: &KeyReport, agent_time: u64) -> bool {
         let half_life = AllocatorConfig::ns(self.cfg.demand_half_life_ms) as f64;
+        let slow_half_life = AllocatorConfig::ns(self.cfg.sparse_half_life_ms) as f64;
         let min_sample = AllocatorConfig::ns(self.cfg.min_sample_ms);
         let change = self.cfg.demand_change_permille as f64 / 1000.0;
         let jump_rel = self.cfg.demand_jump_permille as f64 / 1000.0;
@@ -1618,13 +1639,14 @@ impl Allocator {
             let diff = (sample - d).abs();
             diff > jump_rel * sample.max(d) && diff > jump_floor
         };
+        // Reports come at one interval: the smoothing factors are computed once per
+        // interval seen, not once per key (`exp2` is a libm call).
+        if memo.0 != interval {
+            let f = |hl: f64| 1.0 - (-(interval as f64) / hl).exp2();
+            *memo = (interval, f(half_life), f(slow_half_life));
+        }
+        let (alpha, alpha_slow) = (memo.1, memo.2);
         if e.has_demand && !jump(e.demand) {
-            // Reports come at one interval: the smoothing factor is computed once per
-            // interval seen, not once per key (`exp2` is a libm call).
-            if memo.0 != interval {
-                *memo = (interval, 1.0 - (-(interval as f64) / half_life).exp2());
-            }
-            let alpha = memo.1;
             e.demand += alpha * (sample - e.demand);
             e.rejected_rate += alpha * (rejected_sample - e.rejected_rate);
         } else {
@@ -1632,6 +1654,7 @@ impl Allocator {
             e.rejected_rate = rejected_sample;
             e.has_demand = true;
         }
+        e.demand_slow += alpha_slow * (sample - e.demand_slow);
         // Rejecting until the smoothed rejections fade below 2 % of demand: an agent
         // that got spare capacity keeps it for a few reports after it stops rejecting,
         // instead of losing it at once and rejecting again (flapping).
@@ -2019,16 +2042,21 @@ impl Allocator {
         let e = &key.entries[pos as usize];
         let weight = self.agent(e.agent).weight;
         let reachable = self.reachable(e.agent, now);
+        let demand = if key.sparse { e.demand_slow } else { e.demand };
         let claim = Claim {
-            demand: if reachable && e.demand.is_finite() {
-                e.demand.max(0.0)
+            demand: if reachable && demand.is_finite() {
+                demand.max(0.0)
             } else {
                 0.0
             },
             weight,
             rejecting: e.rejecting,
         };
-        let share = key.fill.share(&claim);
+        let share = if key.sparse && priority(e) < key.keep_floor {
+            0.0
+        } else {
+            key.fill.share(&claim)
+        };
         let units = if share.is_finite() && share > 0.0 {
             (share as u64).min(rule.capacity())
         } else {
@@ -2117,8 +2145,36 @@ impl Allocator {
                 return;
             }
         }
-        let fill = water_fill(cap as f64, &sc.claims, reserve, &mut sc.shares);
-        to_units(cap, &sc.shares, &mut sc.units);
+        // A sparse key (see `concentrate`) is split on slow demand among the entries
+        // with the most of it; any other on the demand as smoothed.
+        let key = self.keys[k as usize].as_ref().expect("live key");
+        let mut sparse = None;
+        if rule.typical > 0 && !rule.concurrency {
+            sc.slow.clear();
+            for (i, e) in key.entries.iter().enumerate() {
+                let mut c = sc.claims[i];
+                c.demand = if sc.reachable[i] && e.demand_slow.is_finite() {
+                    e.demand_slow.max(0.0)
+                } else {
+                    0.0
+                };
+                sc.slow.push(c);
+            }
+            water_fill(cap as f64, &sc.slow, reserve, &mut sc.shares);
+            to_units(cap, &sc.shares, &mut sc.units);
+            if !bursts_fit(&rule, &sc.units) {
+                std::mem::swap(&mut sc.claims, &mut sc.slow);
+                sparse = Some(concentrate(&rule, &key.entries, &mut sc, reserve));
+            }
+        }
+        let fill = match sparse {
+            Some((fill, _)) => fill,
+            None => {
+                let fill = water_fill(cap as f64, &sc.claims, reserve, &mut sc.shares);
+                to_units(cap, &sc.shares, &mut sc.units);
+                fill
+            }
+        };
         let assigned: u64 = sc.units.iter().sum();
         let burst_norm = sc.units.iter().map(|&u| (u as f64).sqrt()).sum::<f64>()
             + (cap.saturating_sub(assigned) as f64).sqrt();
@@ -2162,6 +2218,8 @@ impl Allocator {
         }
         key.fill = fill;
         key.burst_norm = burst_norm;
+        key.sparse = sparse.is_some();
+        key.keep_floor = sparse.map_or(0.0, |(_, floor)| floor);
         key.last_full_ns = now;
         // Shrinks (and anything within a commitment) first, then rejecting growers, then
         // the others.
@@ -2382,6 +2440,66 @@ fn target_of(
 ) -> Slice {
     let t = rule.target(units, learning, e, burst_norm);
     if reachable { t } else { t.min(e.current()) }
+}
+
+/// True when every entry's burst under this split (`RuleInfo::target`) would reach
+/// the rule's typical cost.
+fn bursts_fit(rule: &RuleInfo, units: &[u64]) -> bool {
+    let cap = rule.capacity();
+    let assigned: u64 = units.iter().sum();
+    let norm = units.iter().map(|&u| (u as f64).sqrt()).sum::<f64>()
+        + (cap.saturating_sub(assigned) as f64).sqrt();
+    let (b, m) = (rule.burst as f64, rule.typical as f64);
+    norm <= 0.0
+        || units
+            .iter()
+            .all(|&u| u == 0 || b * (u as f64).sqrt() / norm >= m)
+}
+
+/// A sparse key's claim of one entry: its slow demand, doubled while it holds a slice
+/// (so that who holds one does not change on noise).
+fn priority(e: &Entry) -> f64 {
+    let d = if e.demand_slow.is_finite() {
+        e.demand_slow.max(0.0)
+    } else {
+        0.0
+    };
+    if e.current().rate > 0 { 2.0 * d } else { d }
+}
+
+/// Sparse keys. A slice whose burst is below one typical request admits no such
+/// request, however much rate it holds: its refill is wasted while other gateways
+/// reject. When a key's split (on slow demand, `sc.claims`) would make such a slice,
+/// only the entries with the highest priority keep a claim: at most `B / typical` of
+/// them, fewer while the smallest kept one's burst would still be below `typical`. The
+/// others' claims are zeroed and the water-filling runs again over the kept ones.
+/// Writes the units into `sc.units`; returns the fill and the smallest kept priority.
+fn concentrate(rule: &RuleInfo, entries: &[Entry], sc: &mut Scratch, reserve: f64) -> (Fill, f64) {
+    let cap = rule.capacity() as f64;
+    sc.order.clear();
+    for (i, e) in entries.iter().enumerate() {
+        if sc.claims[i].demand > 0.0 {
+            sc.order.push((priority(e), i as u32));
+        }
+    }
+    sc.order.sort_unstable_by(|a, b| b.0.total_cmp(&a.0));
+    let most = (rule.burst / rule.typical.max(1)) as usize;
+    let mut keep = sc.order.len().min(most).max(1);
+    for &(_, i) in sc.order.iter().skip(keep) {
+        let c = &mut sc.claims[i as usize];
+        (c.demand, c.rejecting) = (0.0, false);
+    }
+    loop {
+        let fill = water_fill(cap, &sc.claims, reserve, &mut sc.shares);
+        to_units(rule.capacity(), &sc.shares, &mut sc.units);
+        if keep <= 1 || bursts_fit(rule, &sc.units) {
+            let floor = sc.order.get(keep - 1).map_or(0.0, |o| o.0);
+            return (fill, floor);
+        }
+        keep -= 1;
+        let c = &mut sc.claims[sc.order[keep].1 as usize];
+        (c.demand, c.rejecting) = (0.0, false);
+    }
 }
 
 /// The hysteresis band leaves a residue: grants held within the band of their targets
@@ -2966,6 +3084,80 @@ mod tests {
             "the limit (1,000) stays handed out: lowest {lowest}"
         );
         assert!(grants > 0, "the jitter leaves the band sometimes");
+    }
+
+    /// Twenty agents offered Zipf demand (2,000/(i+1) per second each, ~7,200 in
+    /// all) on one key of (1,000/s, 1,000) for 10 s; the key's grants at the end.
+    fn sparse_run(typical: Option<u64>) -> KeyStatus {
+        let rules = format!(
+            "[engine]\nslice_source = \"allocated\"\n[[rule]]\nname = \"tps\"\n\
+             match = {{ org = \"*\" }}\ndimension = \"input_tokens\"\nrate = 1000\n\
+             per = \"second\"\nburst = 1000\n{}",
+            typical.map_or(String::new(), |t| format!("typical_cost = {t}\n"))
+        );
+        let cfg = AllocatorConfig {
+            sparse_half_life_ms: 1_000,
+            ..quick_config()
+        };
+        let now = 5 * SEC;
+        let start = now - MS * (cfg.lease_ms + cfg.reclaim_margin_ms);
+        let mut a = Allocator::new(&Config::from_toml(&rules).unwrap(), cfg, 1, start).unwrap();
+        a.handle_timeout(now);
+        let ids: Vec<String> = (0..20).map(|i| format!("a{i:02}")).collect();
+        for id in &ids {
+            a.handle_hello(now, &hello(id, 1, 1)).unwrap();
+        }
+        let k = key("tps", "x");
+        let mut rej = [0u64; 20];
+        let mut held: [Option<HeldGrant>; 20] = [None; 20];
+        let mut t = now;
+        for _ in 0..40 {
+            t += 250 * MS;
+            for (j, id) in ids.iter().enumerate() {
+                rej[j] += 500 / (j as u64 + 1);
+                a.handle_report(
+                    t,
+                    &report(id, 1, t, vec![line(k.clone(), 0, rej[j], held[j])]),
+                )
+                .unwrap();
+            }
+            for step in [10, 12, 14] {
+                for g in settle(&mut a, t + step * MS) {
+                    let j = ids.iter().position(|id| **id == *g.agent).unwrap();
+                    held[j] = Some(g.held());
+                    a.handle_ack(t + step * MS + MS, &ack(&g, 1, 0)).unwrap();
+                }
+            }
+        }
+        a.key_status(&k).unwrap()
+    }
+
+    #[test]
+    fn a_sparse_key_is_concentrated_on_the_agents_with_the_most_demand() {
+        // typical_cost 200 on a burst of 1,000: at most five slices can admit a typical
+        // request, so only the busiest agents hold one, each with a burst of 200 or more,
+        // and they hold the whole rate between them.
+        let st = sparse_run(Some(200));
+        let holders: Vec<&AgentSlice> = st.agents.iter().filter(|s| s.granted.rate > 0).collect();
+        assert!(!holders.is_empty() && holders.len() <= 5, "{st:?}");
+        for h in &holders {
+            assert!(h.granted.burst >= 200, "{h:?}");
+            let rank: usize = h.agent[1..].parse().unwrap();
+            assert!(
+                rank < 5,
+                "{} holds a slice over busier agents: {st:?}",
+                h.agent
+            );
+        }
+        assert!(st.committed.rate >= 950, "the rate is handed out: {st:?}");
+        assert!(st.committed.rate <= 1000 && st.committed.burst <= 1000);
+        // Without it (token rules default to unknown), every agent gets a slice, most of
+        // them too small to admit a typical request.
+        let st = sparse_run(None);
+        let holders = st.agents.iter().filter(|s| s.granted.rate > 0).count();
+        let small = st.agents.iter().filter(|s| s.granted.burst < 200).count();
+        assert_eq!(holders, 20, "{st:?}");
+        assert!(small >= 10, "{st:?}");
     }
 
     #[test]

@@ -238,6 +238,12 @@ pub struct Rule {
     /// Output tokens reserved at most, whatever `max_tokens` says. Output beyond the
     /// reservation is charged at completion as debt (see `docs/configuration.md`).
     pub max_output_tokens_cap: u64,
+    /// The cost of a typical request on this rule's dimension, for the allocator (0:
+    /// unknown). A slice whose burst is below it cannot admit such a request; when a
+    /// key's split would make such slices, the allocator concentrates the key's budget
+    /// on the agents with the most demand (docs/tuning.md, "Sparse keys"). Default: 1
+    /// for `requests`, 0 for the token dimensions and concurrency.
+    pub typical_cost: u64,
 }
 
 impl Rule {
@@ -711,6 +717,7 @@ const RULE_FIELDS: &[&str] = &[
     "parent",
     "max_output_tokens_default",
     "max_output_tokens_cap",
+    "typical_cost",
 ];
 
 fn parse_rule(index: usize, value: Value) -> Result<(Rule, Option<String>), ConfigError> {
@@ -903,6 +910,29 @@ fn parse_rule(index: usize, value: Value) -> Result<(Rule, Option<String>), Conf
             ),
         ));
     }
+    let typical_default = u64::from(dimension == Dimension::Requests);
+    let typical_cost = match int("typical_cost", 0, MAX_COST)? {
+        None => typical_default,
+        Some(_) if dimension == Dimension::Concurrency => {
+            return Err(err(
+                "typical_cost",
+                "does not apply to a concurrency rule (a request takes one slot)".into(),
+            ));
+        }
+        Some(c) => {
+            let burst = match limit {
+                RuleLimit::Rate { burst, .. } => burst,
+                RuleLimit::Concurrency { max_in_flight } => max_in_flight,
+            };
+            if c > burst {
+                return Err(err(
+                    "typical_cost",
+                    format!("{c} is above the burst ({burst}): no slice could admit it"),
+                ));
+            }
+            c
+        }
+    };
     let parent = string("parent")?;
     Ok((
         Rule {
@@ -916,6 +946,7 @@ fn parse_rule(index: usize, value: Value) -> Result<(Rule, Option<String>), Conf
             parent: None,
             max_output_tokens_default,
             max_output_tokens_cap,
+            typical_cost,
         },
         parent,
     ))
@@ -1055,6 +1086,64 @@ mod tests {
         assert!(slow.contains("years to refill"), "{slow}");
         // TOML itself rejects integers beyond i64 with a syntax error.
         assert!(err("[[rule]]\nname = \"x\"\nrate = 99999999999999999999\n").contains("TOML"));
+    }
+
+    #[test]
+    fn typical_cost_defaults_by_dimension_and_is_checked_against_the_burst() {
+        let cfg = Config::from_toml(
+            r#"[[rule]]
+            name = "rps"
+            dimension = "requests"
+            rate = 10
+            per = "second"
+            [[rule]]
+            name = "tpm"
+            dimension = "input_tokens"
+            rate = 1000
+            per = "minute"
+            [[rule]]
+            name = "tpm-typical"
+            dimension = "input_tokens"
+            rate = 1000
+            per = "minute"
+            typical_cost = 200"#,
+        )
+        .unwrap();
+        let typical = |n: &str| cfg.rules.by_name(n).unwrap().1.typical_cost;
+        assert_eq!(
+            (typical("rps"), typical("tpm"), typical("tpm-typical")),
+            (1, 0, 200)
+        );
+        let above = err(r#"[[rule]]
+            name = "t"
+            dimension = "input_tokens"
+            rate = 100
+            per = "second"
+            burst = 100
+            typical_cost = 101"#);
+        assert_eq!(
+            above,
+            "rule t: field `typical_cost`: 101 is above the burst (100): no slice could admit it"
+        );
+        let negative = err(r#"[[rule]]
+            name = "t"
+            dimension = "input_tokens"
+            rate = 100
+            per = "second"
+            typical_cost = -1"#);
+        assert!(
+            negative.starts_with("rule t: field `typical_cost`"),
+            "{negative}"
+        );
+        let slots = err(r#"[[rule]]
+            name = "c"
+            dimension = "concurrency"
+            max_in_flight = 4
+            typical_cost = 1"#);
+        assert!(
+            slots.contains("does not apply to a concurrency rule"),
+            "{slots}"
+        );
     }
 
     #[test]
