@@ -2051,7 +2051,7 @@ impl Allocator {
                 0.0
             },
             weight,
-            rejecting: e.rejecting,
+            rejecting: e.rejecting && !key.sparse,
         };
         let share = if key.sparse && priority(e) < key.keep_floor {
             0.0
@@ -2163,7 +2163,14 @@ impl Allocator {
             }
             water_fill(cap as f64, &sc.slow, reserve, &mut sc.shares);
             to_units(cap, &sc.shares, &mut sc.units);
-            if !bursts_fit(&rule, &sc.units) {
+            // Sticky: a concentrated key goes back to the plain split only once every
+            // slice would hold two typical requests (no flapping at the edge).
+            let need = if key.sparse {
+                rule.typical.saturating_mul(2)
+            } else {
+                rule.typical
+            };
+            if !bursts_fit(&rule, &sc.units, need) {
                 std::mem::swap(&mut sc.claims, &mut sc.slow);
                 sparse = Some(concentrate(&rule, &key.entries, &mut sc, reserve));
             }
@@ -2465,11 +2472,10 @@ fn burst_split(rule: &RuleInfo, units: &[u64], sparse: bool) -> BurstSplit {
     }
 }
 
-/// True when every entry's burst under the plain split would reach the rule's typical
-/// cost.
-fn bursts_fit(rule: &RuleInfo, units: &[u64]) -> bool {
+/// True when every entry's burst under the plain split would reach `m`.
+fn bursts_fit(rule: &RuleInfo, units: &[u64], m: u64) -> bool {
     let split = burst_split(rule, units, false);
-    let (b, m) = (rule.burst as f64, rule.typical as f64);
+    let (b, m) = (rule.burst as f64, m as f64);
     split.norm <= 0.0
         || units
             .iter()
@@ -2509,9 +2515,15 @@ fn concentrate(rule: &RuleInfo, entries: &[Entry], sc: &mut Scratch, reserve: f6
     // against 0.29-0.31 at this bound and 0.28-0.30 at B / (3 typical).)
     let most = (rule.burst / rule.typical.max(1).saturating_mul(2)).max(1) as usize;
     let keep = sc.order.len().min(most);
-    for &(_, i) in sc.order.iter().skip(keep) {
+    // The kept entries share the whole capacity in proportion to their slow demand
+    // (no spare to "rejecting" ones: on a sparse key that flag flips with every
+    // request, and so would the grants).
+    for (j, &(_, i)) in sc.order.iter().enumerate() {
         let c = &mut sc.claims[i as usize];
-        (c.demand, c.rejecting) = (0.0, false);
+        c.rejecting = false;
+        if j >= keep {
+            c.demand = 0.0;
+        }
     }
     let fill = water_fill(rule.capacity() as f64, &sc.claims, reserve, &mut sc.shares);
     to_units(rule.capacity(), &sc.shares, &mut sc.units);
