@@ -154,6 +154,12 @@ pub struct KeyStatus {
     pub agents: Vec<AgentSlice>,
     /// Tokens waiting to be handed to a growing agent.
     pub transfer_pool: u64,
+    /// The key is concentrated on its busiest agents (its split would leave slices too
+    /// small for the rule's typical cost; docs/tuning.md, "Sparse keys").
+    pub concentrated: bool,
+    /// Per agent: smoothed demand over `sparse_half_life_ms` (what ranks the agents of
+    /// a concentrated key), same order as `agents`.
+    pub slow_demand: Vec<f64>,
     /// The overshoot bound.
     pub bound: OvershootBound,
 }
@@ -2307,6 +2313,8 @@ impl Allocator {
             demand,
             agents,
             transfer_pool: kk.pool,
+            concentrated: kk.sparse,
+            slow_demand: kk.entries.iter().map(|e| e.demand_slow).collect(),
             bound: self.bound_of(k),
         })
     }
@@ -3175,6 +3183,7 @@ mod tests {
         // one (at most B / (2 typical) = 2), each with a burst of 200 or more, and they
         // hold the whole rate between them.
         let st = sparse_run(Some(200));
+        assert!(st.concentrated, "{st:?}");
         let holders: Vec<&AgentSlice> = st.agents.iter().filter(|s| s.granted.rate > 0).collect();
         assert!(!holders.is_empty() && holders.len() <= 2, "{st:?}");
         for h in &holders {
@@ -3191,6 +3200,7 @@ mod tests {
         // Without it (token rules default to unknown), every agent gets a slice, most of
         // them too small to admit a typical request.
         let st = sparse_run(None);
+        assert!(!st.concentrated);
         let holders = st.agents.iter().filter(|s| s.granted.rate > 0).count();
         let small = st.agents.iter().filter(|s| s.granted.burst < 200).count();
         assert_eq!(holders, 20, "{st:?}");

@@ -140,6 +140,8 @@ async fn an_agent_gets_a_welcome_then_a_grant_within_the_limit_and_the_admin_end
     assert_eq!(k["agents"][0]["agent"], "node-a");
     assert!(k["agents"][0]["granted"]["rate"].as_u64().unwrap() > 0);
     assert_eq!(k["bound"]["rate"], 0, "no partition: bound 0");
+    assert_eq!(k["concentrated"], false, "one agent: the plain split");
+    assert!(k["agents"][0]["slow_demand"].as_f64().unwrap() > 0.0, "{k}");
     assert!(v["counters"]["acks"].as_u64().unwrap() >= 1, "{v}");
 
     // A second live stream claiming the same id with a new incarnation is refused.

@@ -90,6 +90,7 @@ pub fn key_json(k: &KeyStatus) -> Value {
         "demand": k.demand,
         "committed": slice(k.committed),
         "transfer_pool": k.transfer_pool,
+        "concentrated": k.concentrated,
         "bound": {
             "rate": k.bound.rate,
             "burst": k.bound.burst,
@@ -97,9 +98,10 @@ pub fn key_json(k: &KeyStatus) -> Value {
             "partitioned_agents": k.bound.partitioned_agents,
             "period_ns": k.bound.period_ns,
         },
-        "agents": k.agents.iter().map(|a| json!({
+        "agents": k.agents.iter().zip(&k.slow_demand).map(|(a, slow)| json!({
             "agent": &*a.agent,
             "demand": a.demand,
+            "slow_demand": slow,
             "granted": slice(a.granted),
             "committed": slice(a.committed),
             "fallback": a.fallback.map(slice),
