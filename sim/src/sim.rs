@@ -320,6 +320,9 @@ struct Agent {
     last_ts: u64,
     last_poll: u64,
     generation: u64,
+    /// The engine's key-creation cursor (`Engine::new_key_demand`), as the sync
+    /// client keeps it.
+    created_cursor: u64,
     reports: u64,
     tracks: BTreeMap<u32, Track>,
     poll_pending: bool,
@@ -485,6 +488,7 @@ impl Sim {
                     last_ts: 0,
                     last_poll: 0,
                     generation: 0,
+                    created_cursor: 0,
                     reports: 0,
                     tracks: BTreeMap::new(),
                     poll_pending: false,
@@ -858,6 +862,7 @@ impl Sim {
                 let a = &mut self.agents[i as usize];
                 a.incarnation += 1;
                 a.engine = Some(Engine::new(self.config.clone(), Arc::new(DiscardSink)));
+                a.created_cursor = 0;
                 a.generation = 0;
                 a.reports = 0;
                 a.last_poll = a.clock(self.now);
@@ -1394,8 +1399,35 @@ impl Sim {
         a.last_poll = now;
         a.generation += 1;
         let gen_ = a.generation;
+        a.created_cursor = engine.created_seq();
         self.demand_buf.clear();
         engine.key_demand(&mut self.demand_buf);
+        self.track_demand(i, since, gen_);
+        self.agents[i].tracks.retain(|_, t| t.seen == gen_);
+    }
+
+    /// The new-key poll: only the keys the engine created since the last read, as the
+    /// sync client does (`refresh_new`); everything when the engine forgot some.
+    fn refresh_new(&mut self, i: usize) {
+        let a = &mut self.agents[i];
+        let Some(engine) = &a.engine else {
+            return;
+        };
+        self.demand_buf.clear();
+        if !engine.new_key_demand(&mut a.created_cursor, &mut self.demand_buf) {
+            self.refresh(i);
+            return;
+        }
+        let now = a.clock(self.now);
+        let since = a.last_poll.min(now);
+        a.last_poll = now;
+        let gen_ = a.generation;
+        self.track_demand(i, since, gen_);
+    }
+
+    /// Folds `demand_buf` into agent `i`'s tracks.
+    fn track_demand(&mut self, i: usize, since: u64, gen_: u64) {
+        let a = &mut self.agents[i];
         for d in self.demand_buf.drain(..) {
             let Some(k) = d.values().first().and_then(|v| key_of(v, self.keys.len())) else {
                 continue;
@@ -1426,7 +1458,6 @@ impl Sim {
                 }
             }
         }
-        a.tracks.retain(|_, t| t.seen == gen_);
     }
 
     fn stamp(&mut self, i: usize) -> u64 {
@@ -1469,7 +1500,11 @@ impl Sim {
 
     fn send_reports(&mut self, i: u32, only_new: bool) {
         let iu = i as usize;
-        self.refresh(iu);
+        if only_new {
+            self.refresh_new(iu);
+        } else {
+            self.refresh(iu);
+        }
         let a = &mut self.agents[iu];
         if !only_new {
             a.reports += 1;

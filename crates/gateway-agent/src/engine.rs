@@ -14,7 +14,7 @@
 //! [`Engine::maintain`] and [`Engine::apply_slices`]), so that a fan-out of new keys
 //! costs amortised O(1) per key rather than a table copy each.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -847,7 +847,18 @@ struct Slow {
     retired: Vec<(u64, u64, u64)>,
     /// Engine time of the last publish.
     published_at_ns: u64,
+    /// Keys created lately, numbered (the sync client's new-key poll reads only these:
+    /// [`Engine::new_key_demand`]); at most [`CREATED_MAX`], oldest dropped. The key,
+    /// not the slot: an evicted slot is not kept alive by it.
+    created: VecDeque<(u64, Arc<LimitKey>)>,
+    /// Number of the last key created.
+    created_seq: u64,
 }
+
+/// Keys remembered by [`Engine::new_key_demand`] between two reads (a new-key poll every
+/// 20 ms sees at most this many at 50,000 new keys a second); a reader that falls
+/// further behind is told to read every key.
+pub const CREATED_MAX: usize = 1_024;
 
 /// The budget engine. Share it (`Arc<Engine>`) across threads; give each thread a
 /// [`Worker`] for the cheapest reads.
@@ -947,6 +958,8 @@ impl Engine {
                 keys: 0,
                 retired,
                 published_at_ns: 0,
+                created: VecDeque::new(),
+                created_seq: 0,
             }),
             sink,
         }
@@ -1331,6 +1344,12 @@ impl Engine {
         let slot = Arc::new(Slot::new(key, params, state));
         slow.pending.insert(slot_id, Arc::clone(&slot));
         slow.keys += 1;
+        slow.created_seq += 1;
+        let seq = slow.created_seq;
+        slow.created.push_back((seq, Arc::clone(&slot.key)));
+        if slow.created.len() > CREATED_MAX {
+            slow.created.pop_front();
+        }
         if slow.pending.len() > 64 + table.len() / 16 {
             drop(table);
             self.publish_locked(&mut slow, now);
@@ -2017,31 +2036,78 @@ impl Engine {
         let slow = self.slow();
         let table = self.table.load();
         for (_, s) in live_slots(&slow, &table) {
-            let c = &self.compiled[s.key.rule as usize];
-            let slice = slow.slices.get(&*s.key as &dyn KeyView).map(|st| {
-                let (rate, burst) = match st.grant {
-                    Params::Rate(p) => (p.limit.rate, p.limit.burst),
-                    Params::Closed(_) => (0, 0),
-                    Params::Slots(n) => (0, n),
-                };
-                AppliedSlice {
-                    epoch: st.epoch,
-                    seq: st.seq,
-                    rate,
-                    burst,
-                    lease_expires_at_ns: st.lease_expires_at_ns,
-                    expired: st.expired,
-                }
-            });
-            out.push(KeyDemand {
-                rule: Arc::clone(&c.name),
-                in_flight: match s.params {
-                    Params::Slots(_) => s.load().tat,
-                    _ => 0,
-                },
-                counters: SlotCounters(Arc::clone(s)),
-                slice,
-            });
+            out.push(self.demand_of(&slow, s));
+        }
+    }
+
+    /// The number of the last key created (a cursor for [`Engine::new_key_demand`] that
+    /// skips every key created so far).
+    pub fn created_seq(&self) -> u64 {
+        self.slow().created_seq
+    }
+
+    /// Like [`Engine::key_demand`], but only the keys created since `cursor` (0 at
+    /// first), which it advances: what a new-key poll needs, without walking every key.
+    /// Returns false, appending nothing, when more than [`CREATED_MAX`] keys were
+    /// created since `cursor`: then read them all with [`Engine::key_demand`]. A key
+    /// created and since evicted is left out; one whose slot a grant replaced is read
+    /// from its live slot.
+    pub fn new_key_demand(&self, cursor: &mut u64, out: &mut Vec<KeyDemand>) -> bool {
+        let slow = self.slow();
+        let last = slow.created_seq;
+        // Keys dropped from the front since `cursor`, or a cursor this engine never gave.
+        let missed = slow
+            .created
+            .front()
+            .is_some_and(|(seq, _)| *seq > *cursor + 1)
+            || *cursor > last;
+        let from = *cursor;
+        *cursor = last;
+        if missed {
+            return false;
+        }
+        let table = self.table.load();
+        let mut values: Vec<&str> = Vec::with_capacity(MAX_DESCRIPTORS);
+        for (seq, key) in &slow.created {
+            if *seq <= from {
+                continue;
+            }
+            values.clear();
+            values.extend(key.values());
+            // The key's live slot: the one created, or the one a grant replaced it with.
+            if let Some((_, s)) = find_live(&slow, &table, key.id, key.rule, &values) {
+                out.push(self.demand_of(&slow, &s));
+            }
+        }
+        true
+    }
+
+    /// One key's entry for [`Engine::key_demand`].
+    fn demand_of(&self, slow: &Slow, s: &Arc<Slot>) -> KeyDemand {
+        let c = &self.compiled[s.key.rule as usize];
+        let slice = slow.slices.get(&*s.key as &dyn KeyView).map(|st| {
+            let (rate, burst) = match st.grant {
+                Params::Rate(p) => (p.limit.rate, p.limit.burst),
+                Params::Closed(_) => (0, 0),
+                Params::Slots(n) => (0, n),
+            };
+            AppliedSlice {
+                epoch: st.epoch,
+                seq: st.seq,
+                rate,
+                burst,
+                lease_expires_at_ns: st.lease_expires_at_ns,
+                expired: st.expired,
+            }
+        });
+        KeyDemand {
+            rule: Arc::clone(&c.name),
+            in_flight: match s.params {
+                Params::Slots(_) => s.load().tat,
+                _ => 0,
+            },
+            counters: SlotCounters(Arc::clone(s)),
+            slice,
         }
     }
 

@@ -708,6 +708,55 @@ fn without_a_grant_an_allocated_key_admits_nothing_and_a_new_grant_starts_empty(
 }
 
 #[test]
+fn a_new_key_poll_reads_only_the_keys_created_since_the_last_one() {
+    use bursar_agent::engine::{CREATED_MAX, KeyDemand};
+    let e = engine(ALLOCATED);
+    let (mut cursor, mut out) = (0u64, Vec::new());
+    let orgs = |out: &mut Vec<KeyDemand>| -> Vec<String> {
+        out.drain(..).map(|d| d.values()[0].to_string()).collect()
+    };
+    let mut n = 0;
+    let mut touch = |org: &str| {
+        n += 1;
+        // Rejected (no grant yet), but the key now exists.
+        e.admit(
+            0,
+            &req(&format!("r{n}"), &[("org", org)], Cost::ONE_REQUEST),
+        )
+        .unwrap();
+    };
+    assert!(e.new_key_demand(&mut cursor, &mut out));
+    assert!(out.is_empty());
+    touch("a");
+    touch("b");
+    assert!(e.new_key_demand(&mut cursor, &mut out));
+    assert_eq!(orgs(&mut out), ["a", "b"]);
+    // Used again, but not new: not read.
+    touch("a");
+    assert!(e.new_key_demand(&mut cursor, &mut out));
+    assert!(out.is_empty());
+    // A key whose slot a grant replaced before the poll is read from its live slot.
+    touch("c");
+    let mut s = slice(50, 50, 1, 1);
+    s.values = vec!["c".into()];
+    e.apply_slices(0, &[s]);
+    assert!(e.new_key_demand(&mut cursor, &mut out));
+    assert_eq!(out[0].slice.map(|s| s.rate), Some(50));
+    assert_eq!(orgs(&mut out), ["c"]);
+    // More new keys than it remembers: the reader is told to read every key.
+    for i in 0..=CREATED_MAX {
+        touch(&format!("k{i}"));
+    }
+    assert!(!e.new_key_demand(&mut cursor, &mut out));
+    assert!(out.is_empty());
+    // ...and reads only what is new after that.
+    touch("z");
+    assert!(e.new_key_demand(&mut cursor, &mut out));
+    assert_eq!(orgs(&mut out), ["z"]);
+    e.check_invariants(0).unwrap();
+}
+
+#[test]
 fn a_shrink_clamps_the_level_and_reports_what_it_gave_up() {
     let e = engine(ALLOCATED);
     let mut s = slice(50, 50, 1, 1);

@@ -176,6 +176,7 @@ pub fn spawn(
         last_ts: 0,
         last_poll_ns: 0,
         generation: 0,
+        created_cursor: 0,
         reports: 0,
         pending_acks: Vec::new(),
         config_version: String::new(),
@@ -222,6 +223,8 @@ struct Client {
     last_ts: u64,
     last_poll_ns: u64,
     generation: u64,
+    /// The engine's key-creation cursor ([`Engine::new_key_demand`]) as of the last read.
+    created_cursor: u64,
     reports: u64,
     pending_acks: Vec<PendingAck>,
     config_version: String,
@@ -316,43 +319,79 @@ impl Client {
         self.last_poll_ns = now;
         self.generation += 1;
         let gen_ = self.generation;
-        self.buf.clear();
-        self.state.engine.key_demand(&mut self.buf);
-        for d in self.buf.drain(..) {
-            let held = d.slice.map(|s| pb::HeldGrant {
-                epoch: s.epoch,
-                seq: s.seq,
-                rate: s.rate,
-                burst: s.burst,
-            });
-            let id = (
-                d.rule.to_string(),
-                d.values().iter().map(|v| v.to_string()).collect(),
-            );
-            match self.tracks.get_mut(&id) {
-                Some(t) => {
-                    t.totals.observe(d.counters);
-                    t.in_flight = d.in_flight;
-                    t.held = held;
-                    t.seen = gen_;
-                }
-                None => {
-                    self.tracks.insert(
-                        id,
-                        Track {
-                            totals: KeyTotals::new(d.counters),
-                            since_ns: since,
-                            in_flight: d.in_flight,
-                            held,
-                            sent: None,
-                            seen: gen_,
-                        },
-                    );
-                }
-            }
+        // Keys created from here on are new to the next poll, even if this walk sees
+        // them too (a second sighting only updates the track).
+        self.created_cursor = self.state.engine.created_seq();
+        let mut buf = std::mem::take(&mut self.buf);
+        buf.clear();
+        self.state.engine.key_demand(&mut buf);
+        for d in buf.drain(..) {
+            self.track(d, since, gen_);
         }
+        self.buf = buf;
         // Keys the engine evicted.
         self.tracks.retain(|_, t| t.seen == gen_);
+    }
+
+    /// Reads only the keys the engine created since the last read (the new-key poll,
+    /// every 20 ms: a walk of every key there cost a cache miss and two string copies
+    /// per key, 50 times a second while new keys keep coming). Falls back to a whole
+    /// [`Client::refresh`] when the engine has forgotten some of them.
+    fn refresh_new(&mut self) {
+        let now = self.now_ns();
+        let mut buf = std::mem::take(&mut self.buf);
+        buf.clear();
+        if !self
+            .state
+            .engine
+            .new_key_demand(&mut self.created_cursor, &mut buf)
+        {
+            self.buf = buf;
+            self.refresh();
+            return;
+        }
+        let since = self.last_poll_ns.min(now);
+        self.last_poll_ns = now;
+        let gen_ = self.generation;
+        for d in buf.drain(..) {
+            self.track(d, since, gen_);
+        }
+        self.buf = buf;
+    }
+
+    /// Updates (or starts) the track of one key read from the engine.
+    fn track(&mut self, d: KeyDemand, since: u64, gen_: u64) {
+        let held = d.slice.map(|s| pb::HeldGrant {
+            epoch: s.epoch,
+            seq: s.seq,
+            rate: s.rate,
+            burst: s.burst,
+        });
+        let id = (
+            d.rule.to_string(),
+            d.values().iter().map(|v| v.to_string()).collect(),
+        );
+        match self.tracks.get_mut(&id) {
+            Some(t) => {
+                t.totals.observe(d.counters);
+                t.in_flight = d.in_flight;
+                t.held = held;
+                t.seen = gen_;
+            }
+            None => {
+                self.tracks.insert(
+                    id,
+                    Track {
+                        totals: KeyTotals::new(d.counters),
+                        since_ns: since,
+                        in_flight: d.in_flight,
+                        held,
+                        sent: None,
+                        seen: gen_,
+                    },
+                );
+            }
+        }
     }
 
     fn hello(&mut self) -> pb::AgentMessage {
@@ -726,7 +765,13 @@ impl Client {
                         continue;
                     }
                     key_count = n;
-                    self.refresh();
+                    if self.pending_acks.is_empty() {
+                        self.refresh_new();
+                    } else {
+                        // A concurrency shrink waits for its in-flight count to fit:
+                        // read every key's count (rare: shrinks of draining slots).
+                        self.refresh();
+                    }
                     let ms = self.reports(false, true, max_keys);
                     let acks = self.drained_acks();
                     if !self.send_reports(&tx, ms) || !self.send_acks(&tx, acks, max_keys) {
