@@ -653,6 +653,16 @@ mod tests {
     }
 
     #[test]
+    fn a_typical_cost_above_the_burst_is_refused_with_the_field_name() {
+        let mut s = Scenario::load("sparse").unwrap();
+        s.limit.typical_cost = s.limit.burst + 1;
+        let e = s.validate().unwrap_err();
+        assert!(e.to_string().contains("limit.typical_cost"), "{e}");
+        s.limit.typical_cost = s.limit.burst;
+        s.validate().unwrap();
+    }
+
+    #[test]
     fn negative_latency_is_refused_with_the_field_name() {
         let text = format!("{}\n[network]\nlatency_ms = -1.0\n", BUILT_INS[0].1);
         let e = Scenario::from_toml("x", &text).unwrap_err();

@@ -225,5 +225,24 @@ mod tests {
             ..AllocatorConfig::default()
         };
         assert_eq!(bad.validate().unwrap_err().field, "max_keys");
+        for (field, bad) in [
+            (
+                "demand_half_life_ms",
+                AllocatorConfig {
+                    demand_half_life_ms: 0,
+                    ..AllocatorConfig::default()
+                },
+            ),
+            (
+                "sparse_half_life_ms",
+                AllocatorConfig {
+                    sparse_half_life_ms: 0,
+                    ..AllocatorConfig::default()
+                },
+            ),
+        ] {
+            let e = bad.validate().unwrap_err();
+            assert_eq!((e.field, e.reason.as_str()), (field, "must be at least 1"));
+        }
     }
 }
