@@ -242,7 +242,8 @@ pub struct Rule {
     /// unknown). A slice whose burst is below it cannot admit such a request; when a
     /// key's split would make such slices, the allocator concentrates the key's budget
     /// on the agents with the most demand (docs/tuning.md, "Sparse keys"). Default: 1
-    /// for `requests`, 0 for the token dimensions and concurrency.
+    /// for `requests`; `max_output_tokens_default` (at most the burst) for
+    /// `output_tokens` and `total_tokens`; 0 for `input_tokens` and concurrency.
     pub typical_cost: u64,
 }
 
@@ -910,7 +911,16 @@ fn parse_rule(index: usize, value: Value) -> Result<(Rule, Option<String>), Conf
             ),
         ));
     }
-    let typical_default = u64::from(dimension == Dimension::Requests);
+    // Default: a request costs 1 on `requests`; on `output_tokens` and `total_tokens` it
+    // reserves at least the default output (a request naming no max_tokens), so a slice
+    // below that admits no such request; `input_tokens` gives no hint (0: unknown).
+    let typical_default = match (dimension, &limit) {
+        (Dimension::Requests, _) => 1,
+        (Dimension::OutputTokens | Dimension::TotalTokens, RuleLimit::Rate { burst, .. }) => {
+            max_output_tokens_default.min(*burst)
+        }
+        _ => 0,
+    };
     let typical_cost = match int("typical_cost", 0, MAX_COST)? {
         None => typical_default,
         Some(_) if dimension == Dimension::Concurrency => {
@@ -1106,7 +1116,18 @@ mod tests {
             dimension = "input_tokens"
             rate = 1000
             per = "minute"
-            typical_cost = 200"#,
+            typical_cost = 200
+            [[rule]]
+            name = "out"
+            dimension = "output_tokens"
+            rate = 100000
+            per = "minute"
+            [[rule]]
+            name = "out-small"
+            dimension = "total_tokens"
+            rate = 100000
+            per = "minute"
+            burst = 500"#,
         )
         .unwrap();
         let typical = |n: &str| cfg.rules.by_name(n).unwrap().1.typical_cost;
@@ -1114,6 +1135,8 @@ mod tests {
             (typical("rps"), typical("tpm"), typical("tpm-typical")),
             (1, 0, 200)
         );
+        // Output and total tokens: the default output reservation, at most the burst.
+        assert_eq!((typical("out"), typical("out-small")), (1024, 500));
         let above = err(r#"[[rule]]
             name = "t"
             dimension = "input_tokens"
