@@ -303,10 +303,11 @@ impl RuleInfo {
     /// `sqrt(units)` over its entries plus `sqrt` of the rate left unassigned (which
     /// keeps its share of the burst free for newcomers), so the bursts sum to at most
     /// `B`. A concentrated (sparse) key first gives every slice `typical_cost` and splits
-    /// what is left that way (`BurstSplit`). A bucket's refill noise grows with the square root of its rate, not with the
-    /// rate: split in proportion, small slices got bursts below one request's cost
-    /// (never admitting it, however much rate they held) and sat full, wasting refill,
-    /// while large ones held more burst than they use. `burst_norm <= 0`: in proportion.
+    /// what is left that way (`BurstSplit`). A bucket's refill noise grows with the
+    /// square root of its rate, not with the rate: split in proportion, small slices got
+    /// bursts below one request's cost (never admitting it, however much rate they held)
+    /// and sat full, wasting refill, while large ones held more burst than they use.
+    /// `split.norm <= 0` (before the key's first full recomputation): in proportion.
     fn target(&self, units: u64, learning: bool, e: &Entry, split: BurstSplit) -> Slice {
         let t = if self.concurrency {
             Slice {
@@ -2151,7 +2152,15 @@ impl Allocator {
         // with the most of it; any other on the demand as smoothed.
         let key = self.keys[k as usize].as_ref().expect("live key");
         let mut sparse = None;
-        if rule.typical > 0 && !rule.concurrency {
+        // Sticky: a concentrated key goes back to the plain split only once every slice
+        // would hold two typical requests (no flapping at the edge).
+        let need = if key.sparse {
+            rule.typical.saturating_mul(2)
+        } else {
+            rule.typical
+        };
+        if rule.typical > 0 && !rule.concurrency && !any_split_fits(&rule, key.entries.len(), need)
+        {
             sc.slow.clear();
             for (i, e) in key.entries.iter().enumerate() {
                 let mut c = sc.claims[i];
@@ -2164,13 +2173,6 @@ impl Allocator {
             }
             water_fill(cap as f64, &sc.slow, reserve, &mut sc.shares);
             to_units(cap, &sc.shares, &mut sc.units);
-            // Sticky: a concentrated key goes back to the plain split only once every
-            // slice would hold two typical requests (no flapping at the edge).
-            let need = if key.sparse {
-                rule.typical.saturating_mul(2)
-            } else {
-                rule.typical
-            };
             if !bursts_fit(&rule, &sc.units, need) {
                 std::mem::swap(&mut sc.claims, &mut sc.slow);
                 sparse = Some(concentrate(&rule, &key.entries, &mut sc, reserve));
@@ -2474,6 +2476,15 @@ fn burst_split(rule: &RuleInfo, units: &[u64], sparse: bool) -> BurstSplit {
         floor,
         spread: rule.burst.saturating_sub(floor.saturating_mul(held)),
     }
+}
+
+/// True when no plain split among `n` entries can give a slice with rate a burst below
+/// `m`: each such slice has at least one unit, and the split's norm is at most
+/// `sqrt((n + 1) * capacity)`, so every burst is at least `B / sqrt((n + 1) * cap)`.
+/// Most keys pass, and skip the water-filling on slow demand that would tell.
+fn any_split_fits(rule: &RuleInfo, n: usize, m: u64) -> bool {
+    let bound = ((n as f64 + 1.0) * rule.capacity() as f64).sqrt();
+    rule.burst as f64 >= m as f64 * bound
 }
 
 /// True when every entry's burst under the plain split would reach `m`.
@@ -3094,33 +3105,16 @@ mod tests {
         let (mut lowest, mut grants) = (u64::MAX, 0);
         for i in 0..60u64 {
             t += 250 * MS;
-            for (j, id) in ids.iter().enumerate() {
+            for r in &mut rej {
                 rng ^= rng << 13;
                 rng ^= rng >> 7;
                 rng ^= rng << 17;
-                rej[j] += 40 + rng % 21;
-                a.handle_report(
-                    t,
-                    &report(id, 1, t, vec![line(k.clone(), 0, rej[j], held[j])]),
-                )
-                .unwrap();
+                *r += 40 + rng % 21;
             }
-            let gs = settle(&mut a, t + 10 * MS);
-            for g in &gs {
-                let j = ids.iter().position(|id| *id == &*g.agent).unwrap();
-                held[j] = Some(g.held());
-                a.handle_ack(t + 12 * MS, &ack(g, 1, 0)).unwrap();
-            }
-            let more = settle(&mut a, t + 12 * MS);
-            for g in &more {
-                let j = ids.iter().position(|id| *id == &*g.agent).unwrap();
-                held[j] = Some(g.held());
-                a.handle_ack(t + 14 * MS, &ack(g, 1, 0)).unwrap();
-            }
-            settle(&mut a, t + 14 * MS);
+            let n = report_round(&mut a, t, &ids, &k, &rej, &mut held);
             if i >= 12 {
                 lowest = lowest.min(a.key_status(&k).unwrap().committed.rate);
-                grants += gs.len() + more.len();
+                grants += n;
             }
         }
         assert!(
@@ -3157,23 +3151,40 @@ mod tests {
         let mut t = now;
         for _ in 0..40 {
             t += 250 * MS;
-            for (j, id) in ids.iter().enumerate() {
-                rej[j] += 500 / (j as u64 + 1);
-                a.handle_report(
-                    t,
-                    &report(id, 1, t, vec![line(k.clone(), 0, rej[j], held[j])]),
-                )
-                .unwrap();
+            for (j, r) in rej.iter_mut().enumerate() {
+                *r += 500 / (j as u64 + 1);
             }
-            for step in [10, 12, 14] {
-                for g in settle(&mut a, t + step * MS) {
-                    let j = ids.iter().position(|id| **id == *g.agent).unwrap();
-                    held[j] = Some(g.held());
-                    a.handle_ack(t + step * MS + MS, &ack(&g, 1, 0)).unwrap();
-                }
-            }
+            report_round(&mut a, t, &ids, &k, &rej, &mut held);
         }
         a.key_status(&k).unwrap()
+    }
+
+    /// Every agent in `ids` reports key `k` at `t` with its cumulative rejections
+    /// `rej[j]` and the grant it holds; then grants are settled and acknowledged three
+    /// times over 15 ms (shrinks acknowledged free growth). Returns the grants issued.
+    fn report_round<S: AsRef<str>>(
+        a: &mut Allocator,
+        t: u64,
+        ids: &[S],
+        k: &KeyName,
+        rej: &[u64],
+        held: &mut [Option<HeldGrant>],
+    ) -> usize {
+        for (j, id) in ids.iter().enumerate() {
+            let l = line(k.clone(), 0, rej[j], held[j]);
+            a.handle_report(t, &report(id.as_ref(), 1, t, vec![l]))
+                .unwrap();
+        }
+        let mut n = 0;
+        for step in [10, 12, 14] {
+            for g in settle(a, t + step * MS) {
+                let j = ids.iter().position(|id| id.as_ref() == &*g.agent).unwrap();
+                held[j] = Some(g.held());
+                a.handle_ack(t + step * MS + MS, &ack(&g, 1, 0)).unwrap();
+                n += 1;
+            }
+        }
+        n
     }
 
     #[test]
