@@ -192,8 +192,15 @@ impl AllocatorConfig {
                 return err(field, "must be at least 1".into());
             }
         }
-        if self.max_agents > u32::MAX as usize || self.max_keys > u32::MAX as usize {
-            return err("max_agents", "agents and keys are indexed by u32".into());
+        // Agents, keys and queued grants are indexed by u32.
+        for (field, v) in [
+            ("max_agents", self.max_agents),
+            ("max_keys", self.max_keys),
+            ("max_outbox", self.max_outbox),
+        ] {
+            if v > u32::MAX as usize {
+                return err(field, format!("must be at most {}, got {v}", u32::MAX));
+            }
         }
         Ok(())
     }
@@ -243,6 +250,31 @@ mod tests {
         ] {
             let e = bad.validate().unwrap_err();
             assert_eq!((e.field, e.reason.as_str()), (field, "must be at least 1"));
+        }
+    }
+
+    #[test]
+    fn tables_indexed_by_u32_refuse_a_bound_above_it_and_name_the_field() {
+        let too_many = u32::MAX as usize + 1;
+        for (field, bad) in [
+            (
+                "max_keys",
+                AllocatorConfig {
+                    max_keys: too_many,
+                    ..AllocatorConfig::default()
+                },
+            ),
+            (
+                "max_outbox",
+                AllocatorConfig {
+                    max_outbox: too_many,
+                    ..AllocatorConfig::default()
+                },
+            ),
+        ] {
+            let e = bad.validate().unwrap_err();
+            assert_eq!(e.field, field);
+            assert!(e.reason.contains("at most 4294967295"), "{}", e.reason);
         }
     }
 }
