@@ -674,6 +674,7 @@ pub struct Allocator {
     hasher: FixedState,
     check_hasher: FixedState,
     scratch: Scratch,
+    report_scratch: ReportScratch,
 }
 
 /// A grant in the outbox: agent and key by index, named only when drained
@@ -758,12 +759,22 @@ struct Fp {
 }
 
 /// How a report entry resolved in validation.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 struct Resolved {
     key: Option<u32>,
     rule: u32,
     hash: Fp,
     entry: Option<u32>,
+}
+
+/// [`Allocator::handle_report`]'s per-line buffers, kept between reports.
+#[derive(Clone, Debug, Default)]
+struct ReportScratch {
+    resolved: Vec<Option<Resolved>>,
+    fps: Vec<Fp>,
+    found: Vec<Option<u32>>,
+    positions: Vec<Option<u32>>,
+    ids: Vec<(u64, u64, usize)>,
 }
 
 impl Allocator {
@@ -808,6 +819,7 @@ impl Allocator {
             hasher: FixedState::with_seed(cfg.hash_seed),
             check_hasher: FixedState::with_seed(cfg.hash_seed ^ 0x9E37_79B9_7F4A_7C15),
             scratch: Scratch::default(),
+            report_scratch: ReportScratch::default(),
             cfg,
         })
     }
@@ -1473,6 +1485,20 @@ impl Allocator {
     ///
     /// The report is validated whole first; an error means nothing changed.
     pub fn handle_report(&mut self, now: u64, report: &Report) -> Result<(), AllocError> {
+        // The per-line buffers are kept between reports (four allocations a report, at
+        // thousands of reports a second, otherwise).
+        let mut rs = std::mem::take(&mut self.report_scratch);
+        let r = self.handle_report_in(now, report, &mut rs);
+        self.report_scratch = rs;
+        r
+    }
+
+    fn handle_report_in(
+        &mut self,
+        now: u64,
+        report: &Report,
+        rs: &mut ReportScratch,
+    ) -> Result<(), AllocError> {
         let a = self.agent_id(&report.agent)?;
         let ag = self.agent(a);
         if ag.incarnation != report.incarnation {
@@ -1494,26 +1520,34 @@ impl Allocator {
                 max: self.cfg.max_keys_per_message,
             });
         }
-        let mut resolved: Vec<Option<Resolved>> = Vec::with_capacity(report.keys.len());
+        let ReportScratch {
+            resolved,
+            fps,
+            found,
+            positions,
+            ids,
+        } = rs;
+        resolved.clear();
         let mut new_keys = 0usize;
         let mut new_entries = 0usize;
         // Lookups in phases, each a tight loop over the report, so that the cache misses
         // of different keys overlap instead of queueing one behind another.
-        let fps: Vec<Fp> = report
-            .keys
-            .iter()
-            .map(|kr| self.hash_name(&kr.key.rule, &kr.key.values))
-            .collect();
-        let found: Vec<Option<u32>> = fps.iter().map(|&fp| self.find_key(fp)).collect();
-        let positions: Vec<Option<u32>> = found
-            .iter()
-            .map(|k| k.and_then(|k| self.entry_pos(a, k)))
-            .collect();
+        fps.clear();
+        fps.extend(
+            report
+                .keys
+                .iter()
+                .map(|kr| self.hash_name(&kr.key.rule, &kr.key.values)),
+        );
+        found.clear();
+        found.extend(fps.iter().map(|&fp| self.find_key(fp)));
+        positions.clear();
+        positions.extend(found.iter().map(|k| k.and_then(|k| self.entry_pos(a, k))));
         // The entries' first two cache lines (flags, counters' bases), loaded in a tight
         // loop too: validation and sampling then find them in cache.
         let warm = found
             .iter()
-            .zip(&positions)
+            .zip(positions.iter())
             .filter_map(|(k, p)| Some(&self.key((*k)?).entries[(*p)? as usize]))
             .fold(0u64, |acc, e| acc ^ e.since ^ e.sampled as u64);
         std::hint::black_box(warm);
@@ -1551,11 +1585,13 @@ impl Allocator {
                 entry,
             }));
         }
-        let mut ids: Vec<(u64, u64, usize)> = resolved
-            .iter()
-            .enumerate()
-            .filter_map(|(i, r)| r.as_ref().map(|r| (r.hash.hash, r.hash.check, i)))
-            .collect();
+        ids.clear();
+        ids.extend(
+            resolved
+                .iter()
+                .enumerate()
+                .filter_map(|(i, r)| r.as_ref().map(|r| (r.hash.hash, r.hash.check, i))),
+        );
         ids.sort_unstable();
         if let Some(w) = ids
             .windows(2)
@@ -1580,7 +1616,7 @@ impl Allocator {
         ag.last_heard_ns = now;
         ag.connected = true;
         let soon = now + AllocatorConfig::ns(self.cfg.recompute_delay_ms);
-        for (kr, r) in report.keys.iter().zip(resolved) {
+        for (kr, r) in report.keys.iter().zip(resolved.drain(..)) {
             let Some(r) = r else {
                 self.ignored_lines += 1;
                 continue;
