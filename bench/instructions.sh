@@ -4,7 +4,7 @@
 # `hot_loop` example at two sizes and divides the difference (start-up cancels out).
 # Installs Debian's valgrind when missing.
 #
-#   bench/instructions.sh            # both loops
+#   bench/instructions.sh            # every loop
 #   bench/instructions.sh keyed-10k  # one
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,9 +26,9 @@ run() { # mode ops -> "instructions d1_misses ll_misses"
          /LLd misses/ {gsub(",","",$4); l=$4} END {print i, d, l}'
 }
 
-for mode in ${1:-admit-complete keyed-10k}; do
+for mode in ${1:-admit-complete admit-into-complete keyed-10k}; do
   case $mode in
-    admit-complete) small=20000; large=120000 ;;
+    admit-complete|admit-into-complete) small=20000; large=120000 ;;
     keyed-10k) small=100000; large=1100000 ;;
     *) echo "unknown loop: $mode" >&2; exit 2 ;;
   esac

@@ -181,6 +181,39 @@ fn admit_complete(c: &mut Criterion) {
             black_box(c)
         })
     });
+    // The same, through `Worker::admit_into` with one reused `Decision`: no copy of the
+    // ~600-byte decision on the way out.
+    let mut d = bursar_agent::Decision::EMPTY;
+    g.bench_function("bursar/3_dimensions_admit_into", |b| {
+        b.iter(|| {
+            n = (n + 1) % ids.len();
+            let id = &ids[n];
+            let now = clock.now_ns();
+            w.admit_into(
+                now,
+                &AdmitRequest {
+                    request_id: id,
+                    domain: None,
+                    descriptors: &THREE_DIMENSIONS_DESCRIPTORS,
+                    cost: THREE_DIMENSIONS_COST,
+                    ttl_ms: None,
+                },
+                &mut d,
+            )
+            .expect("ok");
+            assert!(d.is_admitted(), "the benchmark must measure admissions");
+            black_box(&d);
+            let c = e
+                .complete(now, id, THREE_DIMENSIONS_USAGE, CompletionStatus::Ok)
+                .expect("live");
+            assert_eq!(c, Completion::Settled, "a live lease settles once");
+            if now >= next_maintain {
+                e.maintain(now);
+                next_maintain = now + 100_000_000;
+            }
+            black_box(c)
+        })
+    });
     g.finish();
 }
 

@@ -5,13 +5,14 @@
 //! the way wall-clock figures do on a shared box.
 //!
 //! `cargo run --release -p bursar-agent --example hot_loop -- admit-complete 100000`
+//! `cargo run --release -p bursar-agent --example hot_loop -- admit-into-complete 100000`
 //! `cargo run --release -p bursar-agent --example hot_loop -- keyed-10k 1000000`
 
 use bursar_agent::testing::{
     THREE_DIMENSIONS, THREE_DIMENSIONS_COST, THREE_DIMENSIONS_DESCRIPTORS, THREE_DIMENSIONS_USAGE,
     engine, keyed_engine,
 };
-use bursar_agent::{AdmitRequest, Completion, CompletionStatus};
+use bursar_agent::{AdmitRequest, Completion, CompletionStatus, Decision};
 
 fn main() {
     let mut args = std::env::args().skip(1);
@@ -21,7 +22,8 @@ fn main() {
         _ => usage(),
     };
     let done = match mode.as_str() {
-        "admit-complete" => admit_complete(n),
+        "admit-complete" => admit_complete(n, false),
+        "admit-into-complete" => admit_complete(n, true),
         "keyed-10k" => keyed(n),
         _ => usage(),
     };
@@ -29,18 +31,20 @@ fn main() {
 }
 
 fn usage() -> ! {
-    eprintln!("usage: hot_loop <admit-complete|keyed-10k> <operations>");
+    eprintln!("usage: hot_loop <admit-complete|admit-into-complete|keyed-10k> <operations>");
     std::process::exit(2);
 }
 
 /// Admit from three descriptors over three rules (requests, input, output tokens),
 /// then complete with a refund; 4,096 request ids in turn, virtual time 1 us apart,
 /// the maintenance tick every 100 ms of it. Every admission is checked.
-fn admit_complete(n: u64) -> u64 {
+/// Admit (by value, or `into` one reused `Decision`) and complete, three dimensions.
+fn admit_complete(n: u64, into: bool) -> u64 {
     let e = engine(THREE_DIMENSIONS);
     let ids: Vec<String> = (0..4096).map(|i| format!("req-{i:08}")).collect();
     let mut w = e.worker();
     let mut next_maintain = 0;
+    let mut d = Decision::EMPTY;
     for i in 0..n {
         let id = &ids[(i % 4096) as usize];
         let now = i * 1_000;
@@ -51,7 +55,11 @@ fn admit_complete(n: u64) -> u64 {
             cost: THREE_DIMENSIONS_COST,
             ttl_ms: None,
         };
-        let d = w.admit(now, &req).expect("valid request");
+        if into {
+            w.admit_into(now, &req, &mut d).expect("valid request");
+        } else {
+            d = w.admit(now, &req).expect("valid request");
+        }
         assert!(d.is_admitted(), "the loop must measure admissions");
         std::hint::black_box(&d);
         let c = e.complete(now, id, THREE_DIMENSIONS_USAGE, CompletionStatus::Ok);

@@ -331,7 +331,7 @@ impl Slot {
     /// of zero only checks that the bucket is not exhausted (at least one token, or one
     /// free slot) and debits nothing. `hold`: the cost may be partly refunded later, so
     /// it is counted in `held` until [`Slot::settle`].
-    #[inline]
+    #[inline(always)]
     pub(crate) fn try_take(&self, now: u64, cost: u64, hold: bool) -> Take {
         match &self.params {
             Params::Rate(p) => {

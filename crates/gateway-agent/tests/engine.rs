@@ -115,6 +115,74 @@ fn a_rejection_leaves_no_partial_debit_on_the_other_limits() {
 }
 
 #[test]
+fn a_reused_decision_answers_each_request_afresh() {
+    // admit_into writes into the caller's decision: whatever the last request left
+    // there (an admission with five limits, a rejection, a replay) must not show
+    // through the next answer.
+    let e = engine(LLM);
+    let mut w = e.worker();
+    let mut d = Decision::EMPTY;
+    w.admit_into(0, &req("r1", ACME_K1, tokens(250, Some(10))), &mut d)
+        .unwrap();
+    let Decision::Admitted(a) = &d else {
+        panic!("{d:?}")
+    };
+    assert_eq!((a.limits.len(), a.replayed), (5, false));
+    assert!(a.lease_expires_at_ns.is_some());
+
+    // A rejection in the same decision: key-itpm trips third, so three limits.
+    w.admit_into(0, &req("r2", ACME_K1, tokens(60, Some(10))), &mut d)
+        .unwrap();
+    let Decision::Rejected(r) = &d else {
+        panic!("{d:?}")
+    };
+    assert_eq!(e.rules().rules()[r.rule].name, "key-itpm");
+    assert_eq!(d.limits().len(), 3);
+
+    // Then a retry of r1's live lease: the lease's answer, marked replayed.
+    w.admit_into(0, &req("r1", ACME_K1, tokens(250, Some(10))), &mut d)
+        .unwrap();
+    let Decision::Admitted(a) = &d else {
+        panic!("{d:?}")
+    };
+    assert!(a.replayed);
+
+    // A request that matches only org-level rules (no key): four limits, not five
+    // left over, and not replayed.
+    w.admit_into(
+        0,
+        &req("r3", &[("org", "acme")], tokens(10, Some(10))),
+        &mut d,
+    )
+    .unwrap();
+    let Decision::Admitted(a) = &d else {
+        panic!("{d:?}")
+    };
+    assert_eq!((a.limits.len(), a.replayed), (4, false));
+    assert_eq!(
+        a.limits
+            .iter()
+            .map(|l| e.rules().rules()[l.rule_index()].name.as_str())
+            .collect::<Vec<_>>(),
+        ["org-rpm", "org-itpm", "org-otpm", "org-conc"]
+    );
+
+    // By value and into a reused decision, the same answer.
+    let by_value = e
+        .admit(0, &req("r4", &[("org", "beta")], tokens(10, Some(10))))
+        .unwrap();
+    w.admit_into(
+        0,
+        &req("r5", &[("org", "beta")], tokens(10, Some(10))),
+        &mut d,
+    )
+    .unwrap();
+    assert_eq!(by_value.limits().len(), d.limits().len());
+    assert_eq!(by_value.is_admitted(), d.is_admitted());
+    e.check_invariants(0).unwrap();
+}
+
+#[test]
 fn a_cost_above_burst_never_fits_and_says_so() {
     let e = engine(LLM);
     let d = e
