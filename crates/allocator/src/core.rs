@@ -595,14 +595,39 @@ impl Key {
         e.cur_epoch = last.map_or(0, |s| s.epoch);
         e.cur_expires_ns = last.map_or(0, |s| s.expires_ns);
         self.sweep_after_ns = self.sweep_after_ns.min(earliest);
-        self.committed.rate = self.committed.rate - before.rate + e.commit.rate;
-        self.committed.burst = self.committed.burst - before.burst + e.commit.burst;
+        self.recommitted(before, commit);
+        r
+    }
+
+    /// [`Key::edit`] for the commonest edit, a grant sent: the caches follow from the
+    /// new grant alone, without a pass over the remembered ones. The commitment is the
+    /// old one or the new slice, whichever is larger per component (merging the oldest
+    /// two grants when there are too many keeps their maximum, so it does not change
+    /// the commitment), and the key's sweep bound only needs lowering to the new
+    /// grant's expiry (a merge only makes expiries later).
+    fn push_grant(&mut self, pos: usize, s: Sent) {
+        let e = &mut self.entries[pos];
+        let before = e.commit;
+        e.push_sent(s);
+        let commit = before.max(s.slice);
+        e.commit = commit;
+        e.cur = s.slice;
+        e.cur_epoch = s.epoch;
+        e.cur_expires_ns = s.expires_ns;
+        self.sweep_after_ns = self.sweep_after_ns.min(s.expires_ns);
+        self.recommitted(before, commit);
+    }
+
+    /// One entry's commitment went from `before` to `after`: the key's sums and what
+    /// depends on them.
+    fn recommitted(&mut self, before: Slice, after: Slice) {
+        self.committed.rate = self.committed.rate - before.rate + after.rate;
+        self.committed.burst = self.committed.burst - before.burst + after.burst;
         self.inherited = self.inherited.min(self.excess());
         // Transferable tokens never exceed the free burst (they may only vanish).
         self.pool = self
             .pool
             .min(self.limit.burst.saturating_sub(self.committed.burst));
-        r
     }
 
     /// How far the commitments exceed the limit (zero unless learned grants do).
@@ -1828,15 +1853,16 @@ impl Allocator {
         let ag = self.agents[agent as usize].as_mut().expect("live agent");
         let expires_ns = ag.report_recv_ns.saturating_add(hold);
         ag.renew_due_ns = ag.renew_due_ns.min(expires_ns.saturating_sub(hold / 2));
-        key.edit(pos as usize, |e| {
-            e.push_sent(Sent {
+        key.push_grant(
+            pos as usize,
+            Sent {
                 epoch: term,
                 seq,
                 slice,
                 fleet,
                 expires_ns,
-            })
-        });
+            },
+        );
         if transfer > 0 {
             self.graves
                 .transfers
