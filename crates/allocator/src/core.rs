@@ -1995,7 +1995,8 @@ impl Allocator {
     /// Recomputes every key now, whatever its demand did (after a config change, and the
     /// full-pass benchmark).
     pub fn reallocate_all(&mut self, now: u64) {
-        self.outbox.reserve(self.entry_count);
+        self.outbox
+            .reserve(self.entry_count.min(self.cfg.max_outbox));
         for k in 0..self.keys.len() as u32 {
             if self.keys[k as usize].is_some() {
                 self.recompute_now(now, k);
@@ -2003,11 +2004,19 @@ impl Allocator {
         }
     }
 
+    /// Whether a key of `entries` entries may be recomputed before the shell drains: its
+    /// grants fit under `max_outbox`, or the outbox is empty (a key with more agents
+    /// than `max_outbox` would otherwise never be recomputed; the outbox then holds one
+    /// key's grants past the bound).
+    fn outbox_has_room(&self, entries: usize) -> bool {
+        self.outbox.is_empty() || self.outbox.len() + entries <= self.cfg.max_outbox
+    }
+
     /// Recomputes key `k` now, or, if the outbox has no room for its grants, leaves it
     /// marked, due now (the shell must drain first). True if it was recomputed.
     fn recompute_now(&mut self, now: u64, k: u32) -> bool {
-        let key = self.keys[k as usize].as_mut().expect("live key");
-        if self.outbox.len() + key.entries.len() > self.cfg.max_outbox {
+        if !self.outbox_has_room(self.key(k).entries.len()) {
+            let key = self.keys[k as usize].as_mut().expect("live key");
             key.dirty = true;
             key.due_ns = now;
             self.dirty.push(Reverse((now, k)));
@@ -2015,7 +2024,7 @@ impl Allocator {
             return false;
         }
         // Any heap entry for it goes stale (its `dirty` is cleared).
-        key.dirty = false;
+        self.key_mut(k).dirty = false;
         self.recompute(now, k);
         true
     }
@@ -2080,7 +2089,7 @@ impl Allocator {
                 self.dirty.pop();
                 continue;
             }
-            if self.outbox.len() + self.key(k).entries.len() > self.cfg.max_outbox {
+            if !self.outbox_has_room(self.key(k).entries.len()) {
                 break; // the shell must drain first; stays due
             }
             self.dirty.pop();
@@ -2887,6 +2896,66 @@ mod tests {
         assert!(gs.iter().all(|g| &*g.agent != "b"));
         assert_eq!(a.agents.iter().flatten().count(), 3, "a, c, d");
         assert_eq!(a.agents.len(), 3, "d took b's index");
+    }
+
+    #[test]
+    fn a_small_outbox_allocates_in_rounds_and_never_starves_a_key_wider_than_it() {
+        // max_outbox 2, a key on three agents (wider than the outbox) and two keys on
+        // one agent each: every key is allocated, a round at a time, the outbox holding
+        // one key's grants past its bound at most.
+        let now = 5 * SEC;
+        let cfg = AllocatorConfig {
+            max_outbox: 2,
+            ..quick_config()
+        };
+        let start = now - MS * (cfg.lease_ms + cfg.reclaim_margin_ms);
+        let mut a = Allocator::new(&rules(), cfg, 1, start).unwrap();
+        a.handle_timeout(now);
+        for (agent, orgs) in [
+            ("a", &["wide", "p"][..]),
+            ("b", &["wide", "q"]),
+            ("c", &["wide"]),
+        ] {
+            a.handle_hello(now, &hello(agent, 1, 10)).unwrap();
+            let lines = orgs
+                .iter()
+                .map(|o| line(key("rps", o), 0, 5, None))
+                .collect();
+            a.handle_report(now, &report(agent, 1, 20, lines)).unwrap();
+        }
+        let mut granted: Vec<(String, String)> = Vec::new();
+        let mut rounds = 0;
+        let mut t = now;
+        a.reallocate_all(t);
+        loop {
+            assert!(a.pending_grants() <= 3, "{} queued", a.pending_grants());
+            let gs: Vec<Grant> = a.drain_grants().collect();
+            a.check_invariants().unwrap();
+            granted.extend(gs.iter().map(|g| (g.agent.to_string(), g.key.to_string())));
+            if a.poll_timeout() > t {
+                break;
+            }
+            rounds += 1;
+            assert!(rounds < 20, "the rounds must end");
+            t += MS;
+            a.handle_timeout(t);
+        }
+        assert!(
+            rounds >= 1,
+            "two slots of outbox take more than one round: {rounds}"
+        );
+        for (agent, org) in [
+            ("a", "wide"),
+            ("b", "wide"),
+            ("c", "wide"),
+            ("a", "p"),
+            ("b", "q"),
+        ] {
+            assert!(
+                granted.contains(&(agent.to_string(), key("rps", org).to_string())),
+                "{agent} got nothing for {org}: {granted:?}"
+            );
+        }
     }
 
     #[test]
