@@ -6,6 +6,10 @@
 //!   reported demand, issuing every grant (about a million).
 //! - `full_pass/..._drained_to_wire`: the same pass, then every grant drained into a
 //!   protobuf grant batched per agent, as the shell's `route` does.
+//! - `full_pass/..._in_rounds_of_64k_drained`: the same allocation with `max_outbox`
+//!   65,536: the core fills the outbox, the grants are drained (named), and
+//!   `handle_timeout` goes on, until every key is done. Bounded memory for the outbox
+//!   (2.6 MB reused instead of 40 MB of fresh pages), the naming drain included.
 //! - `full_pass/..._regrant`: every key recomputed again once granted (few grants
 //!   change).
 //! - `report/100_keys`: one agent's report of 100 keys (demand changed on each), as the
@@ -93,12 +97,15 @@ fn demand(agent: usize, key: u32, round: u64) -> u64 {
 
 /// Every agent has said hello and reported all its keys once; nothing is allocated yet.
 fn fleet(recompute_delay_ms: u64, large_key_entries: usize) -> Fleet {
-    let rules = Config::from_toml(RULES).unwrap();
-    let cfg = AllocatorConfig {
+    fleet_with(AllocatorConfig {
         recompute_delay_ms,
         large_key_entries,
         ..AllocatorConfig::default()
-    };
+    })
+}
+
+fn fleet_with(cfg: AllocatorConfig) -> Fleet {
+    let rules = Config::from_toml(RULES).unwrap();
     let mut alloc = Allocator::new(&rules, cfg, 1, 0).unwrap();
     let now = 20 * SEC;
     alloc.handle_timeout(now); // past the learning period
@@ -197,6 +204,43 @@ fn full_pass(c: &mut Criterion) {
             BatchSize::LargeInput,
         )
     });
+    // The same allocation with the outbox bounded to ROUND grants: the core allocates
+    // until the outbox is full, the grants are drained (named, as the shell's `route`
+    // does before it encodes them), and `handle_timeout` goes on where it stopped. The
+    // outbox's memory is reused from round to round instead of a million records
+    // landing on fresh pages.
+    const ROUND: usize = 65_536;
+    let rounds = fleet_with(AllocatorConfig {
+        max_outbox: ROUND,
+        ..AllocatorConfig::default()
+    });
+    g.bench_function(
+        "1000_agents_100k_keys_1M_entries_in_rounds_of_64k_drained",
+        |b| {
+            b.iter_batched(
+                || rounds.alloc.clone(),
+                |mut a| {
+                    let mut t = rounds.now + 20 * MS;
+                    a.reallocate_all(t);
+                    let mut n = 0usize;
+                    loop {
+                        a.for_each_grant(|g| {
+                            n += 1;
+                            black_box(g.agent.len() + g.key.rule.len());
+                        });
+                        if a.poll_timeout() > t {
+                            break;
+                        }
+                        t += 1;
+                        a.handle_timeout(t);
+                    }
+                    assert!(n >= ENTRIES / 2, "{n} grants");
+                    a
+                },
+                BatchSize::LargeInput,
+            )
+        },
+    );
     // Every key recomputed again once all are granted (the pass after a config reload
     // or the end of a term's learning): the arithmetic without a million new grants.
     let mut granted = f.alloc.clone();
