@@ -42,6 +42,8 @@ const LEASES_MAX: usize = 16_384;
 const TOMBSTONES_MAX: usize = 4_096;
 /// How often the checker samples the allocator's bound and checks invariants.
 const SAMPLE_NS: u64 = 50 * MS;
+/// Allocator entries checked per sample, on average (see `Sim::sample`).
+const CHECK_ENTRIES_PER_SAMPLE: usize = 50_000;
 /// How often each agent runs `Engine::maintain` (the agent shell's period).
 const MAINTAIN_NS: u64 = 100 * MS;
 /// Window over which the fleet's admitted rate is compared with the ideal bucket's
@@ -1649,7 +1651,15 @@ impl Sim {
         if self.series.is_some() {
             self.sample_series();
         }
+        // The allocator's invariants every sample while it holds up to
+        // CHECK_ENTRIES_PER_SAMPLE key-agent entries (every built-in scenario), and every
+        // `entries / CHECK_ENTRIES_PER_SAMPLE` samples beyond: a check walks every entry,
+        // and at fleet scale (millions of entries) checking every 50 ms cost more than
+        // the allocation it checks.
         if let Some(a) = &self.alloc
+            && self
+                .samples
+                .is_multiple_of((a.entry_count() / CHECK_ENTRIES_PER_SAMPLE).max(1) as u64)
             && let Err(e) = a.check_invariants()
         {
             let msg = format!("allocator invariant at {} ms: {e}", self.now / MS);
