@@ -9,6 +9,8 @@
 //! - `control/apply_slices_1_grant_10k_keys`: one grant that changes a key's slice (a
 //!   new slot and a publish), cycling over the keys.
 //! - `control/apply_slices_16_grants_10k_keys`: a batch of 16 such grants.
+//! - `control/maintain_10k_keys`: the maintenance tick (every 100 ms in the shell) when
+//!   nothing is due: no lease or slice ended, no key idle long enough.
 //!
 //! Run: `cargo bench -p bursar-agent --bench control`. Figures: docs/BENCHMARKS.md
 //! ("Agent control-plane calls").
@@ -73,6 +75,17 @@ fn control(c: &mut Criterion) {
             },
         );
     }
+    // A tick with nothing due: the leases of the slices granted above are far off, and
+    // the clock cycles through the first 30 s (keys go idle after 60).
+    let mut tick = 0u64;
+    g.bench_function("maintain_10k_keys", |b| {
+        b.iter(|| {
+            tick = (tick + 1) % 300;
+            let r = engine.maintain(2 + tick * 100_000_000);
+            assert_eq!((r.slices_expired, r.keys_evicted), (0, 0), "nothing is due");
+            black_box(r)
+        })
+    });
     g.finish();
 }
 

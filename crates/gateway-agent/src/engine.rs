@@ -897,6 +897,14 @@ struct Slow {
     created: VecDeque<(u64, Arc<LimitKey>)>,
     /// Number of the last key created.
     created_seq: u64,
+    /// No slice's lease ends before this (a lower bound: the earliest lease end of
+    /// the slices not yet expired when [`Engine::maintain`] last looked, lowered by
+    /// every slice applied since). Maintenance scans the slices only once it is due.
+    next_slice_end_ns: u64,
+    /// When [`Engine::maintain`] next walks the keys for idle ones (every
+    /// `key_idle_ms / 16`: a key goes at most that long after its idle time; a full
+    /// table evicts at once, whatever this says).
+    next_idle_scan_ns: u64,
 }
 
 /// Keys remembered by [`Engine::new_key_demand`] between two reads (a new-key poll every
@@ -1004,6 +1012,8 @@ impl Engine {
                 published_at_ns: 0,
                 created: VecDeque::new(),
                 created_seq: 0,
+                next_slice_end_ns: 0,
+                next_idle_scan_ns: 0,
             }),
             sink,
         }
@@ -1890,6 +1900,7 @@ impl Engine {
         // key recreated after an eviction is a new `LimitKey`).
         slow.slices.remove(&named as &dyn KeyView);
         slow.slices.insert(SliceKey(key), state);
+        slow.next_slice_end_ns = slow.next_slice_end_ns.min(u.lease_expires_at_ns);
         Ok(applied)
     }
 
@@ -2017,13 +2028,24 @@ impl Engine {
         }
 
         let mut slow = self.slow();
-        // Posture for slices whose lease ended.
-        let ended: Vec<(SliceKey, SliceState)> = slow
-            .slices
-            .iter()
-            .filter(|(_, s)| !s.expired && s.lease_expires_at_ns <= now)
-            .map(|(k, s)| (k.clone(), *s))
-            .collect();
+        // Posture for slices whose lease ended: a walk of every slice, only once one
+        // can have ended (every 100 ms over 100,000 keys it was most of an idle agent's
+        // maintenance).
+        let mut ended: Vec<(SliceKey, SliceState)> = Vec::new();
+        if now >= slow.next_slice_end_ns {
+            let mut next = u64::MAX;
+            for (k, st) in slow.slices.iter() {
+                if st.expired {
+                    continue;
+                }
+                if st.lease_expires_at_ns <= now {
+                    ended.push((k.clone(), *st));
+                } else {
+                    next = next.min(st.lease_expires_at_ns);
+                }
+            }
+            slow.next_slice_end_ns = next;
+        }
         for (key, s) in ended {
             let rule = key.0.rule;
             let c = &self.compiled[rule as usize];
@@ -2055,8 +2077,11 @@ impl Engine {
             }
             report.slices_expired += 1;
         }
-        report.keys_evicted =
-            self.evict_locked(&mut slow, now, self.cfg.key_idle_ms * MS, usize::MAX);
+        if now >= slow.next_idle_scan_ns {
+            let idle_ns = self.cfg.key_idle_ms * MS;
+            slow.next_idle_scan_ns = now.saturating_add((idle_ns / 16).max(1));
+            report.keys_evicted = self.evict_locked(&mut slow, now, idle_ns, usize::MAX);
+        }
         // A publish copies the table: only when something changed.
         if !slow.pending.is_empty() || report.keys_evicted > 0 || report.slices_expired > 0 {
             self.publish_locked(&mut slow, now);

@@ -870,6 +870,35 @@ fn when_a_grant_lease_ends_the_posture_applies() {
 }
 
 #[test]
+fn maintenance_finds_every_lease_end_even_when_a_later_grant_ends_sooner() {
+    // Maintenance scans the slices only once the earliest lease end it knows of has
+    // come; a grant applied after a scan, ending before that, must still be caught.
+    let e = engine(ALLOCATED);
+    let mut a = slice(80, 80, 1, 1);
+    a.lease_expires_at_ns = 20 * SEC;
+    e.apply_slices(0, &[a]);
+    assert_eq!(e.maintain(SEC).slices_expired, 0, "a runs to 20 s");
+    let mut b = slice(80, 80, 1, 2);
+    b.values = vec!["b".into()];
+    b.lease_expires_at_ns = 3 * SEC;
+    e.apply_slices(SEC, &[b]);
+    assert_eq!(e.maintain(2 * SEC).slices_expired, 0);
+    let rep = e.maintain(3 * SEC);
+    assert_eq!(rep.slices_expired, 1, "b's lease ended at 3 s");
+    // conservative: min(grant 80, limit 100 / 4 agents) = 25 (b's bucket was full).
+    assert_eq!(e.level(3 * SEC, "rpm", &["b"]), Some(25));
+    assert_eq!(e.maintain(19 * SEC).slices_expired, 0);
+    assert_eq!(e.maintain(20 * SEC).slices_expired, 1, "then a's, at 20 s");
+    // A renewal of an expired grant starts the count again.
+    let mut a2 = slice(80, 80, 1, 3);
+    a2.lease_expires_at_ns = 25 * SEC;
+    e.apply_slices(21 * SEC, &[a2]);
+    assert_eq!(e.maintain(24 * SEC).slices_expired, 0);
+    assert_eq!(e.maintain(25 * SEC).slices_expired, 1);
+    e.check_invariants(25 * SEC).unwrap();
+}
+
+#[test]
 fn in_flight_work_is_not_revoked_by_a_concurrency_shrink_it_drains() {
     let e = engine(
         r#"
