@@ -912,6 +912,10 @@ struct Slow {
 /// further behind is told to read every key.
 pub const CREATED_MAX: usize = 1_024;
 
+/// Table chunks (64 cells, at most 48 keys each) that [`Engine::key_demand`] reads under
+/// one hold of the slow-path lock: ~750 keys, tens of microseconds.
+const WALK_CHUNKS: usize = 16;
+
 /// The budget engine. Share it (`Arc<Engine>`) across threads; give each thread a
 /// [`Worker`] for the cheapest reads.
 pub struct Engine {
@@ -2118,11 +2122,65 @@ impl Engine {
     /// Every live key with its demand counters, in-flight count and applied allocator
     /// slice, appended to `out`: what the allocator sync client reports
     /// (`shell::sync`). Changes nothing.
+    ///
+    /// The slow-path lock (which a request for a new key waits on) is held for
+    /// [`WALK_CHUNKS`] chunks of the table at a time, not for the whole walk: at
+    /// 100,000 keys the walk takes milliseconds, every report interval. What changed
+    /// between two batches is read again at the end under one lock: the keys waiting
+    /// to be published, and the chunks the current table no longer shares with the one
+    /// walked. A key whose slot was replaced meanwhile can appear twice, its old slot
+    /// first; a reader that keeps the last sighting of each key (the sync client does)
+    /// sees every live key.
     pub fn key_demand(&self, out: &mut Vec<KeyDemand>) {
-        let slow = self.slow();
-        let table = self.table.load();
-        for (_, s) in live_slots(&slow, &table) {
-            out.push(self.demand_of(&slow, s));
+        let table = self.table.load_full();
+        let n = table.chunks.len();
+        let mut walked_pending = false;
+        let mut at = 0;
+        loop {
+            let slow = self.slow();
+            if !walked_pending {
+                for s in slow.pending.values().filter(|s| !s.is_sealed()) {
+                    out.push(self.demand_of(&slow, s));
+                }
+                walked_pending = true;
+            }
+            let end = (at + WALK_CHUNKS).min(n);
+            for c in &table.chunks[at..end] {
+                self.chunk_demand(&slow, c, out);
+            }
+            at = end;
+            if at < n {
+                continue;
+            }
+            // The last batch's lock is still held: catch up with what changed since
+            // the first one (nothing, when no other thread ran meanwhile).
+            let now = self.table.load();
+            if !Arc::ptr_eq(&*now, &table) {
+                let same_shape = now.chunks.len() == n;
+                for (i, c) in now.chunks.iter().enumerate() {
+                    if !same_shape || !Arc::ptr_eq(c, &table.chunks[i]) {
+                        self.chunk_demand(&slow, c, out);
+                    }
+                }
+                for s in slow.pending.values().filter(|s| !s.is_sealed()) {
+                    out.push(self.demand_of(&slow, s));
+                }
+            } else if !slow.pending.is_empty() && n > WALK_CHUNKS {
+                // Keys created or replaced during the walk, not yet published.
+                for s in slow.pending.values().filter(|s| !s.is_sealed()) {
+                    out.push(self.demand_of(&slow, s));
+                }
+            }
+            return;
+        }
+    }
+
+    /// [`Engine::key_demand`] for one chunk of a table.
+    fn chunk_demand(&self, slow: &Slow, c: &Chunk, out: &mut Vec<KeyDemand>) {
+        for (_, s) in c.0.iter().flat_map(|l| l.0.iter()).flatten() {
+            if !s.is_sealed() {
+                out.push(self.demand_of(slow, s));
+            }
         }
     }
 

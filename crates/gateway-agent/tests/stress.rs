@@ -165,3 +165,77 @@ fn threads_admitting_and_refunding_on_one_key_conform_on_actual_cost() {
     assert!(n > 100);
     assert!(worst <= 0.0, "overshoot of {worst} tokens");
 }
+
+/// The sync client's report walk takes the slow-path lock a batch of table chunks at a
+/// time, so grants and new keys land between its batches. Every key that lives through
+/// the walk must still be in it.
+#[test]
+fn a_report_walk_sees_every_key_while_grants_replace_slots_and_new_keys_arrive() {
+    use std::collections::HashSet;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use bursar_agent::engine::SliceUpdate;
+    use bursar_agent::testing::keyed_engine;
+
+    const KEYS: usize = 3_000;
+    let (e, _handles) = keyed_engine(KEYS);
+    let stop = AtomicBool::new(false);
+    let mut missing: Vec<String> = Vec::new();
+    let mut walks = 0;
+    std::thread::scope(|s| {
+        // Grants: each replaces a key's slot and publishes the table.
+        s.spawn(|| {
+            let (mut seq, mut i) = (0u64, 0usize);
+            while !stop.load(Ordering::Relaxed) {
+                seq += 1;
+                let applied = e.apply_slices(
+                    1,
+                    &[SliceUpdate {
+                        rule: "rps".into(),
+                        values: vec![format!("key-{}", i % KEYS)],
+                        rate: 1_000_000 + seq % 2,
+                        burst: 1_000_000,
+                        epoch: 1,
+                        seq,
+                        lease_expires_at_ns: u64::MAX / 2,
+                        fleet_size: 1,
+                        transfer_tokens: 0,
+                    }],
+                );
+                assert!(applied[0].is_ok(), "{applied:?}");
+                i += 7;
+            }
+        });
+        // New keys, through the slow path.
+        s.spawn(|| {
+            let mut w = e.worker();
+            let mut j = 0;
+            while !stop.load(Ordering::Relaxed) && j < 10_000 {
+                let h = e.key_handle("rps", &[&format!("new-{j}")]).expect("rule");
+                assert!(w.try_acquire(1, &h, 1).expect("room"));
+                j += 1;
+            }
+        });
+        let mut buf = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while walks < 200 && Instant::now() < deadline && missing.is_empty() {
+            buf.clear();
+            e.key_demand(&mut buf);
+            let seen: HashSet<String> = buf.iter().map(|d| d.values()[0].to_string()).collect();
+            missing = (0..KEYS)
+                .map(|i| format!("key-{i}"))
+                .filter(|k| !seen.contains(k))
+                .collect();
+            walks += 1;
+        }
+        stop.store(true, Ordering::Relaxed);
+    });
+    assert!(walks >= 5, "only {walks} walks");
+    assert!(
+        missing.is_empty(),
+        "a walk missed {} live keys, e.g. {:?}",
+        missing.len(),
+        &missing[..missing.len().min(5)]
+    );
+    e.check_invariants(1).unwrap();
+}
