@@ -157,9 +157,6 @@ pub struct KeyStatus {
     /// The key is concentrated on its busiest agents (its split would leave slices too
     /// small for the rule's typical cost; docs/tuning.md, "Sparse keys").
     pub concentrated: bool,
-    /// Per agent: smoothed demand over `sparse_half_life_ms` (what ranks the agents of
-    /// a concentrated key), same order as `agents`.
-    pub slow_demand: Vec<f64>,
     /// The overshoot bound.
     pub bound: OvershootBound,
 }
@@ -171,6 +168,9 @@ pub struct AgentSlice {
     pub agent: Arc<str>,
     /// Smoothed demand, per period.
     pub demand: f64,
+    /// Demand averaged over `sparse_half_life_ms` (what ranks the agents of a
+    /// concentrated key).
+    pub slow_demand: f64,
     /// The latest grant sent.
     pub granted: Slice,
     /// The largest grant it might be using.
@@ -728,8 +728,8 @@ struct Pending {
 /// outbox was drained.
 #[derive(Clone, Debug, Default)]
 struct Graves {
-    /// Forgotten agents: index, name, incarnation.
-    agents: Vec<(u32, Arc<str>, u64)>,
+    /// Forgotten agents: index, then name and incarnation.
+    agents: Vec<(u32, (Arc<str>, u64))>,
     keys: Vec<(u32, Arc<KeyName>)>,
     /// Agents that restarted: index, the outbox length when they did, and the
     /// incarnation of the grants queued before that.
@@ -902,26 +902,14 @@ impl Allocator {
         let first_seq = self.next_seq - self.outbox.len() as u64;
         let mut transfers = self.graves.transfers.iter().peekable();
         for (i, p) in self.outbox.drain(..).enumerate() {
-            let (agent, live_incarnation) = match &self.agents[p.agent as usize] {
+            let (agent, latest) = match &self.agents[p.agent as usize] {
                 Some(ag) => (&ag.id, ag.incarnation),
                 None => {
-                    let (_, id, inc) = self
-                        .graves
-                        .agents
-                        .iter()
-                        .rev()
-                        .find(|(j, _, _)| *j == p.agent)
-                        .expect("a pending grant names a live or buried agent");
+                    let (id, inc) = Graves::find(&self.graves.agents, p.agent);
                     (id, *inc)
                 }
             };
-            let incarnation = if self.graves.reincarnated.is_empty() {
-                live_incarnation
-            } else {
-                self.graves
-                    .incarnation_before(p.agent, i)
-                    .unwrap_or(live_incarnation)
-            };
+            let incarnation = self.graves.incarnation_before(p.agent, i).unwrap_or(latest);
             let key = match &self.keys[p.key as usize] {
                 Some(k) => &k.name,
                 None => Graves::find(&self.graves.keys, p.key),
@@ -950,7 +938,7 @@ impl Allocator {
         self.graves.transfers.clear();
         self.graves.reincarnated.clear();
         self.free_agents
-            .extend(self.graves.agents.drain(..).map(|(a, _, _)| a));
+            .extend(self.graves.agents.drain(..).map(|(a, _)| a));
         self.free_keys
             .extend(self.graves.keys.drain(..).map(|(k, _)| k));
     }
@@ -1497,7 +1485,7 @@ impl Allocator {
         if self.outbox.is_empty() {
             self.free_agents.push(a);
         } else {
-            self.graves.agents.push((a, ag.id, ag.incarnation));
+            self.graves.agents.push((a, (ag.id, ag.incarnation)));
         }
         self.live_agents -= 1;
         Ok(())
@@ -2424,6 +2412,7 @@ impl Allocator {
                 AgentSlice {
                     agent: Arc::clone(&self.agent(e.agent).id),
                     demand: e.demand,
+                    slow_demand: e.demand_slow,
                     granted: e.current(),
                     committed: c,
                     fallback: e.fallback().map(|(s, _)| s),
@@ -2442,7 +2431,6 @@ impl Allocator {
             agents,
             transfer_pool: kk.pool,
             concentrated: kk.sparse,
-            slow_demand: kk.entries.iter().map(|e| e.demand_slow).collect(),
             bound: self.bound_of(k),
         })
     }
@@ -2531,7 +2519,7 @@ impl Allocator {
         }
         // Every pending grant names a live index or a buried one, and a buried index
         // is neither live nor free (it is reused only after the drain).
-        let buried_agent = |i: u32| self.graves.agents.iter().any(|(j, _, _)| *j == i);
+        let buried_agent = |i: u32| self.graves.agents.iter().any(|(j, _)| *j == i);
         let buried_key = |i: u32| self.graves.keys.iter().any(|(j, _)| *j == i);
         let first_seq = self.next_seq - self.outbox.len() as u64;
         for (i, p) in self.outbox.iter().enumerate() {
@@ -2549,7 +2537,7 @@ impl Allocator {
                 ));
             }
         }
-        for &(i, _, _) in &self.graves.agents {
+        for &(i, _) in &self.graves.agents {
             if self.agents[i as usize].is_some() || self.free_agents.contains(&i) {
                 return Err(format!("buried agent index {i} live or free"));
             }
@@ -2558,6 +2546,23 @@ impl Allocator {
             if self.keys[i as usize].is_some() || self.free_keys.contains(&i) {
                 return Err(format!("buried key index {i} live or free"));
             }
+        }
+        // What sits beside the outbox points into it: transfer tokens by record index,
+        // in order; restarts at a length the outbox has reached.
+        let n = self.outbox.len();
+        if self.graves.transfers.windows(2).any(|w| w[0].0 >= w[1].0)
+            || self
+                .graves
+                .transfers
+                .iter()
+                .any(|&(j, t)| j as usize >= n || t == 0)
+            || self
+                .graves
+                .reincarnated
+                .iter()
+                .any(|&(_, at, _)| at > n || at == 0)
+        {
+            return Err("transfers or restarts beside the outbox out of step".into());
         }
         if self.live_keys > self.cfg.max_keys
             || self.entry_count > self.cfg.max_entries
@@ -2908,9 +2913,7 @@ mod tests {
             max_outbox: 2,
             ..quick_config()
         };
-        let start = now - MS * (cfg.lease_ms + cfg.reclaim_margin_ms);
-        let mut a = Allocator::new(&rules(), cfg, 1, start).unwrap();
-        a.handle_timeout(now);
+        let mut a = warm_allocator_with(&rules(), cfg, 1, now);
         for (agent, orgs) in [
             ("a", &["wide", "p"][..]),
             ("b", &["wide", "q"]),
@@ -2979,9 +2982,7 @@ mod tests {
             spare_reserve_permille: 250,
             ..quick_config()
         };
-        let start = now - MS * (cfg.lease_ms + cfg.reclaim_margin_ms);
-        let mut a = Allocator::new(&rules(), cfg, 1, start).unwrap();
-        a.handle_timeout(now);
+        let mut a = warm_allocator_with(&rules(), cfg, 1, now);
         join(&mut a, now, "a", "x");
         let gs = settle(&mut a, now + 10 * MS);
         let g = &gs[0];
@@ -3376,9 +3377,7 @@ mod tests {
             ..quick_config()
         };
         let now = 5 * SEC;
-        let start = now - MS * (cfg.lease_ms + cfg.reclaim_margin_ms);
-        let mut a = Allocator::new(&Config::from_toml(&rules).unwrap(), cfg, 1, start).unwrap();
-        a.handle_timeout(now);
+        let mut a = warm_allocator_with(&Config::from_toml(&rules).unwrap(), cfg, 1, now);
         let ids: Vec<String> = (0..20).map(|i| format!("a{i:02}")).collect();
         for id in &ids {
             a.handle_hello(now, &hello(id, 1, 1)).unwrap();

@@ -71,9 +71,14 @@ pub fn quick_config() -> AllocatorConfig {
 /// An allocator over [`RULES`] with [`quick_config`], term `term`, past its learning
 /// period at `now` (it was started one lease earlier).
 pub fn warm_allocator(term: u64, now: u64) -> Allocator {
-    let cfg = quick_config();
+    warm_allocator_with(&rules(), quick_config(), term, now)
+}
+
+/// An allocator over `rules` with `cfg`, term `term`, past its learning period at `now`
+/// (it was started one lease and margin earlier).
+pub fn warm_allocator_with(rules: &Config, cfg: AllocatorConfig, term: u64, now: u64) -> Allocator {
     let start = now.saturating_sub(MS * (cfg.lease_ms + cfg.reclaim_margin_ms));
-    let mut a = Allocator::new(&rules(), cfg, term, start).expect("valid config");
+    let mut a = Allocator::new(rules, cfg, term, start).expect("valid config");
     a.handle_timeout(now);
     a
 }

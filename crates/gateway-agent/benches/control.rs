@@ -20,7 +20,7 @@
 use std::hint::black_box;
 
 use bursar_agent::engine::SliceUpdate;
-use bursar_agent::testing::keyed_engine;
+use bursar_agent::testing::{keyed_engine, keyed_grant};
 use criterion::{Criterion, criterion_group, criterion_main};
 
 const KEYS: usize = 10_000;
@@ -39,7 +39,6 @@ fn control(c: &mut Criterion) {
         })
     });
     drop(buf);
-    let values: Vec<String> = (0..KEYS).map(|i| format!("key-{i}")).collect();
     let mut seq = 0u64;
     for batch in [1usize, 16] {
         let mut next = 0usize;
@@ -54,18 +53,8 @@ fn control(c: &mut Criterion) {
                     updates.clear();
                     for _ in 0..batch {
                         seq += 1;
-                        updates.push(SliceUpdate {
-                            rule: "rps".into(),
-                            values: vec![values[next % KEYS].clone()],
-                            // A different slice every time: the slot is replaced.
-                            rate: 1_000_000 + seq % 2,
-                            burst: 1_000_000,
-                            epoch: 1,
-                            seq,
-                            lease_expires_at_ns: u64::MAX / 2,
-                            fleet_size: 1,
-                            transfer_tokens: 0,
-                        });
+                        // A different slice every time: the slot is replaced.
+                        updates.push(keyed_grant(next % KEYS, seq));
                         next += 7;
                     }
                     let applied = engine.apply_slices(1, &updates);

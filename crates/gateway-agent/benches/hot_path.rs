@@ -20,7 +20,7 @@ use bursar_agent::testing::{
     THREE_DIMENSIONS, THREE_DIMENSIONS_COST, THREE_DIMENSIONS_DESCRIPTORS, THREE_DIMENSIONS_USAGE,
     engine, keyed_engine,
 };
-use bursar_agent::{AdmitRequest, Completion, CompletionStatus, Engine, KeyHandle};
+use bursar_agent::{AdmitRequest, Completion, CompletionStatus, Decision, Engine, KeyHandle};
 use criterion::{Criterion, criterion_group, criterion_main};
 use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
 
@@ -147,73 +147,48 @@ fn admit_complete(c: &mut Criterion) {
     let mut n = 0usize;
     let mut next_maintain = 0u64;
     let mut g = c.benchmark_group("admit_complete");
-    g.bench_function("bursar/3_dimensions", |b| {
-        b.iter(|| {
-            n = (n + 1) % ids.len();
-            let id = &ids[n];
-            let now = clock.now_ns();
-            let d = w
-                .admit(
-                    now,
-                    &AdmitRequest {
-                        request_id: id,
-                        domain: None,
-                        descriptors: &THREE_DIMENSIONS_DESCRIPTORS,
-                        cost: THREE_DIMENSIONS_COST,
-                        ttl_ms: None,
-                    },
-                )
-                .expect("ok");
-            // Checked in release too: a drained bucket would turn this into a benchmark
-            // of rejections (it did, before the rates were raised).
-            assert!(d.is_admitted(), "the benchmark must measure admissions");
-            black_box(&d);
-            let c = e
-                .complete(now, id, THREE_DIMENSIONS_USAGE, CompletionStatus::Ok)
-                .expect("live");
-            assert_eq!(c, Completion::Settled, "a live lease settles once");
-            // The shell's maintenance tick, every 100 ms as in the shell; its cost is
-            // amortised into the figure, as it is in production.
-            if now >= next_maintain {
-                e.maintain(now);
-                next_maintain = now + 100_000_000;
-            }
-            black_box(c)
-        })
-    });
-    // The same, through `Worker::admit_into` with one reused `Decision`: no copy of the
-    // ~600-byte decision on the way out.
-    let mut d = bursar_agent::Decision::EMPTY;
-    g.bench_function("bursar/3_dimensions_admit_into", |b| {
-        b.iter(|| {
-            n = (n + 1) % ids.len();
-            let id = &ids[n];
-            let now = clock.now_ns();
-            w.admit_into(
-                now,
-                &AdmitRequest {
+    // By value (`Worker::admit`), and through `Worker::admit_into` with one reused
+    // `Decision` (no copy of its ~600 bytes on the way out).
+    let mut d = Decision::EMPTY;
+    for (name, into) in [
+        ("bursar/3_dimensions", false),
+        ("bursar/3_dimensions_admit_into", true),
+    ] {
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                n = (n + 1) % ids.len();
+                let id = &ids[n];
+                let now = clock.now_ns();
+                let req = AdmitRequest {
                     request_id: id,
                     domain: None,
                     descriptors: &THREE_DIMENSIONS_DESCRIPTORS,
                     cost: THREE_DIMENSIONS_COST,
                     ttl_ms: None,
-                },
-                &mut d,
-            )
-            .expect("ok");
-            assert!(d.is_admitted(), "the benchmark must measure admissions");
-            black_box(&d);
-            let c = e
-                .complete(now, id, THREE_DIMENSIONS_USAGE, CompletionStatus::Ok)
-                .expect("live");
-            assert_eq!(c, Completion::Settled, "a live lease settles once");
-            if now >= next_maintain {
-                e.maintain(now);
-                next_maintain = now + 100_000_000;
-            }
-            black_box(c)
-        })
-    });
+                };
+                if into {
+                    w.admit_into(now, &req, &mut d).expect("ok");
+                } else {
+                    d = w.admit(now, &req).expect("ok");
+                }
+                // Checked in release too: a drained bucket would turn this into a
+                // benchmark of rejections (it did, before the rates were raised).
+                assert!(d.is_admitted(), "the benchmark must measure admissions");
+                black_box(&d);
+                let c = e
+                    .complete(now, id, THREE_DIMENSIONS_USAGE, CompletionStatus::Ok)
+                    .expect("live");
+                assert_eq!(c, Completion::Settled, "a live lease settles once");
+                // The shell's maintenance tick, every 100 ms as in the shell; its cost
+                // is amortised into the figure, as it is in production.
+                if now >= next_maintain {
+                    e.maintain(now);
+                    next_maintain = now + 100_000_000;
+                }
+                black_box(c)
+            })
+        });
+    }
     g.finish();
 }
 

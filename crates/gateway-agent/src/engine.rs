@@ -2134,44 +2134,43 @@ impl Engine {
     pub fn key_demand(&self, out: &mut Vec<KeyDemand>) {
         let table = self.table.load_full();
         let n = table.chunks.len();
-        let mut walked_pending = false;
+        let mut slow = self.slow();
+        self.pending_demand(&slow, out);
         let mut at = 0;
         loop {
-            let slow = self.slow();
-            if !walked_pending {
-                for s in slow.pending.values().filter(|s| !s.is_sealed()) {
-                    out.push(self.demand_of(&slow, s));
-                }
-                walked_pending = true;
-            }
             let end = (at + WALK_CHUNKS).min(n);
             for c in &table.chunks[at..end] {
                 self.chunk_demand(&slow, c, out);
             }
             at = end;
-            if at < n {
-                continue;
+            if at == n {
+                break;
             }
-            // The last batch's lock is still held: catch up with what changed since
-            // the first one (nothing, when no other thread ran meanwhile).
-            let now = self.table.load();
-            if !Arc::ptr_eq(&*now, &table) {
-                let same_shape = now.chunks.len() == n;
-                for (i, c) in now.chunks.iter().enumerate() {
-                    if !same_shape || !Arc::ptr_eq(c, &table.chunks[i]) {
-                        self.chunk_demand(&slow, c, out);
-                    }
-                }
-                for s in slow.pending.values().filter(|s| !s.is_sealed()) {
-                    out.push(self.demand_of(&slow, s));
-                }
-            } else if !slow.pending.is_empty() && n > WALK_CHUNKS {
-                // Keys created or replaced during the walk, not yet published.
-                for s in slow.pending.values().filter(|s| !s.is_sealed()) {
-                    out.push(self.demand_of(&slow, s));
+            drop(slow);
+            slow = self.slow();
+        }
+        // Under the last batch's lock: what changed since the first one (nothing when
+        // the walk took one batch, or no other thread ran meanwhile).
+        let current = self.table.load();
+        let republished = !Arc::ptr_eq(&*current, &table);
+        if republished {
+            let same_shape = current.chunks.len() == n;
+            for (i, c) in current.chunks.iter().enumerate() {
+                if !same_shape || !Arc::ptr_eq(c, &table.chunks[i]) {
+                    self.chunk_demand(&slow, c, out);
                 }
             }
-            return;
+        }
+        if republished || n > WALK_CHUNKS {
+            // Keys created or replaced during the walk, not yet published.
+            self.pending_demand(&slow, out);
+        }
+    }
+
+    /// [`Engine::key_demand`] for the live keys waiting to be published.
+    fn pending_demand(&self, slow: &Slow, out: &mut Vec<KeyDemand>) {
+        for s in slow.pending.values().filter(|s| !s.is_sealed()) {
+            out.push(self.demand_of(slow, s));
         }
     }
 

@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 
+use crate::engine::SliceUpdate;
 use crate::{Config, Cost, DiscardSink, Engine, KeyHandle, Usage, UsageSink};
 
 /// The demo's embedded rules: an LLM tenant layout with an org ceiling over per-key
@@ -218,4 +219,21 @@ pub fn keyed_engine(keys: usize) -> (Arc<Engine>, Vec<KeyHandle>) {
     }
     e.maintain(0);
     (e, handles)
+}
+
+/// A grant for [`KEYED`]'s key `key-{key}` with seq `seq`, its rate differing with the
+/// seq's parity so that each one applied replaces the key's slot (and republishes the
+/// table); its lease runs for ever.
+pub fn keyed_grant(key: usize, seq: u64) -> SliceUpdate {
+    SliceUpdate {
+        rule: "rps".into(),
+        values: vec![format!("key-{key}")],
+        rate: 1_000_000 + seq % 2,
+        burst: 1_000_000,
+        epoch: 1,
+        seq,
+        lease_expires_at_ns: u64::MAX / 2,
+        fleet_size: 1,
+        transfer_tokens: 0,
+    }
 }

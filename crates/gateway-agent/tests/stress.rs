@@ -174,8 +174,7 @@ fn a_report_walk_sees_every_key_while_grants_replace_slots_and_new_keys_arrive()
     use std::collections::HashSet;
     use std::sync::atomic::{AtomicBool, Ordering};
 
-    use bursar_agent::engine::SliceUpdate;
-    use bursar_agent::testing::keyed_engine;
+    use bursar_agent::testing::{keyed_engine, keyed_grant};
 
     const KEYS: usize = 3_000;
     let (e, _handles) = keyed_engine(KEYS);
@@ -188,20 +187,7 @@ fn a_report_walk_sees_every_key_while_grants_replace_slots_and_new_keys_arrive()
             let (mut seq, mut i) = (0u64, 0usize);
             while !stop.load(Ordering::Relaxed) {
                 seq += 1;
-                let applied = e.apply_slices(
-                    1,
-                    &[SliceUpdate {
-                        rule: "rps".into(),
-                        values: vec![format!("key-{}", i % KEYS)],
-                        rate: 1_000_000 + seq % 2,
-                        burst: 1_000_000,
-                        epoch: 1,
-                        seq,
-                        lease_expires_at_ns: u64::MAX / 2,
-                        fleet_size: 1,
-                        transfer_tokens: 0,
-                    }],
-                );
+                let applied = e.apply_slices(1, &[keyed_grant(i % KEYS, seq)]);
                 assert!(applied[0].is_ok(), "{applied:?}");
                 i += 7;
             }

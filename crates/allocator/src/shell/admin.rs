@@ -98,10 +98,10 @@ pub fn key_json(k: &KeyStatus) -> Value {
             "partitioned_agents": k.bound.partitioned_agents,
             "period_ns": k.bound.period_ns,
         },
-        "agents": k.agents.iter().zip(&k.slow_demand).map(|(a, slow)| json!({
+        "agents": k.agents.iter().map(|a| json!({
             "agent": &*a.agent,
             "demand": a.demand,
-            "slow_demand": slow,
+            "slow_demand": a.slow_demand,
             "granted": slice(a.granted),
             "committed": slice(a.committed),
             "fallback": a.fallback.map(slice),
