@@ -13,11 +13,11 @@ use std::sync::Arc;
 use bursar_agent::engine::KeyDemand;
 use bursar_agent::{
     AdmitRequest, CompletionStatus, Config, Cost, Decision, DiscardSink, Engine, KeyTotals,
-    SliceApplied, Usage,
+    SliceApplied, SliceExtension, Usage,
 };
 use bursar_allocator::{
     Ack, Allocator, AllocatorConfig, Grant, HeldGrant, HeldSlice, Hello, KeyName, KeyReport,
-    Report as AllocReport, SliceAck,
+    LeaseExtension, Report as AllocReport, SliceAck,
 };
 use serde::Serialize;
 
@@ -157,6 +157,8 @@ pub struct Counters {
     pub to_agents: u64,
     /// Grants in those messages.
     pub grants: u64,
+    /// Lease extensions the allocator sent (one message each, in `to_agents` too).
+    pub extensions: u64,
     /// Hit batches agents sent each other (the Gubernator-like policy).
     pub peer: u64,
     /// Encoded bytes of `to_allocator` messages ([`crate::wire`]).
@@ -361,6 +363,8 @@ enum Ev {
     ToAlloc(u32, u64, Box<ToAlloc>),
     /// One grants message (one agent stream's batch).
     ToAgent(u32, Vec<Grant>),
+    /// One lease extension.
+    ToAgentExt(u32, LeaseExtension),
     Report(u32, u64),
     NewKeyPoll(u32, u64),
     Maintain(u32, u64),
@@ -734,6 +738,7 @@ impl Sim {
             Ev::ToAlloc(_, term, _) if term != self.term => self.counters.lost += 1,
             Ev::ToAlloc(i, _, m) => self.deliver_to_alloc(i, *m),
             Ev::ToAgent(i, g) => self.deliver_to_agent(i, g),
+            Ev::ToAgentExt(i, x) => self.deliver_extension(i, x),
             Ev::Report(i, inc) => {
                 if self.live(i, inc) {
                     self.send_reports(i, false);
@@ -1220,7 +1225,9 @@ impl Sim {
             return;
         };
         let grants: Vec<Grant> = alloc.drain_grants().collect();
+        let extensions = alloc.drain_extensions();
         self.send_grants(grants);
+        self.send_extensions(extensions);
         self.schedule_wake();
     }
 
@@ -1249,6 +1256,22 @@ impl Sim {
                     break;
                 }
                 rest = tail;
+            }
+        }
+    }
+
+    /// Sends drained lease extensions, one message each, after the grants (as the
+    /// shell's `route`).
+    fn send_extensions(&mut self, extensions: Vec<LeaseExtension>) {
+        for x in extensions {
+            let Some(i) = self.agent_index(&x.agent) else {
+                continue;
+            };
+            self.counters.to_agents += 1;
+            self.counters.extensions += 1;
+            self.counters.to_agents_bytes += wire::extension_bytes(&x);
+            if let Some(at) = self.link_delay(i, false) {
+                self.push(at, Ev::ToAgentExt(i as u32, x));
             }
         }
     }
@@ -1619,6 +1642,33 @@ impl Sim {
             slices,
         };
         self.send_to_alloc(i, ToAlloc::Ack(ack));
+    }
+
+    /// A lease extension reaches agent `i` (as `sync.rs`: `Engine::extend_slices`; no
+    /// answer).
+    fn deliver_extension(&mut self, i: u32, x: LeaseExtension) {
+        let iu = i as usize;
+        if self.cut(iu, self.now) {
+            self.counters.lost += 1;
+            return;
+        }
+        let a = &self.agents[iu];
+        let Some(engine) = &a.engine else {
+            self.counters.lost += 1;
+            return;
+        };
+        if x.incarnation != a.incarnation {
+            self.counters.lost += 1;
+            return;
+        }
+        let ext = SliceExtension {
+            epoch: x.epoch,
+            through_seq: x.through_seq,
+            lease_expires_at_ns: x.lease_expires_at_ns,
+        };
+        if engine.extend_slices(a.clock(self.now), ext).is_err() {
+            self.counters.grants_refused += 1;
+        }
     }
 
     // ---- checker ----

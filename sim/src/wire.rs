@@ -12,7 +12,7 @@
 //! The field numbers follow the .proto file; `a_report_is_sized_as_protobuf_would_encode_it`
 //! checks the arithmetic against a hand-encoded message.
 
-use bursar_allocator::{Ack, Grant, HeldGrant, Hello, KeyName, KeyReport, Report};
+use bursar_allocator::{Ack, Grant, HeldGrant, Hello, KeyName, KeyReport, LeaseExtension, Report};
 
 /// gRPC's per-message prefix: one compression byte and a 4-byte length.
 pub const GRPC_PREFIX_BYTES: u64 = 5;
@@ -127,6 +127,12 @@ pub fn grants_bytes(grants: &[Grant]) -> u64 {
     GRPC_PREFIX_BYTES + delimited(body)
 }
 
+/// An `AllocatorMessage { lease_extension = 5 }`.
+pub fn extension_bytes(x: &LeaseExtension) -> u64 {
+    let body = uint(x.epoch) + uint(x.through_seq) + uint(x.lease_expires_at_ns);
+    GRPC_PREFIX_BYTES + delimited(body)
+}
+
 /// A Gubernator-like hit batch: one `KeyReport { key, admitted = hits }` per key.
 pub fn hits_bytes<'a>(hits: impl Iterator<Item = (&'a KeyName, u64)>) -> u64 {
     let keys: u64 = hits
@@ -175,5 +181,19 @@ mod tests {
         // Report = 08 ac 02 (agent_time_ns 300: 3 bytes) 12 16 <keyreport> (24 bytes)
         //        = 27 bytes; AgentMessage = 12 1b <report> = 29 bytes; plus gRPC's 5.
         assert_eq!(report_bytes(&r), 29 + GRPC_PREFIX_BYTES);
+    }
+
+    #[test]
+    fn a_lease_extension_is_sized_as_protobuf_would_encode_it() {
+        let x = LeaseExtension {
+            agent: "gw-0".into(),
+            incarnation: 1,
+            epoch: 1,
+            through_seq: 300,
+            lease_expires_at_ns: 0,
+        };
+        // LeaseExtension = 08 01 10 ac 02 (5 bytes); AllocatorMessage = 2a 05 <ext>
+        // = 7 bytes; plus gRPC's 5. Agent and incarnation name the stream only.
+        assert_eq!(extension_bytes(&x), 7 + GRPC_PREFIX_BYTES);
     }
 }

@@ -109,5 +109,6 @@ pub use core::{
 };
 pub use error::AllocError;
 pub use msg::{
-    Ack, Grant, GrantRef, HeldGrant, HeldSlice, Hello, KeyName, KeyReport, Report, SliceAck,
+    Ack, Grant, GrantRef, HeldGrant, HeldSlice, Hello, KeyName, KeyReport, LeaseExtension, Report,
+    SliceAck,
 };

@@ -223,6 +223,27 @@ impl Grant {
     }
 }
 
+/// One message that extends the lease of many grants to one agent: every grant of
+/// term `epoch` with a seq up to `through_seq` that the agent holds now has a lease
+/// ending no earlier than `lease_expires_at_ns` (agent clock: its latest report's time
+/// plus `lease_ms` minus `drift_margin_ms`, as a grant's). Sent every `lease / 4`-ish
+/// while the agent reports, in place of re-sending each grant (see DESIGN.md,
+/// "Leases"). Grants of other terms are untouched. Like a grant, it goes only to the
+/// incarnation it names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeaseExtension {
+    /// The agent it is for.
+    pub agent: Arc<str>,
+    /// The incarnation it is for.
+    pub incarnation: u64,
+    /// The allocator's term: only grants of this term are extended.
+    pub epoch: u64,
+    /// Grants with a seq up to this one are extended.
+    pub through_seq: u64,
+    /// The new lease end, in the agent's clock.
+    pub lease_expires_at_ns: u64,
+}
+
 /// A grant borrowed from the allocator's outbox ([`crate::Allocator::for_each_grant`]):
 /// the same fields as [`Grant`], with the agent and key names borrowed instead of
 /// counted. The core queues grants by table index and names them only here, so that a

@@ -16,10 +16,12 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
 use bursar_agent::{
-    AdmitRequest, CompletionStatus, Config, Cost, Decision, DiscardSink, Engine, Usage,
+    AdmitRequest, CompletionStatus, Config, Cost, Decision, DiscardSink, Engine, SliceExtension,
+    Usage,
 };
 use bursar_allocator::{
-    Ack, Allocator, AllocatorConfig, Grant, HeldGrant, Hello, KeyName, KeyReport, Report, SliceAck,
+    Ack, Allocator, AllocatorConfig, Grant, HeldGrant, Hello, KeyName, KeyReport, LeaseExtension,
+    Report, SliceAck,
 };
 
 const MS: u64 = 1_000_000;
@@ -126,6 +128,7 @@ struct SimAgent {
 
 enum Msg {
     ToAgent(Grant),
+    Extend(LeaseExtension),
     Report(Report),
     Ack(Ack),
 }
@@ -251,6 +254,16 @@ fn run(seed: u64, overdraft_permille: u32) -> Outcome {
                         send(&mut net, now, Msg::Ack(ack));
                     }
                 }
+                Msg::Extend(x) => {
+                    let i: usize = x.agent["agent-".len()..].parse().unwrap();
+                    let a = &mut agents[i];
+                    let ext = SliceExtension {
+                        epoch: x.epoch,
+                        through_seq: x.through_seq,
+                        lease_expires_at_ns: x.lease_expires_at_ns,
+                    };
+                    a.engine.extend_slices(now + a.offset, ext).unwrap();
+                }
                 Msg::Report(r) => alloc.handle_report(now, &r).unwrap(),
                 Msg::Ack(a) => alloc.handle_ack(now, &a).unwrap(),
             }
@@ -261,6 +274,9 @@ fn run(seed: u64, overdraft_permille: u32) -> Outcome {
         alloc.check_invariants().unwrap();
         for g in alloc.drain_grants() {
             send(&mut net, now, Msg::ToAgent(g));
+        }
+        for x in alloc.drain_extensions() {
+            send(&mut net, now, Msg::Extend(x));
         }
 
         // Offered load this millisecond, agent by agent, in one global order.

@@ -871,10 +871,38 @@ fn key_is(key: &LimitKey, rule: u32, values: &[&str]) -> bool {
 struct SliceState {
     epoch: u64,
     seq: u64,
+    /// What is in force: the grant, or its posture fallback once its lease ended.
     grant: Params,
+    /// The allocator's grant (what an extension puts back in force after an expiry).
+    granted: Params,
     lease_expires_at_ns: u64,
     fleet_size: u32,
     expired: bool,
+}
+
+/// The latest lease extension applied ([`Engine::extend_slices`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SliceExtension {
+    /// The allocator's term: only slices of this epoch are extended.
+    pub epoch: u64,
+    /// Slices with a seq up to this one are extended.
+    pub through_seq: u64,
+    /// Their lease ends no earlier than this (engine clock).
+    pub lease_expires_at_ns: u64,
+}
+
+impl SliceExtension {
+    fn covers(&self, st: &SliceState) -> bool {
+        st.epoch == self.epoch && st.seq <= self.through_seq
+    }
+}
+
+/// When `st`'s lease ends, extension `ext` included.
+fn lease_end(st: &SliceState, ext: Option<SliceExtension>) -> u64 {
+    match ext {
+        Some(x) if x.covers(st) => st.lease_expires_at_ns.max(x.lease_expires_at_ns),
+        _ => st.lease_expires_at_ns,
+    }
 }
 
 struct Slow {
@@ -905,6 +933,9 @@ struct Slow {
     /// `key_idle_ms / 16`: a key goes at most that long after its idle time; a full
     /// table evicts at once, whatever this says).
     next_idle_scan_ns: u64,
+    /// The latest lease extension (one per allocator term; see
+    /// [`Engine::extend_slices`]).
+    extension: Option<SliceExtension>,
 }
 
 /// Keys remembered by [`Engine::new_key_demand`] between two reads (a new-key poll every
@@ -1017,6 +1048,7 @@ impl Engine {
                 created: VecDeque::new(),
                 created_seq: 0,
                 next_slice_end_ns: 0,
+                extension: None,
                 next_idle_scan_ns: 0,
             }),
             sink,
@@ -1896,6 +1928,7 @@ impl Engine {
             epoch: u.epoch,
             seq: u.seq,
             grant,
+            granted: grant,
             lease_expires_at_ns: u.lease_expires_at_ns,
             fleet_size: u.fleet_size.max(1),
             expired: false,
@@ -1906,6 +1939,70 @@ impl Engine {
         slow.slices.insert(SliceKey(key), state);
         slow.next_slice_end_ns = slow.next_slice_end_ns.min(u.lease_expires_at_ns);
         Ok(applied)
+    }
+
+    /// Applies a lease extension from the allocator: every slice of term `x.epoch` with a
+    /// seq up to `x.through_seq` keeps its grant until `x.lease_expires_at_ns` at least
+    /// (the allocator counts those grants as in force until then, plus its margin). A
+    /// covered slice that had already fallen to its posture gets its grant back (the
+    /// allocator still counts it, and would not send it again). Extensions of one term
+    /// only move forward (a reordered older one changes nothing); a newer term's
+    /// replaces the last. Returns how many slices it covers.
+    pub fn extend_slices(&self, now: u64, x: SliceExtension) -> Result<usize, SliceError> {
+        if x.lease_expires_at_ns <= now {
+            return Err(SliceError::ExtensionEnded {
+                expired_ns_ago: now - x.lease_expires_at_ns,
+            });
+        }
+        let mut slow = self.slow();
+        let ext = match slow.extension {
+            Some(cur) if cur.epoch > x.epoch => {
+                return Err(SliceError::StaleExtension {
+                    epoch: x.epoch,
+                    held_epoch: cur.epoch,
+                });
+            }
+            Some(cur) if cur.epoch == x.epoch => SliceExtension {
+                epoch: x.epoch,
+                through_seq: cur.through_seq.max(x.through_seq),
+                lease_expires_at_ns: cur.lease_expires_at_ns.max(x.lease_expires_at_ns),
+            },
+            _ => x,
+        };
+        slow.extension = Some(ext);
+        let mut covered = 0;
+        let mut revive = Vec::new();
+        for (k, st) in slow.slices.iter() {
+            if ext.covers(st) {
+                covered += 1;
+                if st.expired {
+                    revive.push(k.clone());
+                }
+            }
+        }
+        for key in &revive {
+            let Some(st) = slow.slices.get(key).copied() else {
+                continue;
+            };
+            if st.grant != st.granted {
+                let vals: Vec<String> = key.0.values.iter().map(|v| v.to_string()).collect();
+                if self
+                    .install_locked(&mut slow, now, key.0.rule, &vals, st.granted, 0)
+                    .is_err()
+                {
+                    continue; // table full: stays on its posture
+                }
+            }
+            if let Some(st) = slow.slices.get_mut(key) {
+                st.grant = st.granted;
+                st.expired = false;
+            }
+            slow.next_slice_end_ns = slow.next_slice_end_ns.min(ext.lease_expires_at_ns);
+        }
+        if !revive.is_empty() {
+            self.publish_locked(&mut slow, now);
+        }
+        Ok(covered)
     }
 
     /// Seals the key's live slot (if any) and installs one with `params`, converting
@@ -2038,14 +2135,16 @@ impl Engine {
         let mut ended: Vec<(SliceKey, SliceState)> = Vec::new();
         if now >= slow.next_slice_end_ns {
             let mut next = u64::MAX;
+            let ext = slow.extension;
             for (k, st) in slow.slices.iter() {
                 if st.expired {
                     continue;
                 }
-                if st.lease_expires_at_ns <= now {
+                let end = lease_end(st, ext);
+                if end <= now {
                     ended.push((k.clone(), *st));
                 } else {
-                    next = next.min(st.lease_expires_at_ns);
+                    next = next.min(end);
                 }
             }
             slow.next_slice_end_ns = next;
@@ -2239,7 +2338,7 @@ impl Engine {
                 seq: st.seq,
                 rate,
                 burst,
-                lease_expires_at_ns: st.lease_expires_at_ns,
+                lease_expires_at_ns: lease_end(st, slow.extension),
                 expired: st.expired,
             }
         });

@@ -131,6 +131,20 @@ pub enum SliceError {
         /// How long ago the lease ended.
         expired_ns_ago: u64,
     },
+    /// A lease extension arrived after the lease it sets had ended (late).
+    #[error("lease extension arrived {expired_ns_ago} ns after the lease it sets ended")]
+    ExtensionEnded {
+        /// How long ago that lease ended.
+        expired_ns_ago: u64,
+    },
+    /// A lease extension of an older term than the last one applied.
+    #[error("lease extension of term {epoch} behind term {held_epoch}")]
+    StaleExtension {
+        /// Its term.
+        epoch: u64,
+        /// The term of the last extension applied.
+        held_epoch: u64,
+    },
     /// The key table is full.
     #[error("key table full ({max} keys)")]
     TableFull {

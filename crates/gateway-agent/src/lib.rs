@@ -70,7 +70,8 @@ pub use config::{
 };
 pub use engine::{
     AdmitRequest, Admitted, Completion, Cost, Decision, Engine, KeyHandle, KeyTotals, LimitStatus,
-    Limits, MaintainReport, RejectReason, Rejected, RuleStats, SliceApplied, SliceUpdate, Worker,
+    Limits, MaintainReport, RejectReason, Rejected, RuleStats, SliceApplied, SliceExtension,
+    SliceUpdate, Worker,
 };
 pub use error::{AdmitError, CompleteError, ExtendError, SliceError};
 pub use key::LimitKey;

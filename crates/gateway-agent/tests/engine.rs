@@ -6,7 +6,7 @@ use bursar_agent::testing::{engine, engine_with_sink};
 use bursar_agent::{
     AdmitError, AdmitRequest, CompleteError, Completion, CompletionStatus, Cost, Decision, Engine,
     ExtendError, KeyTotals, MemorySink, Outcome, RejectReason, SliceApplied, SliceError,
-    SliceUpdate, Usage,
+    SliceExtension, SliceUpdate, Usage,
 };
 
 const SEC: u64 = 1_000_000_000;
@@ -896,6 +896,90 @@ fn maintenance_finds_every_lease_end_even_when_a_later_grant_ends_sooner() {
     assert_eq!(e.maintain(24 * SEC).slices_expired, 0);
     assert_eq!(e.maintain(25 * SEC).slices_expired, 1);
     e.check_invariants(25 * SEC).unwrap();
+}
+
+fn ext(epoch: u64, through_seq: u64, lease_expires_at_ns: u64) -> SliceExtension {
+    SliceExtension {
+        epoch,
+        through_seq,
+        lease_expires_at_ns,
+    }
+}
+
+#[test]
+fn a_lease_extension_keeps_the_grants_it_covers_and_no_other() {
+    let e = engine(ALLOCATED);
+    // a: epoch 2, seq 5 (covered); b: epoch 2, seq 9 (after the extension's seq);
+    // c: epoch 1 (another term). All three leases end at 10 s.
+    let mut a = slice(80, 80, 2, 5);
+    a.transfer_tokens = 80;
+    let mut b = slice(80, 80, 2, 9);
+    b.values = vec!["b".into()];
+    b.transfer_tokens = 80;
+    let mut c = slice(80, 80, 1, 3);
+    c.values = vec!["c".into()];
+    c.transfer_tokens = 80;
+    for r in e.apply_slices(0, &[a, b, c]) {
+        r.unwrap();
+    }
+    assert_eq!(e.extend_slices(SEC, ext(2, 8, 30 * SEC)), Ok(1));
+    // At 10 s only b and c fall to their posture; a keeps its grant until 30 s.
+    assert_eq!(e.maintain(10 * SEC).slices_expired, 2);
+    assert_eq!(e.level(10 * SEC, "rpm", &["a"]), Some(80));
+    assert_eq!(e.level(10 * SEC, "rpm", &["b"]), Some(25));
+    assert_eq!(e.level(10 * SEC, "rpm", &["c"]), Some(25));
+    // A grant applied later with a seq the extension covers is covered too (the
+    // allocator counts it so).
+    let mut d = slice(80, 80, 2, 7);
+    d.values = vec!["d".into()];
+    d.lease_expires_at_ns = 12 * SEC;
+    e.apply_slices(11 * SEC, &[d]).pop().unwrap().unwrap();
+    assert_eq!(e.maintain(12 * SEC).slices_expired, 0);
+    // A reordered, older extension of the same term changes nothing; one of an older
+    // term is refused; one that arrives after its own lease end is refused.
+    assert_eq!(e.extend_slices(13 * SEC, ext(2, 3, 20 * SEC)), Ok(2));
+    assert!(matches!(
+        e.extend_slices(13 * SEC, ext(1, 100, 40 * SEC)),
+        Err(SliceError::StaleExtension {
+            epoch: 1,
+            held_epoch: 2
+        })
+    ));
+    assert!(matches!(
+        e.extend_slices(13 * SEC, ext(2, 100, 13 * SEC)),
+        Err(SliceError::ExtensionEnded { expired_ns_ago: 0 })
+    ));
+    assert_eq!(e.maintain(29 * SEC).slices_expired, 0);
+    assert_eq!(
+        e.maintain(30 * SEC).slices_expired,
+        2,
+        "a and d end at 30 s"
+    );
+    e.check_invariants(30 * SEC).unwrap();
+}
+
+#[test]
+fn an_extension_puts_back_a_covered_grant_that_fell_to_its_posture() {
+    // The agent was cut off past its lease (posture: conservative, 25); once back, the
+    // allocator extends the grant it still counts, and will not send it again.
+    let e = engine(ALLOCATED);
+    let mut a = slice(80, 80, 2, 5);
+    a.transfer_tokens = 80;
+    e.apply_slices(0, &[a]).pop().unwrap().unwrap();
+    assert_eq!(e.maintain(10 * SEC).slices_expired, 1);
+    assert_eq!(e.level(10 * SEC, "rpm", &["a"]), Some(25));
+    assert_eq!(e.extend_slices(11 * SEC, ext(2, 5, 20 * SEC)), Ok(1));
+    // The grant is back (a shrink to the fallback clamped the level; growing back does
+    // not raise it: invariant 2), and its lease now runs to 20 s.
+    let mut out = Vec::new();
+    e.key_demand(&mut out);
+    let s = out[0].slice.unwrap();
+    assert_eq!((s.rate, s.burst, s.expired), (80, 80, false));
+    assert_eq!(s.lease_expires_at_ns, 20 * SEC);
+    assert!(e.level(11 * SEC, "rpm", &["a"]).unwrap() <= 80);
+    assert_eq!(e.maintain(19 * SEC).slices_expired, 0);
+    assert_eq!(e.maintain(20 * SEC).slices_expired, 1);
+    e.check_invariants(20 * SEC).unwrap();
 }
 
 #[test]

@@ -115,7 +115,7 @@ pub mod allocator {
     pub use crate::bursar::allocator::v1::*;
 
     /// The protocol version this crate speaks; a hello with another one is refused.
-    pub const PROTOCOL_VERSION: u32 = ProtocolVersion::ProtocolVersion1 as u32;
+    pub const PROTOCOL_VERSION: u32 = ProtocolVersion::ProtocolVersion2 as u32;
 
     /// Largest encoded message either side sends or accepts (set on the tonic server
     /// and client as the maximum encoding and decoding size). A report of
@@ -173,7 +173,7 @@ mod tests {
         assert!(bytes.len() < MAX_MESSAGE_BYTES);
         let back = AgentMessage::decode(bytes.as_slice()).unwrap();
         assert_eq!(back, hello);
-        assert_eq!(PROTOCOL_VERSION, 1);
+        assert_eq!(PROTOCOL_VERSION, 2);
     }
 
     #[test]

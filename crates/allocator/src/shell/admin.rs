@@ -125,6 +125,8 @@ fn status_json(s: &Snapshot) -> Value {
             "refused": c.refused,
             "grants_sent": c.grants_sent,
             "grants_dropped": c.grants_dropped,
+            "extensions_sent": c.extensions_sent,
+            "extensions_dropped": c.extensions_dropped,
         },
         "last_error": s.last_error,
         "config": {

@@ -115,6 +115,10 @@ pub struct ShellCounters {
     pub grants_sent: u64,
     /// Grants dropped: no stream for that incarnation, or its queue was full.
     pub grants_dropped: u64,
+    /// Lease extensions queued on agent streams.
+    pub extensions_sent: u64,
+    /// Lease extensions dropped (as grants; safe: the core counts them as sent).
+    pub extensions_dropped: u64,
 }
 
 /// What the admin endpoint shows.
@@ -404,8 +408,39 @@ impl Driver {
         }
     }
 
-    /// Sends drained grants, batched per agent, on the right incarnation's stream.
+    /// Sends drained grants, batched per agent, on the right incarnation's stream, then
+    /// the lease extensions (after the grants they may cover; either order is safe).
     fn route(&mut self) {
+        self.route_grants();
+        if self.core.pending_extensions() == 0 {
+            return;
+        }
+        for x in self.core.drain_extensions() {
+            let Some(r) = self.routes.get(&x.agent) else {
+                self.counters.extensions_dropped += 1;
+                continue;
+            };
+            if r.incarnation != x.incarnation {
+                self.counters.extensions_dropped += 1;
+                continue;
+            }
+            let msg = pb::AllocatorMessage {
+                msg: Some(pb::allocator_message::Msg::LeaseExtension(
+                    pb::LeaseExtension {
+                        epoch: x.epoch,
+                        through_seq: x.through_seq,
+                        lease_expires_at_ns: x.lease_expires_at_ns,
+                    },
+                )),
+            };
+            match r.tx.try_send(Ok(msg)) {
+                Ok(()) => self.counters.extensions_sent += 1,
+                Err(_) => self.counters.extensions_dropped += 1,
+            }
+        }
+    }
+
+    fn route_grants(&mut self) {
         if self.core.pending_grants() == 0 {
             return;
         }

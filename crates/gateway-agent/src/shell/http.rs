@@ -458,6 +458,8 @@ async fn metrics(State(state): State<Arc<AgentState>>) -> Response {
             ("connect", &sync.connects),
             ("grant_applied", &sync.grants_applied),
             ("grant_refused", &sync.grants_refused),
+            ("extension_applied", &sync.extensions_applied),
+            ("extension_refused", &sync.extensions_refused),
             ("report_sent", &sync.reports_sent),
             ("ack_sent", &sync.acks_sent),
             ("dropped", &sync.dropped),

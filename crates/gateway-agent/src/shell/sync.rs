@@ -10,7 +10,10 @@
 //!   heard of (a cold key waits for its first grant). Per key: admitted and rejected
 //!   cost (cumulative since `counting_since_ns`), the applied grant (epoch, seq, rate,
 //!   burst), in-flight slots. Delta-encoded: unchanged keys go only in every
-//!   `full_report_every`-th report. Every report, even an empty one, renews leases.
+//!   `full_report_every`-th report. Every report, even an empty one, renews leases:
+//!   the allocator answers with a **lease extension** every quarter lease or so (one
+//!   message for every grant of its term up to a seq, [`Engine::extend_slices`]),
+//!   not a grant per key.
 //! - **Grants** are applied with [`Engine::apply_slices`] (fenced by epoch and seq in
 //!   the engine) and **acknowledged** with the tokens the shrink gave up; a
 //!   concurrency shrink is acknowledged only once in-flight work fits the new slot
@@ -51,7 +54,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use super::AgentState;
 use crate::clock::Clock;
 use crate::engine::{KeyDemand, KeyTotals};
-use crate::{Engine, RuleLimit, SliceApplied, SliceError, SliceUpdate};
+use crate::{Engine, RuleLimit, SliceApplied, SliceError, SliceExtension, SliceUpdate};
 
 /// Settings of the sync client. Durations are plain `Duration`s; defaults in
 /// [`SyncConfig::new`].
@@ -152,6 +155,10 @@ pub struct SyncStatus {
     pub grants_applied: AtomicU64,
     /// Grants the engine refused (stale, unknown rule, ...).
     pub grants_refused: AtomicU64,
+    /// Lease extensions applied.
+    pub extensions_applied: AtomicU64,
+    /// Lease extensions refused (late, or of an older term).
+    pub extensions_refused: AtomicU64,
     /// Reports sent.
     pub reports_sent: AtomicU64,
     /// Acks sent (slices).
@@ -736,6 +743,18 @@ impl Client {
                             if !self.send_acks(&tx, acks, max_keys) {
                                 return End::Lost("stream closed".into());
                             }
+                        }
+                        Some(In::LeaseExtension(x)) => {
+                            let x = SliceExtension {
+                                epoch: x.epoch,
+                                through_seq: x.through_seq,
+                                lease_expires_at_ns: x.lease_expires_at_ns,
+                            };
+                            let counter = match self.state.engine.extend_slices(self.now_ns(), x) {
+                                Ok(_) => &self.status.extensions_applied,
+                                Err(_) => &self.status.extensions_refused,
+                            };
+                            counter.fetch_add(1, Ordering::Relaxed);
                         }
                         Some(In::Redirect(r)) => return End::Redirect(r.leader),
                         Some(In::ConfigVersion(v)) => {
