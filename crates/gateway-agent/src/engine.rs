@@ -1947,7 +1947,8 @@ impl Engine {
     /// covered slice that had already fallen to its posture gets its grant back (the
     /// allocator still counts it, and would not send it again). Extensions of one term
     /// only move forward (a reordered older one changes nothing); a newer term's
-    /// replaces the last. Returns how many slices it covers.
+    /// replaces the last, whose slices keep the lease it gave them. Returns how many
+    /// slices it covers.
     pub fn extend_slices(&self, now: u64, x: SliceExtension) -> Result<usize, SliceError> {
         if x.lease_expires_at_ns <= now {
             return Err(SliceError::ExtensionEnded {
@@ -1969,10 +1970,16 @@ impl Engine {
             },
             _ => x,
         };
+        // A newer term's extension replaces the last one: the slices that one covered
+        // keep what it gave them (the old term's allocator counted them so).
+        let old = slow.extension.filter(|o| o.epoch != ext.epoch);
         slow.extension = Some(ext);
         let mut covered = 0;
         let mut revive = Vec::new();
-        for (k, st) in slow.slices.iter() {
+        for (k, st) in slow.slices.iter_mut() {
+            if let Some(o) = old {
+                st.lease_expires_at_ns = lease_end(st, Some(o));
+            }
             if ext.covers(st) {
                 covered += 1;
                 if st.expired {

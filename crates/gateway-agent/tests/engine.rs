@@ -959,6 +959,31 @@ fn a_lease_extension_keeps_the_grants_it_covers_and_no_other() {
 }
 
 #[test]
+fn a_new_terms_extension_leaves_the_old_terms_grants_their_extended_leases() {
+    // A new allocator term extends only its own grants; the old term's grants keep
+    // the lease the old term's extension gave them (its allocator counted them so),
+    // until the new term re-issues them.
+    let e = engine(ALLOCATED);
+    let mut a = slice(80, 80, 1, 5);
+    a.transfer_tokens = 80;
+    let mut b = slice(80, 80, 2, 1);
+    b.values = vec!["b".into()];
+    b.transfer_tokens = 80;
+    e.apply_slices(0, &[a]).pop().unwrap().unwrap();
+    assert_eq!(e.extend_slices(SEC, ext(1, 5, 20 * SEC)), Ok(1));
+    e.apply_slices(2 * SEC, &[b]).pop().unwrap().unwrap();
+    assert_eq!(e.extend_slices(3 * SEC, ext(2, 1, 40 * SEC)), Ok(1));
+    assert_eq!(e.maintain(19 * SEC).slices_expired, 0);
+    assert_eq!(
+        e.maintain(20 * SEC).slices_expired,
+        1,
+        "a, at its old extension's end"
+    );
+    assert_eq!(e.maintain(39 * SEC).slices_expired, 0);
+    assert_eq!(e.maintain(40 * SEC).slices_expired, 1, "b");
+}
+
+#[test]
 fn an_extension_puts_back_a_covered_grant_that_fell_to_its_posture() {
     // The agent was cut off past its lease (posture: conservative, 25); once back, the
     // allocator extends the grant it still counts, and will not send it again.
