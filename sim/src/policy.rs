@@ -156,6 +156,7 @@ impl Proportional {
                 lease_expires_at_ns: e.lease_base + self.lease_ns,
                 fleet_size: n,
                 transfer_tokens: 0,
+                key_handle: 0,
             });
         }
     }

@@ -311,6 +311,8 @@ struct Track {
     held: Option<HeldGrant>,
     sent: Option<(u64, u64, Option<HeldGrant>)>,
     seen: u64,
+    /// The allocator's handle for the key, from a grant on this stream (0: none).
+    handle: u64,
 }
 
 struct Agent {
@@ -1308,6 +1310,7 @@ impl Sim {
                     lease_expires_at_ns: at + 1_000_000 * SEC,
                     fleet_size: n as u32,
                     transfer_tokens: burst,
+                    key_handle: 0,
                 }
                 .to_slice_update()
             })
@@ -1478,6 +1481,7 @@ impl Sim {
                             held,
                             sent: None,
                             seen: gen_,
+                            handle: 0,
                         },
                     );
                 }
@@ -1499,6 +1503,7 @@ impl Sim {
         let mut held = Vec::new();
         for (&k, t) in a.tracks.iter_mut() {
             t.sent = None; // a new stream starts with a full report
+            t.handle = 0; // and knows no handle of the last one
             if let Some(g) = t.held {
                 held.push(HeldSlice {
                     key: self.keys[k as usize].name.clone(),
@@ -1549,13 +1554,20 @@ impl Sim {
                 continue;
             }
             t.sent = Some(now_vals);
+            // As `sync.rs`: full reports by name, the others by handle when known.
+            let by_handle = t.handle != 0 && !full;
             keys.push(KeyReport {
-                key: self.keys[k as usize].name.clone(),
+                key: if by_handle {
+                    KeyName::default()
+                } else {
+                    self.keys[k as usize].name.clone()
+                },
                 admitted: t.totals.admitted(),
                 rejected: t.totals.rejected(),
                 counting_since_ns: t.since_ns,
                 in_flight: 0,
                 held: t.held,
+                key_handle: if by_handle { t.handle } else { 0 },
             });
         }
         if keys.is_empty() && only_new {
@@ -1609,13 +1621,22 @@ impl Sim {
         // As `sync.rs` (`apply`): every slot a slice replaced is folded into its key's
         // track, in order, so that no replaced slot's counts are lost.
         let res = engine.apply_slices(at, &updates);
-        for (u, r) in updates.iter().zip(&res) {
+        for ((u, r), g) in updates.iter().zip(&res).zip(&grants) {
+            let Some(t) = u
+                .values
+                .first()
+                .and_then(|v| key_of(v, nkeys))
+                .and_then(|k| a.tracks.get_mut(&k))
+            else {
+                continue;
+            };
+            if g.key_handle != 0 {
+                t.handle = g.key_handle;
+            }
             if let Ok(SliceApplied {
                 replaced: Some(old),
                 ..
             }) = r
-                && let Some(k) = u.values.first().and_then(|v| key_of(v, nkeys))
-                && let Some(t) = a.tracks.get_mut(&k)
             {
                 t.totals.observe(old.clone());
             }

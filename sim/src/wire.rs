@@ -57,8 +57,13 @@ fn held_body(g: &HeldGrant) -> u64 {
 }
 
 fn key_report_body(k: &KeyReport) -> u64 {
-    delimited(key_body(&k.key))
-        + uint(k.admitted)
+    // By handle (field 7), the name left out; else by name.
+    let key = if k.key_handle != 0 {
+        uint(k.key_handle)
+    } else {
+        delimited(key_body(&k.key))
+    };
+    key + uint(k.admitted)
         + uint(k.rejected)
         + uint(k.counting_since_ns)
         + uint(k.in_flight)
@@ -72,7 +77,7 @@ pub fn hello_bytes(h: &Hello) -> u64 {
         .iter()
         .map(|s| delimited(delimited(key_body(&s.key)) + delimited(held_body(&s.grant))))
         .sum();
-    let body = uint(1) // protocol_version = PROTOCOL_VERSION_1
+    let body = uint(2) // protocol_version = PROTOCOL_VERSION_2
         + string(&h.agent)
         + uint(h.incarnation)
         + uint(u64::from(h.weight))
@@ -120,7 +125,8 @@ pub fn grants_bytes(grants: &[Grant]) -> u64 {
                     + uint(g.seq)
                     + uint(g.lease_expires_at_ns)
                     + uint(u64::from(g.fleet_size))
-                    + uint(g.transfer_tokens),
+                    + uint(g.transfer_tokens)
+                    + uint(g.key_handle),
             )
         })
         .sum();
@@ -173,6 +179,7 @@ mod tests {
                     rate: 0,
                     burst: 0,
                 }),
+                key_handle: 0,
             }],
         };
         // Hand-encoded: Key = 0a 06 "tenant" 12 02 "t0" (12 bytes);

@@ -16,7 +16,8 @@
 //!   shell would feed it: `handle_report`, then `handle_timeout` recomputing the keys it
 //!   marked (with `recompute_delay_ms = 0`), at the real rate of 4,000 reports per
 //!   virtual second (each agent every 250 ms), agents carrying the grants they last
-//!   received; it includes lease renewals (one extension per agent every quarter
+//!   received and naming keys by the handles grants carried (by name every 8th
+//!   report, as the sync client); it includes lease renewals (one extension per agent every quarter
 //!   hold, drained), whole-key passes of large keys on their schedule and the
 //!   amortised expiry sweep. Only the allocator's calls are timed.
 //! - `report/100_keys_handle_report_only`: the same without the recomputation.
@@ -145,6 +146,7 @@ fn fleet_with(cfg: AllocatorConfig) -> Fleet {
                     counting_since_ns: SEC,
                     in_flight: 0,
                     held: None,
+                    key_handle: 0,
                 })
                 .collect(),
         };
@@ -268,6 +270,8 @@ struct Reporter {
     reports: Vec<Report>,
     /// Per agent: position in its report of each reported key.
     slot: Vec<HashMap<u32, usize>>,
+    /// Per agent, per line: the key's handle from the last grant (0: none).
+    handles: Vec<Vec<u64>>,
     round: Vec<u64>,
     n: usize,
 }
@@ -298,6 +302,7 @@ impl Reporter {
                             counting_since_ns: SEC,
                             in_flight: 0,
                             held: None,
+                            key_handle: 0,
                         }
                     })
                     .collect();
@@ -309,10 +314,12 @@ impl Reporter {
                 }
             })
             .collect();
+        let handles = reports.iter().map(|r| vec![0; r.keys.len()]).collect();
         let mut r = Reporter {
             f,
             reports,
             slot,
+            handles,
             round: vec![0; AGENTS],
             n: 0,
         };
@@ -326,6 +333,7 @@ impl Reporter {
             let k: u32 = g.key.values[0][1..].parse().unwrap();
             if let Some(&j) = self.slot[i].get(&k) {
                 self.reports[i].keys[j].held = Some(g.held());
+                self.handles[i][j] = g.key_handle;
             }
         }
     }
@@ -338,7 +346,11 @@ impl Reporter {
         let round = self.round[i];
         let r = &mut self.reports[i];
         r.agent_time_ns += 250 * MS;
-        for kr in r.keys.iter_mut() {
+        // As the sync client: every 8th report names its keys, the others use the
+        // handles grants carried (the name stays in memory here, ignored).
+        let full = round.is_multiple_of(8);
+        for (kr, &h) in r.keys.iter_mut().zip(&self.handles[i]) {
+            kr.key_handle = if full { 0 } else { h };
             let k: u32 = kr.key.values[0][1..].parse().unwrap();
             kr.admitted = demand(i, k, round);
             // Demand steps every other round: every key in the report changes.

@@ -720,6 +720,9 @@ pub struct Allocator {
     free_agents: Vec<u32>,
     live_agents: usize,
     keys: Vec<Option<Key>>,
+    /// Per key index: bumped each time the index is freed, so that a key handle
+    /// ([`Grant::key_handle`]) of a forgotten key never names its successor.
+    key_gens: Vec<u32>,
     key_index: HashMap<u64, u32, FixedState>,
     free_keys: Vec<u32>,
     live_keys: usize,
@@ -819,8 +822,14 @@ struct Scratch {
     order: Vec<(f64, u32)>,
 }
 
+/// The handle of key index `k` in generation `generation` ([`Grant::key_handle`]):
+/// never 0, since generations start at 1.
+fn key_handle(generation: u32, k: u32) -> u64 {
+    (u64::from(generation) << 32) | u64::from(k)
+}
+
 /// A key's 128-bit identity (see `Allocator::hash_name`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct Fp {
     hash: u64,
     check: u64,
@@ -875,6 +884,7 @@ impl Allocator {
             free_agents: Vec::new(),
             live_agents: 0,
             keys: Vec::new(),
+            key_gens: Vec::new(),
             key_index: HashMap::with_hasher(FixedState::with_seed(2)),
             free_keys: Vec::new(),
             live_keys: 0,
@@ -954,9 +964,9 @@ impl Allocator {
                 }
             };
             let incarnation = self.graves.incarnation_before(p.agent, i).unwrap_or(latest);
-            let key = match &self.keys[p.key as usize] {
-                Some(k) => &k.name,
-                None => Graves::find(&self.graves.keys, p.key),
+            let (key, key_handle) = match &self.keys[p.key as usize] {
+                Some(k) => (&k.name, key_handle(self.key_gens[p.key as usize], p.key)),
+                None => (Graves::find(&self.graves.keys, p.key), 0),
             };
             let transfer_tokens = match transfers.peek() {
                 Some(&&(j, t)) if j as usize == i => {
@@ -977,6 +987,7 @@ impl Allocator {
                 lease_expires_at_ns: p.lease_expires_at_ns,
                 fleet_size: p.fleet_size,
                 transfer_tokens,
+                key_handle,
             });
         }
         self.graves.transfers.clear();
@@ -1054,6 +1065,21 @@ impl Allocator {
         }
     }
 
+    /// The live key a handle names, if it still does.
+    fn handle_key(&self, handle: u64) -> Option<u32> {
+        let (k, generation) = (handle as u32, (handle >> 32) as u32);
+        (self.key_gens.get(k as usize) == Some(&generation) && self.keys[k as usize].is_some())
+            .then_some(k)
+    }
+
+    /// How a report line names its key: by handle (the table's name), else its own.
+    fn line_name<'a>(&'a self, kr: &'a KeyReport) -> &'a KeyName {
+        match self.handle_key(kr.key_handle) {
+            Some(k) if kr.key_handle != 0 => &self.key(k).name,
+            _ => &kr.key,
+        }
+    }
+
     fn find_key(&self, fp: Fp) -> Option<u32> {
         for p in 0..MAX_PROBE {
             if let Some(&id) = self.key_index.get(&fp.hash.wrapping_add(p))
@@ -1127,6 +1153,7 @@ impl Allocator {
             }
             None => {
                 self.keys.push(Some(key));
+                self.key_gens.push(1);
                 (self.keys.len() - 1) as u32
             }
         };
@@ -1157,6 +1184,8 @@ impl Allocator {
         let Some(key) = self.keys[id as usize].take() else {
             return;
         };
+        let g = &mut self.key_gens[id as usize];
+        *g = g.wrapping_add(1).max(1);
         for p in 0..MAX_PROBE {
             let h = key.fp.hash.wrapping_add(p);
             if self.key_index.get(&h) == Some(&id) {
@@ -1650,15 +1679,24 @@ impl Allocator {
         let mut new_entries = 0usize;
         // Lookups in phases, each a tight loop over the report, so that the cache misses
         // of different keys overlap instead of queueing one behind another.
+        // A line naming its key by handle needs no hashing and no table probe.
         fps.clear();
-        fps.extend(
-            report
-                .keys
-                .iter()
-                .map(|kr| self.hash_name(&kr.key.rule, &kr.key.values)),
-        );
+        fps.extend(report.keys.iter().map(|kr| {
+            if kr.key_handle != 0 {
+                self.handle_key(kr.key_handle)
+                    .map_or(Fp::default(), |k| self.key(k).fp)
+            } else {
+                self.hash_name(&kr.key.rule, &kr.key.values)
+            }
+        }));
         found.clear();
-        found.extend(fps.iter().map(|&fp| self.find_key(fp)));
+        found.extend(report.keys.iter().zip(fps.iter()).map(|(kr, &fp)| {
+            if kr.key_handle != 0 {
+                self.handle_key(kr.key_handle)
+            } else {
+                self.find_key(fp)
+            }
+        }));
         positions.clear();
         positions.extend(found.iter().map(|k| k.and_then(|k| self.entry_pos(a, k))));
         // The entries' first two cache lines (flags, counters' bases), loaded in a tight
@@ -1670,19 +1708,26 @@ impl Allocator {
             .fold(0u64, |acc, e| acc ^ e.since ^ e.sampled as u64);
         std::hint::black_box(warm);
         for (i, kr) in report.keys.iter().enumerate() {
-            let (key, rule, hash) = match self.resolve_found(&kr.key, fps[i], found[i]) {
+            if kr.key_handle != 0 && found[i].is_none() {
+                // A handle this allocator no longer knows: nothing to count it against
+                // (the agent's next full report names the key).
+                resolved.push(None);
+                continue;
+            }
+            let name = self.line_name(kr);
+            let (key, rule, hash) = match self.resolve_found(name, fps[i], found[i]) {
                 Ok(r) => r,
-                Err(e) if self.ignorable(&kr.key, &e) => {
+                Err(e) if self.ignorable(name, &e) => {
                     resolved.push(None);
                     continue;
                 }
                 Err(e) => return Err(e),
             };
             if let Some(h) = &kr.held {
-                self.validate_held(&kr.key, rule, h)?;
+                self.validate_held(name, rule, h)?;
             }
             let entry = positions[i];
-            self.validate_counters(kr, report.agent_time_ns, key, entry)?;
+            self.validate_counters(kr, name, report.agent_time_ns, key, entry)?;
             match key {
                 None => {
                     if !self.key_has_free_probe(hash) {
@@ -1715,7 +1760,9 @@ impl Allocator {
             .windows(2)
             .find(|w| (w[0].0, w[0].1) == (w[1].0, w[1].1))
         {
-            return Err(AllocError::DuplicateKey(report.keys[w[1].2].key.clone()));
+            return Err(AllocError::DuplicateKey(
+                self.line_name(&report.keys[w[1].2]).clone(),
+            ));
         }
         if self.live_keys + new_keys > self.cfg.max_keys {
             return Err(AllocError::KeyTableFull {
@@ -1773,12 +1820,13 @@ impl Allocator {
     fn validate_counters(
         &self,
         kr: &KeyReport,
+        name: &KeyName,
         agent_time: u64,
         key: Option<u32>,
         entry: Option<u32>,
     ) -> Result<(), AllocError> {
         let absurd = |reason| AllocError::AbsurdDemand {
-            key: kr.key.clone(),
+            key: name.clone(),
             reason,
         };
         if kr.counting_since_ns > agent_time {
@@ -1797,7 +1845,7 @@ impl Allocator {
         }
         if kr.admitted < base_a {
             return Err(AllocError::NegativeDemand {
-                key: kr.key.clone(),
+                key: name.clone(),
                 counter: "admitted",
                 was: base_a,
                 now: kr.admitted,
@@ -1805,7 +1853,7 @@ impl Allocator {
         }
         if kr.rejected < base_r {
             return Err(AllocError::NegativeDemand {
-                key: kr.key.clone(),
+                key: name.clone(),
                 counter: "rejected",
                 was: base_r,
                 now: kr.rejected,
@@ -4053,6 +4101,51 @@ mod tests {
         a.check_invariants().unwrap();
         assert!(a.key_status(&k).unwrap().agents[0].committed.is_zero());
         assert_eq!(a.overshoot_bound(&k).unwrap().partitioned_agents, 1);
+    }
+
+    #[test]
+    fn report_lines_may_name_their_key_by_the_handle_a_grant_carried() {
+        let now = 5 * SEC;
+        let mut a = warm_allocator(1, now);
+        a.handle_hello(now, &hello("a", 1, 1)).unwrap();
+        let k = key("rps", "x");
+        a.handle_report(
+            now,
+            &report("a", 1, now, vec![line(k.clone(), 100, 0, None)]),
+        )
+        .unwrap();
+        let g = settle(&mut a, now + 10 * MS).pop().unwrap();
+        assert_ne!(g.key_handle, 0);
+        // By handle alone (no name): counted against the key.
+        let t = now + 250 * MS;
+        let mut by_handle = line(KeyName::default(), 100, 400, Some(g.held()));
+        by_handle.key_handle = g.key_handle;
+        a.handle_report(t, &report("a", 1, t, vec![by_handle.clone()]))
+            .unwrap();
+        a.check_invariants().unwrap();
+        assert!(a.key_status(&k).unwrap().agents[0].demand > 0.0);
+        assert_eq!(a.ignored_lines(), 0);
+        // A handle of another generation of that index (a forgotten key's, or
+        // another term's) is ignored: never counted against whatever key has it now.
+        let before = a.key_status(&k).unwrap().agents[0].demand;
+        let t = t + 250 * MS;
+        let mut stale = by_handle.clone();
+        stale.key_handle = g.key_handle + (1 << 32);
+        stale.rejected = 100_000;
+        a.handle_report(t, &report("a", 1, t, vec![stale])).unwrap();
+        assert_eq!(a.ignored_lines(), 1);
+        assert_eq!(a.key_status(&k).unwrap().agents[0].demand, before);
+        // Bad input by handle gets the key's name in its error.
+        let t = t + 250 * MS;
+        let mut bad = by_handle;
+        bad.admitted = 1;
+        let e = a
+            .handle_report(t, &report("a", 1, t, vec![bad]))
+            .unwrap_err();
+        assert!(
+            matches!(&e, AllocError::NegativeDemand { key, .. } if *key == k),
+            "{e:?}"
+        );
     }
 
     #[test]

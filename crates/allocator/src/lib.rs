@@ -61,6 +61,7 @@
 //!     keys: vec![KeyReport {
 //!         key: KeyName::new("org-rpm", &["acme"]),
 //!         admitted: 0, rejected: 1, counting_since_ns: 100, in_flight: 0, held: None,
+//!         key_handle: 0,
 //!     }],
 //! }).unwrap();
 //! alloc.handle_timeout(alloc.poll_timeout());

@@ -18,7 +18,7 @@ use bursar_agent::SliceUpdate;
 
 /// One limit key by name: a rule and the values of its `*` match entries, in the rule's
 /// match-key order (keys sorted), exactly as `bursar_agent::SliceUpdate` names it.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct KeyName {
     /// The rule's name.
     pub rule: String,
@@ -100,6 +100,11 @@ pub struct KeyReport {
     pub in_flight: u64,
     /// The grant the agent has applied for this key, if any.
     pub held: Option<HeldGrant>,
+    /// Non-zero: the key by the handle a grant carried ([`Grant::key_handle`]), and
+    /// `key` is ignored (it may be empty). A handle the allocator no longer knows (its
+    /// key was forgotten, or another term issued it) makes the line ignored, counted in
+    /// `ignored_lines`; full reports name every key.
+    pub key_handle: u64,
 }
 
 /// A periodic (every `report_interval`) or out-of-band (a new key) report.
@@ -164,7 +169,7 @@ pub struct Ack {
 /// | `transfer_tokens` | `transfer_tokens` | level handed over from shrinks |
 ///
 /// `agent` and `incarnation` name the stream to send it on and are not part of the
-/// update.
+/// update; `key_handle` is for the sync client's reports, not the engine.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Grant {
     /// The agent it is for.
@@ -194,6 +199,11 @@ pub struct Grant {
     /// Tokens handed over from other agents' shrinks, to add to the level (the agent
     /// caps it at the new burst).
     pub transfer_tokens: u64,
+    /// The allocator's handle for the key (non-zero; 0 if the key was forgotten before
+    /// the grant was drained): report lines may name the key by it
+    /// ([`KeyReport::key_handle`]) instead of by name, on the same stream. No hashing
+    /// and no strings on either side.
+    pub key_handle: u64,
 }
 
 impl Grant {
@@ -275,6 +285,8 @@ pub struct GrantRef<'a> {
     pub fleet_size: u32,
     /// Tokens handed over from other agents' shrinks.
     pub transfer_tokens: u64,
+    /// The allocator's handle for the key (see [`Grant::key_handle`]).
+    pub key_handle: u64,
 }
 
 impl GrantRef<'_> {
@@ -291,6 +303,7 @@ impl GrantRef<'_> {
             lease_expires_at_ns: self.lease_expires_at_ns,
             fleet_size: self.fleet_size,
             transfer_tokens: self.transfer_tokens,
+            key_handle: self.key_handle,
         }
     }
 }

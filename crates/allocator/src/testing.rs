@@ -108,6 +108,7 @@ pub fn line(key: KeyName, admitted: u64, rejected: u64, held: Option<HeldGrant>)
         counting_since_ns: 0,
         in_flight: 0,
         held,
+        key_handle: 0,
     }
 }
 

@@ -361,6 +361,7 @@ fn run(seed: u64, overdraft_permille: u32) -> Outcome {
                         counting_since_ns: t0 + a.offset,
                         in_flight: 0,
                         held: a.held,
+                        key_handle: 0,
                     }],
                 };
                 send(&mut net, now, Msg::Report(r));

@@ -194,6 +194,7 @@ impl World {
                     0
                 },
                 held,
+                key_handle: 0,
             });
         }
         self.to_alloc.push(ToAlloc::Report(Report {

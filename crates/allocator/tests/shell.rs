@@ -76,6 +76,7 @@ async fn an_agent_gets_a_welcome_then_a_grant_within_the_limit_and_the_admin_end
                 counting_since_ns: 1_000,
                 in_flight: 0,
                 held: None,
+                key_handle: 0,
             }],
         })),
     };
@@ -189,6 +190,7 @@ async fn a_report_over_the_key_bound_or_the_size_bound_ends_the_stream_and_chang
         counting_since_ns: 1,
         in_flight: 0,
         held: None,
+        key_handle: 0,
     };
     // More keys than MAX_KEYS_PER_MESSAGE.
     let (tx, r) = open(a.grpc, hello("node-big", pb::PROTOCOL_VERSION, 1)).await;
@@ -260,6 +262,7 @@ async fn a_restarted_agent_releases_its_old_grants_at_once() {
                 counting_since_ns: 1,
                 in_flight: 0,
                 held: None,
+                key_handle: 0,
             }],
         })),
     };
@@ -374,6 +377,7 @@ async fn a_malformed_rules_file_is_refused_with_the_old_limits_kept_and_a_valid_
                 counting_since_ns: 10,
                 in_flight: 0,
                 held: None,
+                key_handle: 0,
             }],
         })),
     })

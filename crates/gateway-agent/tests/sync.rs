@@ -140,6 +140,7 @@ fn grant(
                 lease_expires_at_ns: lease_end,
                 fleet_size: 1,
                 transfer_tokens: 0,
+                key_handle: seq << 32 | 7,
             }],
         })),
     }
@@ -243,12 +244,16 @@ async fn a_new_key_is_reported_at_once_and_its_grant_is_applied_and_acknowledged
     // The slice starts empty (invariant 2) and refills at 100/s.
     tokio::time::sleep(Duration::from_millis(60)).await;
     assert!(admit(&state, "r1", &[("org", "acme")]));
-    // The next report carries the held grant and the admission.
+    // The next report carries the held grant and the admission, naming the key by
+    // the handle the grant carried (or by name, in a full report).
+    let handle = (1 << 32) | 7;
     let kr = next_where(&mut conn, 2, |m| match &m.msg {
         Some(Msg::Report(r)) => r
             .keys
             .iter()
-            .find(|k| k.key == key("org-rps", "acme") && k.admitted >= 1)
+            .find(|k| {
+                (k.key == key("org-rps", "acme") || k.key_handle == handle) && k.admitted >= 1
+            })
             .cloned(),
         _ => None,
     })
@@ -263,6 +268,58 @@ async fn a_new_key_is_reported_at_once_and_its_grant_is_applied_and_acknowledged
         "counters are cumulative across the slice change"
     );
     assert_eq!(status.term.load(std::sync::atomic::Ordering::Relaxed), 5);
+    // Delta reports name it by handle alone: no strings on the wire (a full report,
+    // one in eight, names it).
+    let mut by_handle = false;
+    for i in 0..3 {
+        tokio::time::sleep(Duration::from_millis(110)).await;
+        assert!(admit(&state, &format!("d{i}"), &[("org", "acme")]));
+        let kr = next_where(&mut conn, 2, |m| match &m.msg {
+            Some(Msg::Report(r)) => r
+                .keys
+                .iter()
+                .find(|k| k.key == key("org-rps", "acme") || k.key_handle == handle)
+                .cloned(),
+            _ => None,
+        })
+        .await;
+        if kr.key_handle == handle {
+            assert_eq!(kr.key, None);
+            by_handle = true;
+            break;
+        }
+    }
+    assert!(by_handle, "no delta report named the key by its handle");
+
+    // A lease extension of the grant's term moves its lease end.
+    let extended = lease_end + 60_000_000_000;
+    conn.to_agent
+        .send(Ok(pb::AllocatorMessage {
+            msg: Some(pb::allocator_message::Msg::LeaseExtension(
+                pb::LeaseExtension {
+                    epoch: 5,
+                    through_seq: 1,
+                    lease_expires_at_ns: extended,
+                },
+            )),
+        }))
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while status
+        .extensions_applied
+        .load(std::sync::atomic::Ordering::Relaxed)
+        == 0
+    {
+        assert!(Instant::now() < deadline, "extension not applied");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut demand = Vec::new();
+    state.engine.key_demand(&mut demand);
+    assert_eq!(
+        demand[0].slice.map(|s| s.lease_expires_at_ns),
+        Some(extended)
+    );
 
     // A stale grant (lower seq) is ignored and not acknowledged.
     conn.to_agent

@@ -194,6 +194,7 @@ mod tests {
                     rate: u64::MAX,
                     burst: u64::MAX,
                 }),
+                key_handle: 0,
             })
             .collect();
         let m = AgentMessage {

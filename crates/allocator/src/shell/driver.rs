@@ -500,5 +500,6 @@ pub fn grant_to_pb(g: &GrantRef<'_>) -> pb::Grant {
         lease_expires_at_ns: g.lease_expires_at_ns,
         fleet_size: g.fleet_size,
         transfer_tokens: g.transfer_tokens,
+        key_handle: g.key_handle,
     }
 }

@@ -126,7 +126,17 @@ pub fn report_from_pb(agent: &str, incarnation: u64, r: pb::Report) -> Result<Re
         .into_iter()
         .map(|k| {
             Ok(KeyReport {
-                key: key(k.key)?,
+                key: if k.key_handle != 0 {
+                    k.key
+                        .map(|k| KeyName {
+                            rule: k.rule,
+                            values: k.values,
+                        })
+                        .unwrap_or_default()
+                } else {
+                    key(k.key)?
+                },
+                key_handle: k.key_handle,
                 admitted: k.admitted,
                 rejected: k.rejected,
                 counting_since_ns: k.counting_since_ns,

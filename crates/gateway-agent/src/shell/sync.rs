@@ -210,6 +210,9 @@ struct Track {
     sent: Option<(u64, u64, u64, Option<pb::HeldGrant>)>,
     /// Poll generation that last saw the key.
     seen: u64,
+    /// The allocator's handle for the key, from a grant on the current stream (0:
+    /// none): delta reports name the key by it instead of by name.
+    handle: u64,
 }
 
 /// A concurrency shrink applied but not yet drained.
@@ -395,6 +398,7 @@ impl Client {
                         held,
                         sent: None,
                         seen: gen_,
+                        handle: 0,
                     },
                 );
             }
@@ -452,11 +456,15 @@ impl Client {
                 continue;
             }
             t.sent = Some(now_vals);
+            // Full reports name every key (a handle the allocator has forgotten makes
+            // it ignore the line); the others use the handle when there is one.
+            let by_handle = t.handle != 0 && !full;
             keys.push(pb::KeyReport {
-                key: Some(pb::Key {
+                key: (!by_handle).then(|| pb::Key {
                     rule: rule.clone(),
                     values: values.clone(),
                 }),
+                key_handle: if by_handle { t.handle } else { 0 },
                 admitted: t.totals.admitted(),
                 rejected: t.totals.rejected(),
                 counting_since_ns: t.since_ns,
@@ -508,11 +516,13 @@ impl Client {
     /// Applies grants; returns the acks to send now.
     fn apply(&mut self, grants: Vec<pb::Grant>) -> Vec<pb::SliceAck> {
         let mut updates = Vec::with_capacity(grants.len());
+        let mut handles = Vec::with_capacity(grants.len());
         for g in &grants {
             let Some(k) = &g.key else {
                 self.status.grants_refused.fetch_add(1, Ordering::Relaxed);
                 continue;
             };
+            handles.push(g.key_handle);
             updates.push(SliceUpdate {
                 rule: k.rule.clone(),
                 values: k.values.clone(),
@@ -532,12 +542,17 @@ impl Client {
         // key's totals, in order.
         let now = self.now_ns();
         let results = self.state.engine.apply_slices(now, &updates);
-        for (u, r) in updates.iter().zip(&results) {
+        for ((u, r), &handle) in updates.iter().zip(&results).zip(&handles) {
+            let Some(t) = self.tracks.get_mut(&(u.rule.clone(), u.values.clone())) else {
+                continue;
+            };
+            if handle != 0 {
+                t.handle = handle;
+            }
             if let Ok(SliceApplied {
                 replaced: Some(old),
                 ..
             }) = r
-                && let Some(t) = self.tracks.get_mut(&(u.rule.clone(), u.values.clone()))
             {
                 t.totals.observe(old.clone());
             }
@@ -669,9 +684,11 @@ impl Client {
             .max_decoding_message_size(pb::MAX_MESSAGE_BYTES)
             .max_encoding_message_size(pb::MAX_MESSAGE_BYTES);
         let (tx, rx) = mpsc::channel(self.cfg.outbound_queue_max.max(2));
-        // A new stream: every key is new to it.
+        // A new stream: every key is new to it (and the last one's handles mean
+        // nothing to it).
         for t in self.tracks.values_mut() {
             t.sent = None;
+            t.handle = 0;
         }
         let hello = self.hello();
         if tx.try_send(hello).is_err() {
