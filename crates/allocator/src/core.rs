@@ -823,9 +823,10 @@ struct Scratch {
 }
 
 /// The handle of key index `k` in generation `generation` ([`Grant::key_handle`]):
-/// never 0, since generations start at 1.
+/// never 0, and small (a key's first generation is 0: the handle is its index plus
+/// one, a varint of 1 to 3 bytes at up to 2 million keys).
 fn key_handle(generation: u32, k: u32) -> u64 {
-    (u64::from(generation) << 32) | u64::from(k)
+    ((u64::from(generation) << 32) | u64::from(k)) + 1
 }
 
 /// A key's 128-bit identity (see `Allocator::hash_name`).
@@ -1067,7 +1068,8 @@ impl Allocator {
 
     /// The live key a handle names, if it still does.
     fn handle_key(&self, handle: u64) -> Option<u32> {
-        let (k, generation) = (handle as u32, (handle >> 32) as u32);
+        let h = handle.checked_sub(1)?;
+        let (k, generation) = (h as u32, (h >> 32) as u32);
         (self.key_gens.get(k as usize) == Some(&generation) && self.keys[k as usize].is_some())
             .then_some(k)
     }
@@ -1153,7 +1155,7 @@ impl Allocator {
             }
             None => {
                 self.keys.push(Some(key));
-                self.key_gens.push(1);
+                self.key_gens.push(0);
                 (self.keys.len() - 1) as u32
             }
         };
@@ -1185,7 +1187,7 @@ impl Allocator {
             return;
         };
         let g = &mut self.key_gens[id as usize];
-        *g = g.wrapping_add(1).max(1);
+        *g = g.wrapping_add(1);
         for p in 0..MAX_PROBE {
             let h = key.fp.hash.wrapping_add(p);
             if self.key_index.get(&h) == Some(&id) {

@@ -140,7 +140,7 @@ fn grant(
                 lease_expires_at_ns: lease_end,
                 fleet_size: 1,
                 transfer_tokens: 0,
-                key_handle: seq << 32 | 7,
+                key_handle: 8,
             }],
         })),
     }
@@ -246,7 +246,7 @@ async fn a_new_key_is_reported_at_once_and_its_grant_is_applied_and_acknowledged
     assert!(admit(&state, "r1", &[("org", "acme")]));
     // The next report carries the held grant and the admission, naming the key by
     // the handle the grant carried (or by name, in a full report).
-    let handle = (1 << 32) | 7;
+    let handle = 8;
     let kr = next_where(&mut conn, 2, |m| match &m.msg {
         Some(Msg::Report(r)) => r
             .keys
