@@ -1072,7 +1072,11 @@ fn finished_ids_are_remembered_within_their_bound_then_forgotten_oldest_first() 
         per = "second"
         "#,
     );
-    for i in 0..200 {
+    // Tombstones are kept per shard (32 of them: one each here) and ids land on
+    // shards by a hash seeded per engine; 2,000 ids make "no later id shared the
+    // oldest one's shard" impossible in practice ((31/32)^1999 ~ 3e-28; with 200 ids
+    // it was 0.2 %, and CI once met it).
+    for i in 0..2_000 {
         let id = format!("r{i}");
         e.admit(0, &req(&id, &[("org", "a")], Cost::ONE_REQUEST))
             .unwrap();
@@ -1081,7 +1085,7 @@ fn finished_ids_are_remembered_within_their_bound_then_forgotten_oldest_first() 
     }
     // The newest is still known (a duplicate), the oldest forgotten (unknown).
     assert_eq!(
-        e.complete(0, "r199", Usage::default(), CompletionStatus::Ok),
+        e.complete(0, "r1999", Usage::default(), CompletionStatus::Ok),
         Ok(Completion::Duplicate)
     );
     assert_eq!(
@@ -1090,7 +1094,7 @@ fn finished_ids_are_remembered_within_their_bound_then_forgotten_oldest_first() 
     );
     // A finished id may be admitted again as a new request.
     assert!(
-        e.admit(0, &req("r199", &[("org", "a")], Cost::ONE_REQUEST))
+        e.admit(0, &req("r1999", &[("org", "a")], Cost::ONE_REQUEST))
             .unwrap()
             .is_admitted()
     );
