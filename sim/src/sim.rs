@@ -11,9 +11,10 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 
 use bursar_agent::engine::KeyDemand;
+use bursar_agent::sync_core::{Ack as SyncAck, Applied, Held, SyncTracks};
 use bursar_agent::{
-    AdmitRequest, CompletionStatus, Config, Cost, Decision, DiscardSink, Engine, KeyTotals,
-    SliceApplied, SliceExtension, Usage,
+    AdmitRequest, CompletionStatus, Config, Cost, Decision, DiscardSink, Engine, SliceExtension,
+    Usage,
 };
 use bursar_allocator::{
     Ack, Allocator, AllocatorConfig, Grant, HeldGrant, HeldSlice, Hello, KeyName, KeyReport,
@@ -304,17 +305,6 @@ struct KeyState {
     bins: Option<(Vec<u64>, Vec<u64>)>,
 }
 
-/// What `sync.rs` keeps per key: cumulative counters across slot replacements.
-struct Track {
-    totals: KeyTotals,
-    since_ns: u64,
-    held: Option<HeldGrant>,
-    sent: Option<(u64, u64, Option<HeldGrant>)>,
-    seen: u64,
-    /// The allocator's handle for the key, from a grant on this stream (0: none).
-    handle: u64,
-}
-
 struct Agent {
     name: String,
     incarnation: u64,
@@ -324,13 +314,9 @@ struct Agent {
     /// This agent's clock-rate error, parts per million.
     drift_ppm: f64,
     last_ts: u64,
-    last_poll: u64,
-    generation: u64,
-    /// The engine's key-creation cursor (`Engine::new_key_demand`), as the sync
-    /// client keeps it.
-    created_cursor: u64,
-    reports: u64,
-    tracks: BTreeMap<u32, Track>,
+    /// The sync client's per-key bookkeeping: the same code the agent's client runs
+    /// (`bursar_agent::sync_core`), keys named by number.
+    sync: SyncTracks<u32>,
     poll_pending: bool,
     next_request: u64,
     /// Report phase within the interval.
@@ -494,11 +480,7 @@ impl Sim {
                         0.0
                     },
                     last_ts: 0,
-                    last_poll: 0,
-                    generation: 0,
-                    created_cursor: 0,
-                    reports: 0,
-                    tracks: BTreeMap::new(),
+                    sync: SyncTracks::new(0),
                     poll_pending: false,
                     next_request: 0,
                     phase: r.below(report_ns),
@@ -863,7 +845,7 @@ impl Sim {
             Ev::AgentCrash(i) => {
                 let a = &mut self.agents[i as usize];
                 a.engine = None;
-                a.tracks.clear();
+                a.sync = SyncTracks::new(0);
                 a.hits.clear();
                 a.poll_pending = false;
             }
@@ -871,10 +853,7 @@ impl Sim {
                 let a = &mut self.agents[i as usize];
                 a.incarnation += 1;
                 a.engine = Some(Engine::new(self.config.clone(), Arc::new(DiscardSink)));
-                a.created_cursor = 0;
-                a.generation = 0;
-                a.reports = 0;
-                a.last_poll = a.clock(self.now);
+                a.sync = SyncTracks::new(a.clock(self.now));
                 let inc = a.incarnation;
                 let phase = a.phase;
                 let report_ns = self.sc.allocator.report_interval_ms * MS;
@@ -1098,7 +1077,7 @@ impl Sim {
             }
             Ok(Decision::Rejected(_)) => {
                 // A key the agent has not reported yet is reported at its next poll.
-                if !self.policy.fixed_slices() && !a.tracks.contains_key(&k) && !a.poll_pending {
+                if !self.policy.fixed_slices() && !a.sync.contains(&k) && !a.poll_pending {
                     a.poll_pending = true;
                     let poll = self.sc.allocator.new_key_poll_ms * MS;
                     let at = now + poll - (now + a.phase) % poll;
@@ -1418,75 +1397,27 @@ impl Sim {
     // ---- agent side, as crates/gateway-agent/src/shell/sync.rs does it ----
 
     fn refresh(&mut self, i: usize) {
+        let nkeys = self.keys.len();
         let a = &mut self.agents[i];
         let Some(engine) = &a.engine else {
             return;
         };
         let now = a.clock(self.now);
-        let since = a.last_poll.min(now);
-        a.last_poll = now;
-        a.generation += 1;
-        let gen_ = a.generation;
-        a.created_cursor = engine.created_seq();
-        self.demand_buf.clear();
-        engine.key_demand(&mut self.demand_buf);
-        self.track_demand(i, since, gen_);
-        self.agents[i].tracks.retain(|_, t| t.seen == gen_);
+        a.sync
+            .refresh(engine, now, &mut self.demand_buf, |d| engine_key(d, nkeys));
     }
 
     /// The new-key poll: only the keys the engine created since the last read, as the
     /// sync client does (`refresh_new`); everything when the engine forgot some.
     fn refresh_new(&mut self, i: usize) {
+        let nkeys = self.keys.len();
         let a = &mut self.agents[i];
         let Some(engine) = &a.engine else {
             return;
         };
-        self.demand_buf.clear();
-        if !engine.new_key_demand(&mut a.created_cursor, &mut self.demand_buf) {
-            self.refresh(i);
-            return;
-        }
         let now = a.clock(self.now);
-        let since = a.last_poll.min(now);
-        a.last_poll = now;
-        let gen_ = a.generation;
-        self.track_demand(i, since, gen_);
-    }
-
-    /// Folds `demand_buf` into agent `i`'s tracks.
-    fn track_demand(&mut self, i: usize, since: u64, gen_: u64) {
-        let a = &mut self.agents[i];
-        for d in self.demand_buf.drain(..) {
-            let Some(k) = d.values().first().and_then(|v| key_of(v, self.keys.len())) else {
-                continue;
-            };
-            let held = d.slice.map(|s| HeldGrant {
-                epoch: s.epoch,
-                seq: s.seq,
-                rate: s.rate,
-                burst: s.burst,
-            });
-            match a.tracks.get_mut(&k) {
-                Some(t) => {
-                    t.totals.observe(d.counters);
-                    t.held = held;
-                    t.seen = gen_;
-                }
-                None => {
-                    a.tracks.insert(
-                        k,
-                        Track {
-                            totals: KeyTotals::new(d.counters),
-                            since_ns: since,
-                            held,
-                            sent: None,
-                            seen: gen_,
-                            handle: 0,
-                        },
-                    );
-                }
-            }
-        }
+        a.sync
+            .refresh_new(engine, now, &mut self.demand_buf, |d| engine_key(d, nkeys));
     }
 
     fn stamp(&mut self, i: usize) -> u64 {
@@ -1500,17 +1431,16 @@ impl Sim {
         let iu = i as usize;
         self.refresh(iu);
         let a = &mut self.agents[iu];
-        let mut held = Vec::new();
-        for (&k, t) in a.tracks.iter_mut() {
-            t.sent = None; // a new stream starts with a full report
-            t.handle = 0; // and knows no handle of the last one
-            if let Some(g) = t.held {
-                held.push(HeldSlice {
-                    key: self.keys[k as usize].name.clone(),
-                    grant: g,
-                });
-            }
-        }
+        // A new stream starts with a full report and knows no handle of the last one.
+        a.sync.new_stream();
+        let held = a
+            .sync
+            .held()
+            .map(|(&k, g)| HeldSlice {
+                key: self.keys[k as usize].name.clone(),
+                grant: held_grant(g),
+            })
+            .collect();
         let hello = Hello {
             agent: a.name.clone(),
             incarnation: a.incarnation,
@@ -1536,40 +1466,41 @@ impl Sim {
             self.refresh(iu);
         }
         let a = &mut self.agents[iu];
-        if !only_new {
-            a.reports += 1;
-        }
         let full = !only_new
-            && a.reports
-                .is_multiple_of(self.sc.allocator.full_report_every as u64);
+            && a.sync
+                .next_report_is_full(self.sc.allocator.full_report_every as u64);
         let mut keys = Vec::new();
-        for (&k, t) in a.tracks.iter_mut() {
-            let now_vals = (t.totals.admitted(), t.totals.rejected(), t.held);
-            let include = match t.sent {
-                None => true,
-                Some(_) if only_new => false,
-                Some(s) => full || s != now_vals,
-            };
-            if !include {
-                continue;
-            }
-            t.sent = Some(now_vals);
-            // As `sync.rs`: full reports by name, the others by handle when known.
-            let by_handle = t.handle != 0 && !full;
+        let names = &self.keys;
+        a.sync.report(full, only_new, |l| {
             keys.push(KeyReport {
-                key: if by_handle {
+                key: if l.key_handle != 0 {
                     KeyName::default()
                 } else {
-                    self.keys[k as usize].name.clone()
+                    names[*l.key as usize].name.clone()
                 },
-                admitted: t.totals.admitted(),
-                rejected: t.totals.rejected(),
-                counting_since_ns: t.since_ns,
-                in_flight: 0,
-                held: t.held,
-                key_handle: if by_handle { t.handle } else { 0 },
+                admitted: l.admitted,
+                rejected: l.rejected,
+                counting_since_ns: l.counting_since_ns,
+                in_flight: l.in_flight,
+                held: l.held.map(held_grant),
+                key_handle: l.key_handle,
             });
+        });
+        // Concurrency shrinks whose in-flight work drained, acknowledged with the
+        // report (as the client's report tick).
+        let drained = a.sync.drained_acks();
+        if !drained.is_empty() {
+            let ack = Ack {
+                agent: a.name.clone(),
+                incarnation: a.incarnation,
+                slices: drained
+                    .into_iter()
+                    .map(|x| slice_ack(x, &self.keys))
+                    .collect(),
+            };
+            self.send_to_alloc(i, ToAlloc::Ack(ack));
         }
+        let a = &self.agents[iu];
         if keys.is_empty() && only_new {
             return;
         }
@@ -1618,40 +1549,32 @@ impl Sim {
         }
         let at = a.clock(self.now);
         let updates: Vec<_> = grants.iter().map(Grant::to_slice_update).collect();
-        // As `sync.rs` (`apply`): every slot a slice replaced is folded into its key's
-        // track, in order, so that no replaced slot's counts are lost.
-        let res = engine.apply_slices(at, &updates);
-        for ((u, r), g) in updates.iter().zip(&res).zip(&grants) {
-            let Some(t) = u
-                .values
-                .first()
-                .and_then(|v| key_of(v, nkeys))
-                .and_then(|k| a.tracks.get_mut(&k))
-            else {
-                continue;
-            };
-            if g.key_handle != 0 {
-                t.handle = g.key_handle;
-            }
-            if let Ok(SliceApplied {
-                replaced: Some(old),
-                ..
-            }) = r
-            {
-                t.totals.observe(old.clone());
-            }
-        }
+        let keys: Vec<u32> = grants
+            .iter()
+            .map(|g| {
+                g.key
+                    .values
+                    .first()
+                    .and_then(|v| key_of(v, nkeys))
+                    .unwrap_or(u32::MAX)
+            })
+            .collect();
+        let handles: Vec<u64> = grants.iter().map(|g| g.key_handle).collect();
+        // The sync client's own `apply` (folding replaced slots into the tracks,
+        // holding back a concurrency shrink's ack until its work drains).
+        let outcomes = a.sync.apply(engine, at, updates, keys, &handles);
         let mut slices = Vec::with_capacity(grants.len());
-        for (g, r) in grants.iter().zip(res) {
-            match r {
-                Ok(applied) => slices.push(SliceAck {
+        for (g, outcome) in grants.iter().zip(outcomes) {
+            match outcome {
+                Applied::Ack(x) => slices.push(SliceAck {
                     key: (*g.key).clone(),
-                    epoch: g.epoch,
-                    seq: g.seq,
-                    released_tokens: applied.released_tokens,
-                    in_flight: applied.in_flight,
+                    epoch: x.epoch,
+                    seq: x.seq,
+                    released_tokens: x.released_tokens,
+                    in_flight: x.in_flight,
                 }),
-                Err(_) => self.counters.grants_refused += 1,
+                Applied::Draining => {}
+                Applied::Refused(_) => self.counters.grants_refused += 1,
             }
         }
         if slices.is_empty() {
@@ -1942,6 +1865,31 @@ fn key_of(v: &str, n: usize) -> Option<u32> {
         && (digits == "0" || !digits.starts_with('0'));
     let k: u32 = digits.parse().ok().filter(|_| canonical)?;
     ((k as usize) < n).then_some(k)
+}
+
+/// The key number of an engine key (its first `*` value), for the sync bookkeeping.
+fn engine_key(d: &KeyDemand, n: usize) -> Option<u32> {
+    d.values().first().and_then(|v| key_of(v, n))
+}
+
+fn held_grant(h: Held) -> HeldGrant {
+    HeldGrant {
+        epoch: h.epoch,
+        seq: h.seq,
+        rate: h.rate,
+        burst: h.burst,
+    }
+}
+
+/// An ack the sync bookkeeping owes, as the allocator reads it.
+fn slice_ack(x: SyncAck<u32>, keys: &[KeyState]) -> SliceAck {
+    SliceAck {
+        key: keys[x.key as usize].name.clone(),
+        epoch: x.epoch,
+        seq: x.seq,
+        released_tokens: x.released_tokens,
+        in_flight: x.in_flight,
+    }
 }
 
 fn p95(xs: &mut [f64]) -> Option<f64> {

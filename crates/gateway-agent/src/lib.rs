@@ -60,6 +60,7 @@ mod key;
 mod lease;
 #[cfg(feature = "shell")]
 pub mod shell;
+pub mod sync_core;
 pub mod testing;
 pub mod usage;
 

@@ -40,7 +40,6 @@
 //!   the other way round) until the next report's held grant or its lease end.
 //! - Tracked keys: the engine's own `max_keys`.
 
-use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -53,8 +52,9 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use super::AgentState;
 use crate::clock::Clock;
-use crate::engine::{KeyDemand, KeyTotals};
-use crate::{Engine, RuleLimit, SliceApplied, SliceError, SliceExtension, SliceUpdate};
+use crate::engine::KeyDemand;
+use crate::sync_core::{Ack, Applied, Held, SyncTracks};
+use crate::{Engine, SliceError, SliceExtension, SliceUpdate};
 
 /// Settings of the sync client. Durations are plain `Duration`s; defaults in
 /// [`SyncConfig::new`].
@@ -178,14 +178,9 @@ pub fn spawn(
         state,
         cfg,
         status: Arc::clone(&status),
-        tracks: HashMap::new(),
+        tracks: SyncTracks::new(0),
         buf: Vec::new(),
         last_ts: 0,
-        last_poll_ns: 0,
-        generation: 0,
-        created_cursor: 0,
-        reports: 0,
-        pending_acks: Vec::new(),
         config_version: String::new(),
     };
     let handle = tokio::spawn(client.run(shutdown));
@@ -199,44 +194,14 @@ pub fn config_version(engine: &Engine) -> String {
 
 type KeyId = (String, Vec<String>);
 
-/// What the client knows of one engine key.
-struct Track {
-    /// Cumulative since `since_ns`, across slot replacements.
-    totals: KeyTotals,
-    since_ns: u64,
-    in_flight: u64,
-    held: Option<pb::HeldGrant>,
-    /// Last values sent on the current stream (`None`: not yet on this stream).
-    sent: Option<(u64, u64, u64, Option<pb::HeldGrant>)>,
-    /// Poll generation that last saw the key.
-    seen: u64,
-    /// The allocator's handle for the key, from a grant on the current stream (0:
-    /// none): delta reports name the key by it instead of by name.
-    handle: u64,
-}
-
-/// A concurrency shrink applied but not yet drained.
-struct PendingAck {
-    key: KeyId,
-    epoch: u64,
-    seq: u64,
-    slots: u64,
-    released: u64,
-}
-
 struct Client {
     state: Arc<AgentState>,
     cfg: SyncConfig,
     status: Arc<SyncStatus>,
-    tracks: HashMap<KeyId, Track>,
+    /// Per-key bookkeeping, shared with the simulator ([`crate::sync_core`]).
+    tracks: SyncTracks<KeyId>,
     buf: Vec<KeyDemand>,
     last_ts: u64,
-    last_poll_ns: u64,
-    generation: u64,
-    /// The engine's key-creation cursor ([`Engine::new_key_demand`]) as of the last read.
-    created_cursor: u64,
-    reports: u64,
-    pending_acks: Vec<PendingAck>,
     config_version: String,
 }
 
@@ -268,7 +233,7 @@ fn uri(addr: &str, tls: bool) -> String {
 impl Client {
     async fn run(mut self, mut shutdown: watch::Receiver<bool>) {
         self.config_version = config_version(&self.state.engine);
-        self.last_poll_ns = self.now_ns();
+        self.tracks = SyncTracks::new(self.now_ns());
         let mut target = self.cfg.allocator.clone();
         let mut backoff = self.cfg.backoff_min;
         loop {
@@ -325,99 +290,29 @@ impl Client {
     /// Reads the engine's keys into the tracks.
     fn refresh(&mut self) {
         let now = self.now_ns();
-        let since = self.last_poll_ns.min(now);
-        self.last_poll_ns = now;
-        self.generation += 1;
-        let gen_ = self.generation;
-        // Keys created from here on are new to the next poll, even if this walk sees
-        // them too (a second sighting only updates the track).
-        self.created_cursor = self.state.engine.created_seq();
-        let mut buf = std::mem::take(&mut self.buf);
-        buf.clear();
-        self.state.engine.key_demand(&mut buf);
-        for d in buf.drain(..) {
-            self.track(d, since, gen_);
-        }
-        self.buf = buf;
-        // Keys the engine evicted.
-        self.tracks.retain(|_, t| t.seen == gen_);
+        self.tracks
+            .refresh(&self.state.engine, now, &mut self.buf, key_id);
     }
 
     /// Reads only the keys the engine created since the last read (the new-key poll,
-    /// every 20 ms: a walk of every key there cost a cache miss and two string copies
-    /// per key, 50 times a second while new keys keep coming). Falls back to a whole
-    /// [`Client::refresh`] when the engine has forgotten some of them.
+    /// every 20 ms).
     fn refresh_new(&mut self) {
         let now = self.now_ns();
-        let mut buf = std::mem::take(&mut self.buf);
-        buf.clear();
-        if !self
-            .state
-            .engine
-            .new_key_demand(&mut self.created_cursor, &mut buf)
-        {
-            self.buf = buf;
-            self.refresh();
-            return;
-        }
-        let since = self.last_poll_ns.min(now);
-        self.last_poll_ns = now;
-        let gen_ = self.generation;
-        for d in buf.drain(..) {
-            self.track(d, since, gen_);
-        }
-        self.buf = buf;
-    }
-
-    /// Updates (or starts) the track of one key read from the engine.
-    fn track(&mut self, d: KeyDemand, since: u64, gen_: u64) {
-        let held = d.slice.map(|s| pb::HeldGrant {
-            epoch: s.epoch,
-            seq: s.seq,
-            rate: s.rate,
-            burst: s.burst,
-        });
-        let id = (
-            d.rule.to_string(),
-            d.values().iter().map(|v| v.to_string()).collect(),
-        );
-        match self.tracks.get_mut(&id) {
-            Some(t) => {
-                t.totals.observe(d.counters);
-                t.in_flight = d.in_flight;
-                t.held = held;
-                t.seen = gen_;
-            }
-            None => {
-                self.tracks.insert(
-                    id,
-                    Track {
-                        totals: KeyTotals::new(d.counters),
-                        since_ns: since,
-                        in_flight: d.in_flight,
-                        held,
-                        sent: None,
-                        seen: gen_,
-                        handle: 0,
-                    },
-                );
-            }
-        }
+        self.tracks
+            .refresh_new(&self.state.engine, now, &mut self.buf, key_id);
     }
 
     fn hello(&mut self) -> pb::AgentMessage {
         self.refresh();
         let held: Vec<pb::HeldSlice> = self
             .tracks
-            .iter()
-            .filter_map(|((rule, values), t)| {
-                t.held.map(|g| pb::HeldSlice {
-                    key: Some(pb::Key {
-                        rule: rule.clone(),
-                        values: values.clone(),
-                    }),
-                    grant: Some(g),
-                })
+            .held()
+            .map(|((rule, values), g)| pb::HeldSlice {
+                key: Some(pb::Key {
+                    rule: rule.clone(),
+                    values: values.clone(),
+                }),
+                grant: Some(held_pb(g)),
             })
             // The rest follow in the first (full) report, which carries every held
             // grant too.
@@ -440,38 +335,21 @@ impl Client {
     /// allocator has not heard of on this stream (`only_new`).
     fn reports(&mut self, full: bool, only_new: bool, max_keys: usize) -> Vec<pb::AgentMessage> {
         let mut keys = Vec::new();
-        for ((rule, values), t) in self.tracks.iter_mut() {
-            let now_vals = (
-                t.totals.admitted(),
-                t.totals.rejected(),
-                t.in_flight,
-                t.held,
-            );
-            let include = match t.sent {
-                None => true,
-                Some(_) if only_new => false,
-                Some(s) => full || s != now_vals,
-            };
-            if !include {
-                continue;
-            }
-            t.sent = Some(now_vals);
-            // Full reports name every key (a handle the allocator has forgotten makes
-            // it ignore the line); the others use the handle when there is one.
-            let by_handle = t.handle != 0 && !full;
+        self.tracks.report(full, only_new, |l| {
+            let (rule, values) = l.key;
             keys.push(pb::KeyReport {
-                key: (!by_handle).then(|| pb::Key {
+                key: (l.key_handle == 0).then(|| pb::Key {
                     rule: rule.clone(),
                     values: values.clone(),
                 }),
-                key_handle: if by_handle { t.handle } else { 0 },
-                admitted: t.totals.admitted(),
-                rejected: t.totals.rejected(),
-                counting_since_ns: t.since_ns,
-                in_flight: t.in_flight,
-                held: t.held,
+                key_handle: l.key_handle,
+                admitted: l.admitted,
+                rejected: l.rejected,
+                counting_since_ns: l.counting_since_ns,
+                in_flight: l.in_flight,
+                held: l.held.map(held_pb),
             });
-        }
+        });
         if keys.is_empty() && only_new {
             return Vec::new();
         }
@@ -516,16 +394,18 @@ impl Client {
     /// Applies grants; returns the acks to send now.
     fn apply(&mut self, grants: Vec<pb::Grant>) -> Vec<pb::SliceAck> {
         let mut updates = Vec::with_capacity(grants.len());
+        let mut keys = Vec::with_capacity(grants.len());
         let mut handles = Vec::with_capacity(grants.len());
-        for g in &grants {
-            let Some(k) = &g.key else {
+        for g in grants {
+            let Some(k) = g.key else {
                 self.status.grants_refused.fetch_add(1, Ordering::Relaxed);
                 continue;
             };
             handles.push(g.key_handle);
+            keys.push((k.rule.clone(), k.values.clone()));
             updates.push(SliceUpdate {
-                rule: k.rule.clone(),
-                values: k.values.clone(),
+                rule: k.rule,
+                values: k.values,
                 rate: g.rate,
                 burst: g.burst,
                 epoch: g.epoch,
@@ -535,67 +415,24 @@ impl Client {
                 transfer_tokens: g.transfer_tokens,
             });
         }
-        // Each applied slice replaces the key's slot. A track keeps the slot it last
-        // read, whose final counts the next refresh adds; a key whose slot is replaced
-        // twice before that refresh would lose the middle slot's counts (under grant
-        // churn, most of the demand). So every slot a slice replaced is folded into its
-        // key's totals, in order.
         let now = self.now_ns();
-        let results = self.state.engine.apply_slices(now, &updates);
-        for ((u, r), &handle) in updates.iter().zip(&results).zip(&handles) {
-            let Some(t) = self.tracks.get_mut(&(u.rule.clone(), u.values.clone())) else {
-                continue;
-            };
-            if handle != 0 {
-                t.handle = handle;
-            }
-            if let Ok(SliceApplied {
-                replaced: Some(old),
-                ..
-            }) = r
-            {
-                t.totals.observe(old.clone());
-            }
-        }
+        let outcomes = self
+            .tracks
+            .apply(&self.state.engine, now, updates, keys, &handles);
         let mut acks = Vec::new();
-        for (u, r) in updates.into_iter().zip(results) {
-            match r {
-                Ok(applied) => {
+        for outcome in outcomes {
+            match outcome {
+                Applied::Ack(a) => {
                     self.status.grants_applied.fetch_add(1, Ordering::Relaxed);
-                    let concurrency = self
-                        .state
-                        .engine
-                        .rules()
-                        .by_name(&u.rule)
-                        .is_some_and(|(_, r)| matches!(r.limit, RuleLimit::Concurrency { .. }));
-                    if concurrency && applied.in_flight > u.burst {
-                        // Drains first: acknowledged once in-flight fits.
-                        self.pending_acks
-                            .retain(|p| p.key.0 != u.rule || p.key.1 != u.values);
-                        self.pending_acks.push(PendingAck {
-                            key: (u.rule, u.values),
-                            epoch: u.epoch,
-                            seq: u.seq,
-                            slots: u.burst,
-                            released: applied.released_tokens,
-                        });
-                        continue;
-                    }
-                    acks.push(pb::SliceAck {
-                        key: Some(pb::Key {
-                            rule: u.rule,
-                            values: u.values,
-                        }),
-                        epoch: u.epoch,
-                        seq: u.seq,
-                        released_tokens: applied.released_tokens,
-                        in_flight: applied.in_flight,
-                    });
+                    acks.push(ack_pb(a));
                 }
-                Err(e) => {
+                Applied::Draining => {
+                    self.status.grants_applied.fetch_add(1, Ordering::Relaxed);
+                }
+                Applied::Refused(e) => {
                     self.status.grants_refused.fetch_add(1, Ordering::Relaxed);
                     if !matches!(e, SliceError::Stale { .. }) {
-                        eprintln!("bursar-agent: grant for {} refused: {e}", u.rule);
+                        eprintln!("bursar-agent: grant refused: {e}");
                     }
                 }
             }
@@ -605,32 +442,7 @@ impl Client {
 
     /// Acks for concurrency shrinks that have drained (after a refresh).
     fn drained_acks(&mut self) -> Vec<pb::SliceAck> {
-        let mut acks = Vec::new();
-        let tracks = &self.tracks;
-        self.pending_acks.retain(|p| {
-            let Some(t) = tracks.get(&p.key) else {
-                return false;
-            };
-            // Superseded by a newer grant: that one is acknowledged on its own.
-            if t.held.is_none_or(|h| (h.epoch, h.seq) != (p.epoch, p.seq)) {
-                return false;
-            }
-            if t.in_flight > p.slots {
-                return true;
-            }
-            acks.push(pb::SliceAck {
-                key: Some(pb::Key {
-                    rule: p.key.0.clone(),
-                    values: p.key.1.clone(),
-                }),
-                epoch: p.epoch,
-                seq: p.seq,
-                released_tokens: p.released,
-                in_flight: t.in_flight,
-            });
-            false
-        });
-        acks
+        self.tracks.drained_acks().into_iter().map(ack_pb).collect()
     }
 
     fn send_acks(
@@ -686,10 +498,7 @@ impl Client {
         let (tx, rx) = mpsc::channel(self.cfg.outbound_queue_max.max(2));
         // A new stream: every key is new to it (and the last one's handles mean
         // nothing to it).
-        for t in self.tracks.values_mut() {
-            t.sent = None;
-            t.handle = 0;
-        }
+        self.tracks.new_stream();
         let hello = self.hello();
         if tx.try_send(hello).is_err() {
             return End::Lost("queue".into());
@@ -787,8 +596,7 @@ impl Client {
                 }
                 _ = report_tick.tick() => {
                     self.refresh();
-                    self.reports += 1;
-                    let full = self.reports.is_multiple_of(full_every);
+                    let full = self.tracks.next_report_is_full(full_every);
                     let ms = self.reports(full, false, max_keys);
                     let acks = self.drained_acks();
                     if !self.send_reports(&tx, ms) || !self.send_acks(&tx, acks, max_keys) {
@@ -797,11 +605,11 @@ impl Client {
                 }
                 _ = poll_tick.tick() => {
                     let n = self.state.engine.key_count();
-                    if n == key_count && self.pending_acks.is_empty() {
+                    if n == key_count && self.tracks.draining() == 0 {
                         continue;
                     }
                     key_count = n;
-                    if self.pending_acks.is_empty() {
+                    if self.tracks.draining() == 0 {
                         self.refresh_new();
                     } else {
                         // A concurrency shrink waits for its in-flight count to fit:
@@ -816,6 +624,36 @@ impl Client {
                 }
             }
         }
+    }
+}
+
+/// The engine's key as the protocol names it.
+fn key_id(d: &KeyDemand) -> Option<KeyId> {
+    Some((
+        d.rule.to_string(),
+        d.values().iter().map(|v| v.to_string()).collect(),
+    ))
+}
+
+fn held_pb(h: Held) -> pb::HeldGrant {
+    pb::HeldGrant {
+        epoch: h.epoch,
+        seq: h.seq,
+        rate: h.rate,
+        burst: h.burst,
+    }
+}
+
+fn ack_pb(a: Ack<KeyId>) -> pb::SliceAck {
+    pb::SliceAck {
+        key: Some(pb::Key {
+            rule: a.key.0,
+            values: a.key.1,
+        }),
+        epoch: a.epoch,
+        seq: a.seq,
+        released_tokens: a.released_tokens,
+        in_flight: a.in_flight,
     }
 }
 

@@ -1,0 +1,374 @@
+//! The allocator sync client's bookkeeping, without I/O: what the agent knows of each
+//! engine key between reports (cumulative counters across slot replacements, the held
+//! grant, what the current stream has already been told, the allocator's key handle),
+//! which keys a report names and how, grants applied and the acknowledgements they
+//! owe (a concurrency shrink only once in-flight work fits).
+//!
+//! Two drivers share it, so the simulator runs the client's logic rather than a copy:
+//! the tonic client ([`crate::shell::sync`]) and `bursar-sim`. Each names keys its own
+//! way (`K`): the client by rule and values, the simulator by key number. Keys are
+//! kept in order, so reports list them in an order that depends on nothing else (the
+//! simulator replays bit for bit).
+
+use std::collections::BTreeMap;
+
+use crate::config::RuleLimit;
+use crate::engine::{KeyDemand, KeyTotals};
+use crate::{Engine, SliceApplied, SliceError, SliceUpdate};
+
+/// A grant as held by the engine and reported back to the allocator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Held {
+    /// The grant's term.
+    pub epoch: u64,
+    /// Its sequence number.
+    pub seq: u64,
+    /// Rate in force (its posture's once the lease ended).
+    pub rate: u64,
+    /// Burst (slots for concurrency rules) in force.
+    pub burst: u64,
+}
+
+/// One key's line in a report (see [`SyncTracks::report`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Line<'a, K> {
+    /// The key.
+    pub key: &'a K,
+    /// Non-zero: name the key by this handle, not by name.
+    pub key_handle: u64,
+    /// Cost admitted since `counting_since_ns`, cumulative.
+    pub admitted: u64,
+    /// Cost rejected since `counting_since_ns`, cumulative.
+    pub rejected: u64,
+    /// Engine time the counters started from.
+    pub counting_since_ns: u64,
+    /// Slots in flight (concurrency rules).
+    pub in_flight: u64,
+    /// The grant applied, if any.
+    pub held: Option<Held>,
+}
+
+/// An acknowledgement owed to the allocator for an applied grant.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Ack<K> {
+    /// The key.
+    pub key: K,
+    /// The grant's term.
+    pub epoch: u64,
+    /// Its sequence number.
+    pub seq: u64,
+    /// Tokens the slice change gave up.
+    pub released_tokens: u64,
+    /// Slots in flight when it was applied (or drained).
+    pub in_flight: u64,
+}
+
+/// What became of one grant given to [`SyncTracks::apply`].
+#[derive(Debug)]
+pub enum Applied<K> {
+    /// Applied; acknowledge now.
+    Ack(Ack<K>),
+    /// A concurrency shrink applied while more work is in flight than it allows:
+    /// acknowledged by [`SyncTracks::drained_acks`] once that work fits.
+    Draining,
+    /// Refused by the engine (stale, unknown rule, lease already ended, ...).
+    Refused(SliceError),
+}
+
+struct Track {
+    /// Cumulative since `since_ns`, across slot replacements.
+    totals: KeyTotals,
+    since_ns: u64,
+    in_flight: u64,
+    held: Option<Held>,
+    /// Last values sent on the current stream (`None`: not yet on this stream).
+    sent: Option<(u64, u64, u64, Option<Held>)>,
+    /// Refresh generation that last saw the key.
+    seen: u64,
+    /// The allocator's handle for the key, from a grant on the current stream (0:
+    /// none): delta reports name the key by it instead of by name.
+    handle: u64,
+}
+
+struct PendingAck<K> {
+    key: K,
+    epoch: u64,
+    seq: u64,
+    slots: u64,
+    released: u64,
+}
+
+/// The sync client's per-key state (see the module docs).
+pub struct SyncTracks<K> {
+    tracks: BTreeMap<K, Track>,
+    last_poll_ns: u64,
+    generation: u64,
+    /// The engine's key-creation cursor ([`Engine::new_key_demand`]) as of the last read.
+    created_cursor: u64,
+    reports: u64,
+    pending_acks: Vec<PendingAck<K>>,
+}
+
+impl<K: Ord + Clone> SyncTracks<K> {
+    /// Nothing tracked yet; counters of keys met from here on count from `now`.
+    pub fn new(now: u64) -> SyncTracks<K> {
+        SyncTracks {
+            tracks: BTreeMap::new(),
+            last_poll_ns: now,
+            generation: 0,
+            created_cursor: 0,
+            reports: 0,
+            pending_acks: Vec::new(),
+        }
+    }
+
+    /// Keys tracked.
+    pub fn len(&self) -> usize {
+        self.tracks.len()
+    }
+
+    /// No key tracked.
+    pub fn is_empty(&self) -> bool {
+        self.tracks.is_empty()
+    }
+
+    /// Whether `key` is tracked.
+    pub fn contains(&self, key: &K) -> bool {
+        self.tracks.contains_key(key)
+    }
+
+    /// Concurrency shrinks waiting for in-flight work to drain.
+    pub fn draining(&self) -> usize {
+        self.pending_acks.len()
+    }
+
+    /// Reads every engine key into the tracks (`buf` is scratch); keys the engine
+    /// evicted are dropped. `key_of` names an engine key (`None`: not tracked).
+    pub fn refresh(
+        &mut self,
+        engine: &Engine,
+        now: u64,
+        buf: &mut Vec<KeyDemand>,
+        mut key_of: impl FnMut(&KeyDemand) -> Option<K>,
+    ) {
+        let since = self.last_poll_ns.min(now);
+        self.last_poll_ns = now;
+        self.generation += 1;
+        let generation = self.generation;
+        // Keys created from here on are new to the next poll, even if this walk sees
+        // them too (a second sighting only updates the track).
+        self.created_cursor = engine.created_seq();
+        buf.clear();
+        engine.key_demand(buf);
+        for d in buf.drain(..) {
+            if let Some(k) = key_of(&d) {
+                self.track(k, d, since, generation);
+            }
+        }
+        self.tracks.retain(|_, t| t.seen == generation);
+    }
+
+    /// Reads only the keys the engine created since the last read (the new-key poll:
+    /// a walk of every key there cost a cache miss per key, 50 times a second while
+    /// new keys keep coming); a whole [`SyncTracks::refresh`] when the engine has
+    /// forgotten some of them.
+    pub fn refresh_new(
+        &mut self,
+        engine: &Engine,
+        now: u64,
+        buf: &mut Vec<KeyDemand>,
+        mut key_of: impl FnMut(&KeyDemand) -> Option<K>,
+    ) {
+        buf.clear();
+        if !engine.new_key_demand(&mut self.created_cursor, buf) {
+            self.refresh(engine, now, buf, key_of);
+            return;
+        }
+        let since = self.last_poll_ns.min(now);
+        self.last_poll_ns = now;
+        let generation = self.generation;
+        for d in buf.drain(..) {
+            if let Some(k) = key_of(&d) {
+                self.track(k, d, since, generation);
+            }
+        }
+    }
+
+    fn track(&mut self, k: K, d: KeyDemand, since: u64, generation: u64) {
+        let held = d.slice.map(|s| Held {
+            epoch: s.epoch,
+            seq: s.seq,
+            rate: s.rate,
+            burst: s.burst,
+        });
+        match self.tracks.get_mut(&k) {
+            Some(t) => {
+                t.totals.observe(d.counters);
+                t.in_flight = d.in_flight;
+                t.held = held;
+                t.seen = generation;
+            }
+            None => {
+                self.tracks.insert(
+                    k,
+                    Track {
+                        totals: KeyTotals::new(d.counters),
+                        since_ns: since,
+                        in_flight: d.in_flight,
+                        held,
+                        sent: None,
+                        seen: generation,
+                        handle: 0,
+                    },
+                );
+            }
+        }
+    }
+
+    /// A new stream: every key is new to it, and the last stream's handles mean
+    /// nothing to it.
+    pub fn new_stream(&mut self) {
+        for t in self.tracks.values_mut() {
+            t.sent = None;
+            t.handle = 0;
+        }
+    }
+
+    /// Every held grant, for the hello.
+    pub fn held(&self) -> impl Iterator<Item = (&K, Held)> {
+        self.tracks
+            .iter()
+            .filter_map(|(k, t)| t.held.map(|h| (k, h)))
+    }
+
+    /// Counts a regular report; true if it is a full one (every `every`-th).
+    pub fn next_report_is_full(&mut self, every: u64) -> bool {
+        self.reports += 1;
+        self.reports.is_multiple_of(every.max(1))
+    }
+
+    /// The lines of one report, each marked sent: `full` names every key, by name;
+    /// otherwise keys whose counters, in-flight count or held grant changed since the
+    /// stream last heard of them, by handle where a grant gave one, or with `only_new`
+    /// only the keys the stream has not heard of yet.
+    pub fn report(&mut self, full: bool, only_new: bool, mut f: impl FnMut(Line<'_, K>)) {
+        for (k, t) in self.tracks.iter_mut() {
+            let (admitted, rejected) = (t.totals.admitted(), t.totals.rejected());
+            let now_vals = (admitted, rejected, t.in_flight, t.held);
+            let include = match t.sent {
+                None => true,
+                Some(_) if only_new => false,
+                Some(s) => full || s != now_vals,
+            };
+            if !include {
+                continue;
+            }
+            t.sent = Some(now_vals);
+            // Full reports name every key (a handle the allocator has forgotten makes
+            // it ignore the line).
+            f(Line {
+                key: k,
+                key_handle: if full { 0 } else { t.handle },
+                admitted,
+                rejected,
+                counting_since_ns: t.since_ns,
+                in_flight: t.in_flight,
+                held: t.held,
+            });
+        }
+    }
+
+    /// Applies grants to the engine at `now`: `keys[i]` names `updates[i]`, whose
+    /// grant carried key handle `handles[i]` (0: none). Every slot a slice replaced is
+    /// folded into its key's totals, in order: a track keeps the slot it last read,
+    /// and a key whose slot was replaced twice before the next refresh would otherwise
+    /// lose the middle slot's counts (under grant churn, most of the demand).
+    pub fn apply(
+        &mut self,
+        engine: &Engine,
+        now: u64,
+        updates: Vec<SliceUpdate>,
+        keys: Vec<K>,
+        handles: &[u64],
+    ) -> Vec<Applied<K>> {
+        let results = engine.apply_slices(now, &updates);
+        for ((k, r), &handle) in keys.iter().zip(&results).zip(handles) {
+            let Some(t) = self.tracks.get_mut(k) else {
+                continue;
+            };
+            if handle != 0 {
+                t.handle = handle;
+            }
+            if let Ok(SliceApplied {
+                replaced: Some(old),
+                ..
+            }) = r
+            {
+                t.totals.observe(old.clone());
+            }
+        }
+        let mut out = Vec::with_capacity(updates.len());
+        for ((u, k), r) in updates.into_iter().zip(keys).zip(results) {
+            let applied = match r {
+                Ok(a) => a,
+                Err(e) => {
+                    out.push(Applied::Refused(e));
+                    continue;
+                }
+            };
+            let concurrency = engine
+                .rules()
+                .by_name(&u.rule)
+                .is_some_and(|(_, r)| matches!(r.limit, RuleLimit::Concurrency { .. }));
+            if concurrency && applied.in_flight > u.burst {
+                // Drains first: acknowledged once in-flight fits.
+                self.pending_acks.retain(|p| p.key != k);
+                self.pending_acks.push(PendingAck {
+                    key: k,
+                    epoch: u.epoch,
+                    seq: u.seq,
+                    slots: u.burst,
+                    released: applied.released_tokens,
+                });
+                out.push(Applied::Draining);
+                continue;
+            }
+            out.push(Applied::Ack(Ack {
+                key: k,
+                epoch: u.epoch,
+                seq: u.seq,
+                released_tokens: applied.released_tokens,
+                in_flight: applied.in_flight,
+            }));
+        }
+        out
+    }
+
+    /// Acks for concurrency shrinks whose in-flight work now fits (read by the last
+    /// refresh).
+    pub fn drained_acks(&mut self) -> Vec<Ack<K>> {
+        let mut acks = Vec::new();
+        let tracks = &self.tracks;
+        self.pending_acks.retain(|p| {
+            let Some(t) = tracks.get(&p.key) else {
+                return false;
+            };
+            // Superseded by a newer grant: that one is acknowledged on its own.
+            if t.held.is_none_or(|h| (h.epoch, h.seq) != (p.epoch, p.seq)) {
+                return false;
+            }
+            if t.in_flight > p.slots {
+                return true;
+            }
+            acks.push(Ack {
+                key: p.key.clone(),
+                epoch: p.epoch,
+                seq: p.seq,
+                released_tokens: p.released,
+                in_flight: t.in_flight,
+            });
+            false
+        });
+        acks
+    }
+}
