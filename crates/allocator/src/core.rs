@@ -2025,7 +2025,11 @@ impl Allocator {
     /// not the latest grant sent, and the latest went out long enough ago to have been
     /// applied and reported (`lease / 4`; the lower bound of its issue time is the
     /// report time it carried), it was lost (a full queue, a reconnect): re-send it.
-    /// Per-grant renewals used to repair that as a side effect.
+    /// Likewise if the agent holds the latest grant but on its posture's slice (its
+    /// lease ended there while this side still counts it: an extension lost, or a
+    /// partition shorter than the allocator's margin); an extension never puts a lapsed
+    /// grant back, since it cannot tell which ones this side has reclaimed. Per-grant
+    /// renewals used to repair both as a side effect.
     fn resend_if_lost(&mut self, now: u64, k: u32, pos: u32, held: Option<&HeldGrant>) {
         let key = self.key(k);
         let e = &key.entries[pos as usize];
@@ -2035,7 +2039,11 @@ impl Allocator {
         let Some(latest) = e.sent.last() else {
             return;
         };
-        if held.is_some_and(|h| (h.epoch, h.seq) >= latest.id()) {
+        let on_posture =
+            |h: &HeldGrant| h.rate != latest.slice.rate || h.burst != latest.slice.burst;
+        if held.is_some_and(|h| {
+            (h.epoch, h.seq) > latest.id() || ((h.epoch, h.seq) == latest.id() && !on_posture(h))
+        }) {
             return;
         }
         let issued_after = e.cur_expires_ns.saturating_sub(self.hold_ns());
@@ -4103,6 +4111,45 @@ mod tests {
         a.check_invariants().unwrap();
         assert!(a.key_status(&k).unwrap().agents[0].committed.is_zero());
         assert_eq!(a.overshoot_bound(&k).unwrap().partitioned_agents, 1);
+    }
+
+    #[test]
+    fn a_grant_the_agent_holds_on_its_posture_is_sent_again_while_it_still_counts() {
+        // The agent's lease ended before this side's (an extension lost on the way):
+        // it reports the grant's id with its posture's slice. An extension never puts a
+        // lapsed grant back, so the grant is sent again.
+        let now = 5 * SEC;
+        let mut a = warm_allocator(1, now);
+        a.handle_hello(now, &hello("a", 1, 1)).unwrap();
+        let k = key("rps", "x");
+        a.handle_report(
+            now,
+            &report("a", 1, now, vec![line(k.clone(), 100, 0, None)]),
+        )
+        .unwrap();
+        let g = settle(&mut a, now + 10 * MS).pop().unwrap();
+        let mut posture = g.held();
+        posture.rate /= 4;
+        posture.burst /= 4;
+        // Not while it may be the agent's fresh state...
+        let t = now + 100 * MS;
+        a.handle_report(
+            t,
+            &report("a", 1, t, vec![line(k.clone(), 100, 0, Some(posture))]),
+        )
+        .unwrap();
+        assert!(settle(&mut a, t + 10 * MS).is_empty());
+        // ...but once a quarter lease has passed.
+        let t = now + MS * a.config().lease_ms / 4 + 100 * MS;
+        a.handle_report(
+            t,
+            &report("a", 1, t, vec![line(k.clone(), 100, 0, Some(posture))]),
+        )
+        .unwrap();
+        let again = settle(&mut a, t + 10 * MS);
+        assert_eq!(again.len(), 1);
+        assert_eq!((again[0].rate, again[0].burst), (g.rate, g.burst));
+        assert!(again[0].seq > g.seq);
     }
 
     #[test]

@@ -383,10 +383,11 @@ pub struct AppliedSlice {
     pub epoch: u64,
     /// The grant's sequence number.
     pub seq: u64,
-    /// Rate the key can use now (the posture's fallback once the lease ended; 0 when
-    /// closed or for concurrency rules).
+    /// The grant's rate, or its posture's once the lease ended (0 when the strict
+    /// posture closed the key, and for concurrency rules).
     pub rate: u64,
-    /// Burst (slots for concurrency rules) the key can use now.
+    /// The grant's burst (slots for concurrency rules), or its posture's once the lease
+    /// ended.
     pub burst: u64,
     /// The grant's lease end, engine ns.
     pub lease_expires_at_ns: u64,
@@ -873,8 +874,6 @@ struct SliceState {
     seq: u64,
     /// What is in force: the grant, or its posture fallback once its lease ended.
     grant: Params,
-    /// The allocator's grant (what an extension puts back in force after an expiry).
-    granted: Params,
     lease_expires_at_ns: u64,
     fleet_size: u32,
     expired: bool,
@@ -1928,7 +1927,6 @@ impl Engine {
             epoch: u.epoch,
             seq: u.seq,
             grant,
-            granted: grant,
             lease_expires_at_ns: u.lease_expires_at_ns,
             fleet_size: u.fleet_size.max(1),
             expired: false,
@@ -1944,11 +1942,12 @@ impl Engine {
     /// Applies a lease extension from the allocator: every slice of term `x.epoch` with a
     /// seq up to `x.through_seq` keeps its grant until `x.lease_expires_at_ns` at least
     /// (the allocator counts those grants as in force until then, plus its margin). A
-    /// covered slice that had already fallen to its posture gets its grant back (the
-    /// allocator still counts it, and would not send it again). Extensions of one term
-    /// only move forward (a reordered older one changes nothing); a newer term's
-    /// replaces the last, whose slices keep the lease it gave them. Returns how many
-    /// slices it covers.
+    /// slice whose lease has already ended stays on its posture: the allocator may have
+    /// reclaimed that grant already, and the extension cannot say; the agent's next
+    /// report shows the posture's slice, and the allocator sends the grant again if it
+    /// still counts it. Extensions of one term only move forward (a reordered older one
+    /// changes nothing); a newer term's replaces the last, whose slices keep the lease it
+    /// gave them. Returns how many live slices it covers.
     pub fn extend_slices(&self, now: u64, x: SliceExtension) -> Result<usize, SliceError> {
         if x.lease_expires_at_ns <= now {
             return Err(SliceError::ExtensionEnded {
@@ -1956,6 +1955,11 @@ impl Engine {
             });
         }
         let mut slow = self.slow();
+        // A slice whose lease has ended but which maintenance has not reached yet goes
+        // to its posture first: the new extension must not carry it on.
+        if self.expire_slices_locked(&mut slow, now) > 0 {
+            self.publish_locked(&mut slow, now);
+        }
         let ext = match slow.extension {
             Some(cur) if cur.epoch > x.epoch => {
                 return Err(SliceError::StaleExtension {
@@ -1975,39 +1979,13 @@ impl Engine {
         let old = slow.extension.filter(|o| o.epoch != ext.epoch);
         slow.extension = Some(ext);
         let mut covered = 0;
-        let mut revive = Vec::new();
-        for (k, st) in slow.slices.iter_mut() {
+        for st in slow.slices.values_mut() {
             if let Some(o) = old {
                 st.lease_expires_at_ns = lease_end(st, Some(o));
             }
-            if ext.covers(st) {
+            if ext.covers(st) && !st.expired {
                 covered += 1;
-                if st.expired {
-                    revive.push(k.clone());
-                }
             }
-        }
-        for key in &revive {
-            let Some(st) = slow.slices.get(key).copied() else {
-                continue;
-            };
-            if st.grant != st.granted {
-                let vals: Vec<String> = key.0.values.iter().map(|v| v.to_string()).collect();
-                if self
-                    .install_locked(&mut slow, now, key.0.rule, &vals, st.granted, 0)
-                    .is_err()
-                {
-                    continue; // table full: stays on its posture
-                }
-            }
-            if let Some(st) = slow.slices.get_mut(key) {
-                st.grant = st.granted;
-                st.expired = false;
-            }
-            slow.next_slice_end_ns = slow.next_slice_end_ns.min(ext.lease_expires_at_ns);
-        }
-        if !revive.is_empty() {
-            self.publish_locked(&mut slow, now);
         }
         Ok(covered)
     }
@@ -2136,6 +2114,23 @@ impl Engine {
         }
 
         let mut slow = self.slow();
+        report.slices_expired = self.expire_slices_locked(&mut slow, now);
+        if now >= slow.next_idle_scan_ns {
+            let idle_ns = self.cfg.key_idle_ms * MS;
+            slow.next_idle_scan_ns = now.saturating_add((idle_ns / 16).max(1));
+            report.keys_evicted = self.evict_locked(&mut slow, now, idle_ns, usize::MAX);
+        }
+        // A publish copies the table: only when something changed.
+        if !slow.pending.is_empty() || report.keys_evicted > 0 || report.slices_expired > 0 {
+            self.publish_locked(&mut slow, now);
+        }
+        report
+    }
+
+    /// Puts every slice whose lease ended (by `now`, extension included) on its rule's
+    /// posture; returns how many. The caller publishes.
+    fn expire_slices_locked(&self, slow: &mut Slow, now: u64) -> usize {
+        let mut expired = 0;
         // Posture for slices whose lease ended: a walk of every slice, only once one
         // can have ended (every 100 ms over 100,000 keys it was most of an idle agent's
         // maintenance).
@@ -2179,24 +2174,15 @@ impl Engine {
             };
             if fallback != s.grant {
                 let vals: Vec<String> = key.0.values.iter().map(|v| v.to_string()).collect();
-                let _ = self.install_locked(&mut slow, now, rule, &vals, fallback, 0);
+                let _ = self.install_locked(slow, now, rule, &vals, fallback, 0);
             }
             if let Some(st) = slow.slices.get_mut(&key) {
                 st.expired = true;
                 st.grant = fallback;
             }
-            report.slices_expired += 1;
+            expired += 1;
         }
-        if now >= slow.next_idle_scan_ns {
-            let idle_ns = self.cfg.key_idle_ms * MS;
-            slow.next_idle_scan_ns = now.saturating_add((idle_ns / 16).max(1));
-            report.keys_evicted = self.evict_locked(&mut slow, now, idle_ns, usize::MAX);
-        }
-        // A publish copies the table: only when something changed.
-        if !slow.pending.is_empty() || report.keys_evicted > 0 || report.slices_expired > 0 {
-            self.publish_locked(&mut slow, now);
-        }
-        report
+        expired
     }
 
     /// Per-rule totals.
@@ -2337,6 +2323,10 @@ impl Engine {
         let slice = slow.slices.get(&*s.key as &dyn KeyView).map(|st| {
             let (rate, burst) = match st.grant {
                 Params::Rate(p) => (p.limit.rate, p.limit.burst),
+                // A grant with a zero rate or burst admits nothing but is the grant as
+                // sent; closed by the strict posture, it is (0, 0): the allocator tells
+                // a posture from the grant by these two.
+                Params::Closed(l) if !st.expired => (l.rate, l.burst),
                 Params::Closed(_) => (0, 0),
                 Params::Slots(n) => (0, n),
             };
