@@ -351,8 +351,8 @@ enum Ev {
     ToAlloc(u32, u64, Box<ToAlloc>),
     /// One grants message (one agent stream's batch).
     ToAgent(u32, Vec<Grant>),
-    /// One lease extension.
-    ToAgentExt(u32, LeaseExtension),
+    /// One lease extension (boxed: rare, and it would be the largest variant).
+    ToAgentExt(u32, Box<LeaseExtension>),
     Report(u32, u64),
     NewKeyPoll(u32, u64),
     Maintain(u32, u64),
@@ -1252,7 +1252,7 @@ impl Sim {
             self.counters.extensions += 1;
             self.counters.to_agents_bytes += wire::extension_bytes(&x);
             if let Some(at) = self.link_delay(i, false) {
-                self.push(at, Ev::ToAgentExt(i as u32, x));
+                self.push(at, Ev::ToAgentExt(i as u32, Box::new(x)));
             }
         }
     }
@@ -1590,7 +1590,7 @@ impl Sim {
 
     /// A lease extension reaches agent `i` (as `sync.rs`: `Engine::extend_slices`; no
     /// answer).
-    fn deliver_extension(&mut self, i: u32, x: LeaseExtension) {
+    fn deliver_extension(&mut self, i: u32, x: Box<LeaseExtension>) {
         let iu = i as usize;
         if self.cut(iu, self.now) {
             self.counters.lost += 1;
