@@ -722,7 +722,7 @@ impl Sim {
             Ev::ToAlloc(_, term, _) if term != self.term => self.counters.lost += 1,
             Ev::ToAlloc(i, _, m) => self.deliver_to_alloc(i, *m),
             Ev::ToAgent(i, g) => self.deliver_to_agent(i, g),
-            Ev::ToAgentExt(i, x) => self.deliver_extension(i, x),
+            Ev::ToAgentExt(i, x) => self.deliver_extension(i, &x),
             Ev::Report(i, inc) => {
                 if self.live(i, inc) {
                     self.send_reports(i, false);
@@ -1590,7 +1590,7 @@ impl Sim {
 
     /// A lease extension reaches agent `i` (as `sync.rs`: `Engine::extend_slices`; no
     /// answer).
-    fn deliver_extension(&mut self, i: u32, x: Box<LeaseExtension>) {
+    fn deliver_extension(&mut self, i: u32, x: &LeaseExtension) {
         let iu = i as usize;
         if self.cut(iu, self.now) {
             self.counters.lost += 1;
