@@ -459,6 +459,18 @@ fn three_agents_and_the_allocator_never_overshoot_one_global_bucket_even_across_
         .into_iter()
         .flat_map(|t| t.join().unwrap())
         .collect();
+    // Leases were kept by lease extensions (a 2.5 s hold over a 25 s run), through the
+    // real allocator shell, stream and sync client.
+    for a in &agents {
+        let (code, metrics) = Http::new(a.http).request("GET", "/metrics", "");
+        assert_eq!(code, 200);
+        let applied: u64 = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("bursar_sync_events_total{kind=\"extension_applied\"} "))
+            .and_then(|v| v.trim().parse().ok())
+            .expect("extension_applied in /metrics");
+        assert!(applied > 0, "no lease extension applied:\n{metrics}");
+    }
     drop(agents);
     drop(alloc);
     let _ = std::fs::remove_dir_all(&dir);
