@@ -41,8 +41,10 @@
 //!
 //! # Time and tables
 //!
-//! An agent's leases are renewed when it reports and a grant has less than three
-//! quarters of its lease left. Expired grants are swept every `lease_ms / 8`. Every
+//! An agent's leases are renewed when it reports and its earliest grant has less than
+//! half of its hold (`lease_ms + reclaim_margin_ms`) left: one lease extension for all
+//! of them ([`Allocator::drain_extensions`]); a report that shows a grant lost or
+//! lapsed gets it sent again. Expired grants are swept every `lease_ms / 8`. Every
 //! table has a bound in [`AllocatorConfig`]; at a bound the message is refused whole
 //! with an [`AllocError`], and a full outbox defers recomputation until drained.
 

@@ -236,9 +236,9 @@ impl Grant {
 /// One message that extends the lease of many grants to one agent: every grant of
 /// term `epoch` with a seq up to `through_seq` that the agent holds now has a lease
 /// ending no earlier than `lease_expires_at_ns` (agent clock: its latest report's time
-/// plus `lease_ms` minus `drift_margin_ms`, as a grant's). Sent every `lease / 4`-ish
-/// while the agent reports, in place of re-sending each grant (see DESIGN.md,
-/// "Leases"). Grants of other terms are untouched. Like a grant, it goes only to the
+/// plus `lease_ms` minus `drift_margin_ms`, as a grant's). Sent while the agent
+/// reports, once its earliest grant is down to half of `lease_ms + reclaim_margin_ms`,
+/// in place of re-sending each grant (docs/allocator.md, "Protocol"). Grants of other terms are untouched. Like a grant, it goes only to the
 /// incarnation it names.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LeaseExtension {

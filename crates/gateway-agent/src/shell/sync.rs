@@ -11,9 +11,9 @@
 //!   cost (cumulative since `counting_since_ns`), the applied grant (epoch, seq, rate,
 //!   burst), in-flight slots. Delta-encoded: unchanged keys go only in every
 //!   `full_report_every`-th report. Every report, even an empty one, renews leases:
-//!   the allocator answers with a **lease extension** every quarter lease or so (one
-//!   message for every grant of its term up to a seq, [`Engine::extend_slices`]),
-//!   not a grant per key.
+//!   the allocator answers with a **lease extension** when its grants near half their
+//!   lease (one message for every grant of its term up to a seq,
+//!   [`Engine::extend_slices`]), not a grant per key.
 //! - **Grants** are applied with [`Engine::apply_slices`] (fenced by epoch and seq in
 //!   the engine) and **acknowledged** with the tokens the shrink gave up; a
 //!   concurrency shrink is acknowledged only once in-flight work fits the new slot
