@@ -5,7 +5,9 @@
 //! commitments per key is within `(R + O, B)`), and an outside view: the grants the
 //! simulated agents actually have in force (or their posture fallback once a lease has
 //! ended by the agent's clock) sum to at most the limit plus the bound the allocator
-//! exports for that key.
+//! exports for that key. The agents apply lease extensions as the engine does
+//! (`Engine::extend_slices`: the grants of the extension's term up to its seq, never
+//! one whose lease already ended), delivered, lost and reordered like grants.
 //!
 //! A third property adds rules reloads: the allocator's `rps` limit moves between 300
 //! and 2,000 while the agents keep running the original rules (they have no reload):
@@ -15,8 +17,8 @@ use std::collections::HashMap;
 
 use bursar_allocator::testing::{MS, SEC, quick_config};
 use bursar_allocator::{
-    Ack, AllocError, Allocator, AllocatorConfig, Grant, HeldSlice, Hello, KeyName, KeyReport,
-    Report, SliceAck,
+    Ack, AllocError, Allocator, AllocatorConfig, Grant, HeldGrant, HeldSlice, Hello, KeyName,
+    KeyReport, LeaseExtension, Report, SliceAck,
 };
 use proptest::prelude::*;
 
@@ -97,6 +99,54 @@ struct Held {
     grant: Grant,
     /// Lease end in allocator time (agent clock minus the agent's offset).
     lease_end: u64,
+    /// Its lease ended (by then, extensions included): on its posture for good, as the
+    /// engine (an extension never brings it back).
+    lapsed: bool,
+}
+
+/// The latest extension an agent applied: term, through seq, lease end in allocator
+/// time.
+#[derive(Clone, Copy, Debug)]
+struct Ext {
+    epoch: u64,
+    through: u64,
+    end: u64,
+}
+
+impl Held {
+    /// When its lease ends, extension `ext` included.
+    fn end(&self, ext: Option<Ext>) -> u64 {
+        match ext {
+            Some(x) if x.epoch == self.grant.epoch && self.grant.seq <= x.through => {
+                self.lease_end.max(x.end)
+            }
+            _ => self.lease_end,
+        }
+    }
+
+    fn in_force(&self, now: u64, ext: Option<Ext>) -> bool {
+        !self.lapsed && now < self.end(ext)
+    }
+}
+
+enum ToAgent {
+    Grant(Grant),
+    Extend(LeaseExtension),
+}
+
+/// What an agent holding `h` for key `k` has in force at `now`: the grant, or once its
+/// lease ended its posture's slice (by the agents' original rules).
+fn slice_in_force(k: usize, h: &Held, now: u64, ext: Option<Ext>) -> (u64, u64) {
+    let g = &h.grant;
+    if h.in_force(now, ext) {
+        return (g.rate, g.burst);
+    }
+    let (_, r, b, posture) = KEYS[k];
+    let n = g.fleet_size.max(1) as u64;
+    match posture {
+        1 => (g.rate, g.burst),
+        _ => (g.rate.min(r / n), g.burst.min(b / n)),
+    }
 }
 
 #[derive(Default)]
@@ -106,6 +156,7 @@ struct SimAgent {
     registered: bool,
     down_until: Option<u64>,
     held: HashMap<String, Held>,
+    ext: Option<Ext>,
     admitted: [u64; 3],
     rejected: [u64; 3],
     last_time: u64,
@@ -124,7 +175,7 @@ struct World {
     rps: u64,
     alloc: Allocator,
     agents: Vec<SimAgent>,
-    to_agents: Vec<Grant>,
+    to_agents: Vec<ToAgent>,
     to_alloc: Vec<ToAlloc>,
 }
 
@@ -151,9 +202,17 @@ impl World {
             held: a
                 .held
                 .values()
-                .map(|h| HeldSlice {
-                    key: (*h.grant.key).clone(),
-                    grant: h.grant.held(),
+                .map(|h| {
+                    let k = KEYS.iter().position(|k| k.0 == h.grant.key.rule).unwrap();
+                    let (rate, burst) = slice_in_force(k, h, self.now, a.ext);
+                    HeldSlice {
+                        key: (*h.grant.key).clone(),
+                        grant: HeldGrant {
+                            rate,
+                            burst,
+                            ..h.grant.held()
+                        },
+                    }
                 })
                 .collect(),
         };
@@ -182,7 +241,17 @@ impl World {
             if rejecting {
                 a.rejected[k] += *d as u64 / 2;
             }
-            let held = a.held.get(KEYS[k].0).map(|h| h.grant.held());
+            // As the engine reports it: the grant's id, with its posture's slice once
+            // its lease ended.
+            let now = self.now;
+            let held = a.held.get(KEYS[k].0).map(|h| {
+                let (rate, burst) = slice_in_force(k, h, now, a.ext);
+                HeldGrant {
+                    rate,
+                    burst,
+                    ..h.grant.held()
+                }
+            });
             keys.push(KeyReport {
                 key: key(k),
                 admitted: a.admitted[k],
@@ -220,11 +289,15 @@ impl World {
         }
         let old_burst = a.held.get(&g.key.rule).map_or(0, |h| h.grant.burst);
         let lease_end = g.lease_expires_at_ns.saturating_sub(a.offset);
+        if lease_end <= self.now {
+            return; // refused: it arrived after its own lease ended
+        }
         a.held.insert(
             g.key.rule.clone(),
             Held {
                 grant: g.clone(),
                 lease_end,
+                lapsed: false,
             },
         );
         self.to_alloc.push(ToAlloc::Ack(Ack {
@@ -238,6 +311,44 @@ impl World {
                 in_flight: 0,
             }],
         }));
+    }
+
+    /// As `Engine::extend_slices`: grants whose lease has ended go to their posture
+    /// first; then the extension is merged (one term's only move forward, a newer
+    /// term's replaces the last, whose grants keep what it gave them).
+    fn deliver_extension(&mut self, x: LeaseExtension) {
+        let i: usize = x.agent["agent-".len()..].parse().unwrap();
+        let now = self.now;
+        let a = &mut self.agents[i];
+        if a.down_until.is_some() || !a.registered || a.incarnation != x.incarnation {
+            return;
+        }
+        let end = x.lease_expires_at_ns.saturating_sub(a.offset);
+        if end <= now {
+            return; // refused: late
+        }
+        let old = a.ext;
+        let new = match old {
+            Some(o) if o.epoch > x.epoch => return, // refused: an older term's
+            Some(o) if o.epoch == x.epoch => Ext {
+                epoch: o.epoch,
+                through: o.through.max(x.through_seq),
+                end: o.end.max(end),
+            },
+            _ => Ext {
+                epoch: x.epoch,
+                through: x.through_seq,
+                end,
+            },
+        };
+        for h in a.held.values_mut() {
+            if !h.in_force(now, old) {
+                h.lapsed = true;
+            } else if old.is_some_and(|o| o.epoch != new.epoch) {
+                h.lease_end = h.end(old);
+            }
+        }
+        a.ext = Some(new);
     }
 
     fn deliver_to_alloc(&mut self, m: ToAlloc) {
@@ -262,6 +373,7 @@ impl World {
         }
         // The process dies: its buckets (and grants) are gone at once.
         a.held.clear();
+        a.ext = None;
         a.incarnation += 1;
         a.registered = false;
         a.admitted = [0; 3];
@@ -296,7 +408,7 @@ impl World {
             self.now = next;
             self.alloc.handle_timeout(self.now);
             self.alloc.check_invariants().unwrap();
-            self.to_agents.extend(self.alloc.drain_grants());
+            self.drain();
             for i in 0..self.agents.len() {
                 if self.agents[i].down_until.is_some_and(|t| t <= self.now) {
                     self.agents[i].down_until = None;
@@ -312,22 +424,33 @@ impl World {
         }
     }
 
+    /// Grants, then lease extensions, onto the wire to the agents.
+    fn drain(&mut self) {
+        self.to_agents
+            .extend(self.alloc.drain_grants().map(ToAgent::Grant));
+        self.to_agents.extend(
+            self.alloc
+                .drain_extensions()
+                .into_iter()
+                .map(ToAgent::Extend),
+        );
+    }
+
+    /// Delivers a message to its agent.
+    fn deliver(&mut self, m: ToAgent) {
+        match m {
+            ToAgent::Grant(g) => self.deliver_to_agent(g),
+            ToAgent::Extend(x) => self.deliver_extension(x),
+        }
+    }
+
     /// What agents actually have in force, against the limit plus the exported bound.
     fn check_outside_view(&self) {
-        for (k, (rule, r, b, posture)) in KEYS.iter().enumerate() {
+        for (k, (rule, r, b, _)) in KEYS.iter().enumerate() {
             let (mut rate, mut burst) = (0u64, 0u64);
             for a in &self.agents {
                 let Some(h) = a.held.get(*rule) else { continue };
-                let g = &h.grant;
-                let (gr, gb) = if self.now < h.lease_end {
-                    (g.rate, g.burst)
-                } else {
-                    let n = g.fleet_size.max(1) as u64;
-                    match posture {
-                        1 => (g.rate, g.burst),
-                        _ => (g.rate.min(r / n), g.burst.min(b / n)),
-                    }
-                };
+                let (gr, gb) = slice_in_force(k, h, self.now, a.ext);
                 rate += gr;
                 burst += gb;
             }
@@ -398,9 +521,9 @@ fn run(offsets: [u64; 3], steps: Vec<Step>, large_key_entries: usize) {
                 // Pick among the oldest few: delays and reorders.
                 if to_agent && !w.to_agents.is_empty() {
                     let i = pick as usize % w.to_agents.len().min(4);
-                    let g = w.to_agents.remove(i);
+                    let m = w.to_agents.remove(i);
                     if !drop {
-                        w.deliver_to_agent(g);
+                        w.deliver(m);
                     }
                 } else if !to_agent && !w.to_alloc.is_empty() {
                     let i = pick as usize % w.to_alloc.len().min(4);
@@ -416,7 +539,7 @@ fn run(offsets: [u64; 3], steps: Vec<Step>, large_key_entries: usize) {
                 w.rps = rps;
                 w.alloc.reload(w.now, &rules_with_rps(rps));
                 w.alloc.check_invariants().unwrap();
-                w.to_agents.extend(w.alloc.drain_grants());
+                w.drain();
             }
         }
         w.alloc.check_invariants().unwrap();
@@ -509,8 +632,8 @@ fn a_steady_fleet_with_no_losses_uses_the_whole_limit_without_a_partition_bound(
             Step::Wait { ms } => w.wait(ms as u64),
             Step::Deliver { to_agent: true, .. } => {
                 if !w.to_agents.is_empty() {
-                    let g = w.to_agents.remove(0);
-                    w.deliver_to_agent(g);
+                    let m = w.to_agents.remove(0);
+                    w.deliver(m);
                 }
             }
             Step::Deliver { .. } => {
@@ -535,4 +658,94 @@ fn a_steady_fleet_with_no_losses_uses_the_whole_limit_without_a_partition_bound(
         .map(|h| h.grant.rate)
         .sum();
     assert!((950..=1000).contains(&held), "held {held}");
+}
+
+/// A world of three agents on the test rules, past the learning period.
+fn world() -> World {
+    let start = 100 * SEC;
+    let mut w = World {
+        now: start,
+        cfg: quick_config(),
+        term: 1,
+        rps: 1000,
+        alloc: Allocator::new(&rules_with_rps(1000), quick_config(), 1, start).unwrap(),
+        agents: (0..3)
+            .map(|_| SimAgent {
+                incarnation: 1,
+                ..SimAgent::default()
+            })
+            .collect(),
+        to_agents: Vec::new(),
+        to_alloc: Vec::new(),
+    };
+    w.wait(1_200);
+    w
+}
+
+impl World {
+    /// Delivers every message in flight, except those to or from agent `cut`.
+    fn settle_all_but(&mut self, cut: Option<usize>) {
+        let from = |agent: &str| agent["agent-".len()..].parse::<usize>().unwrap();
+        for _ in 0..4 {
+            for m in std::mem::take(&mut self.to_alloc) {
+                let a = match &m {
+                    ToAlloc::Report(r) => from(&r.agent),
+                    ToAlloc::Ack(x) => from(&x.agent),
+                };
+                if Some(a) != cut {
+                    self.deliver_to_alloc(m);
+                }
+            }
+            self.wait(20);
+            for m in std::mem::take(&mut self.to_agents) {
+                let a = match &m {
+                    ToAgent::Grant(g) => from(&g.agent),
+                    ToAgent::Extend(x) => from(&x.agent),
+                };
+                if Some(a) != cut {
+                    self.deliver(m);
+                }
+            }
+            self.alloc.check_invariants().unwrap();
+            self.check_outside_view();
+        }
+    }
+}
+
+#[test]
+fn an_agent_cut_off_past_its_hold_never_gets_a_reclaimed_grant_back_by_an_extension() {
+    // Agent 0 holds most of `rps` (conservative posture), is cut off past the
+    // allocator's hold, which reclaims its grant and gives the budget to agent 1; then
+    // agent 0 reports again and is sent a lease extension covering every seq it was
+    // sent. Were the extension to put its lapsed grant back in force (the first
+    // version of `Engine::extend_slices` did), the agents would hold ~1.6x the limit
+    // against a bound of its conservative fallback.
+    let mut w = world();
+    for _ in 0..12 {
+        w.report(0, [800, 0, 0], true);
+        w.report(1, [100, 0, 0], false);
+        w.settle_all_but(None);
+        w.wait(250);
+    }
+    let g0 = w.agents[0].held["rps"].grant.rate;
+    assert!(g0 > 500, "agent 0 holds most of the rate: {g0}");
+    // Cut off: agent 0's reports are lost for two holds; agent 1 wants everything.
+    for _ in 0..10 {
+        w.report(0, [800, 0, 0], true);
+        w.report(1, [1600, 0, 0], true);
+        w.settle_all_but(Some(0));
+        w.wait(250);
+    }
+    let st = w.alloc.key_status(&key(0)).unwrap();
+    let a1 = st.agents.iter().find(|a| &*a.agent == "agent-1").unwrap();
+    assert!(
+        a1.granted.rate > 500,
+        "agent 1 got the reclaimed rate: {st:?}"
+    );
+    // Back: its report reaches the allocator, which answers with an extension.
+    w.report(0, [800, 0, 0], true);
+    w.settle_all_but(None);
+    w.report(0, [800, 0, 0], true);
+    w.settle_all_but(None);
+    w.check_outside_view();
 }
