@@ -76,6 +76,7 @@ pub const BUILT_INS: &[(&str, &str)] = &[
     ),
     ("agent-crash", include_str!("../scenarios/agent-crash.toml")),
     ("churn", include_str!("../scenarios/churn.toml")),
+    ("lossy", include_str!("../scenarios/lossy.toml")),
 ];
 
 /// One simulated fleet, workload and fault schedule.
