@@ -1567,7 +1567,13 @@ impl Sim {
         for (g, outcome) in grants.iter().zip(outcomes) {
             match outcome {
                 Applied::Ack(x) => slices.push(SliceAck {
-                    key: (*g.key).clone(),
+                    // By the handle the grant carried (as the sync client).
+                    key: if x.key_handle != 0 {
+                        KeyName::default()
+                    } else {
+                        (*g.key).clone()
+                    },
+                    key_handle: x.key_handle,
                     epoch: x.epoch,
                     seq: x.seq,
                     released_tokens: x.released_tokens,
@@ -1884,7 +1890,12 @@ fn held_grant(h: Held) -> HeldGrant {
 /// An ack the sync bookkeeping owes, as the allocator reads it.
 fn slice_ack(x: SyncAck<u32>, keys: &[KeyState]) -> SliceAck {
     SliceAck {
-        key: keys[x.key as usize].name.clone(),
+        key: if x.key_handle != 0 {
+            KeyName::default()
+        } else {
+            keys[x.key as usize].name.clone()
+        },
+        key_handle: x.key_handle,
         epoch: x.epoch,
         seq: x.seq,
         released_tokens: x.released_tokens,

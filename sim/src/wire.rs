@@ -99,12 +99,13 @@ pub fn ack_bytes(a: &Ack) -> u64 {
         .slices
         .iter()
         .map(|s| {
-            delimited(
+            let key = if s.key_handle != 0 {
+                uint(s.key_handle)
+            } else {
                 delimited(key_body(&s.key))
-                    + uint(s.epoch)
-                    + uint(s.seq)
-                    + uint(s.released_tokens)
-                    + uint(s.in_flight),
+            };
+            delimited(
+                key + uint(s.epoch) + uint(s.seq) + uint(s.released_tokens) + uint(s.in_flight),
             )
         })
         .sum();

@@ -2134,15 +2134,22 @@ impl Allocator {
                 });
             }
             if s.seq >= self.next_seq || s.released_tokens > MAX_COST || s.in_flight > MAX_COST {
-                return Err(AllocError::UnknownSeq {
-                    key: s.key.clone(),
-                    seq: s.seq,
-                });
+                let key = match self.handle_key(s.key_handle) {
+                    Some(k) if s.key_handle != 0 => (*self.key(k).name).clone(),
+                    _ => s.key.clone(),
+                };
+                return Err(AllocError::UnknownSeq { key, seq: s.seq });
             }
-            let key = match self.resolve(&s.key) {
-                Ok((key, _, _)) => key,
-                Err(e) if self.ignorable(&s.key, &e) => None,
-                Err(e) => return Err(e),
+            // By handle (no hashing, no probe; one no longer known names nothing), else
+            // by name.
+            let key = if s.key_handle != 0 {
+                self.handle_key(s.key_handle)
+            } else {
+                match self.resolve(&s.key) {
+                    Ok((key, _, _)) => key,
+                    Err(e) if self.ignorable(&s.key, &e) => None,
+                    Err(e) => return Err(e),
+                }
             };
             // An ack for a key or entry no longer tracked (forgotten, released) is
             // harmless: nothing to update.
@@ -3369,6 +3376,30 @@ mod tests {
     }
 
     #[test]
+    fn an_ack_may_name_its_key_by_the_handle_its_grant_carried() {
+        let (mut a, now, ga) = shifted();
+        let gs = settle(&mut a, now + 20 * MS);
+        let to_a = last_for(&gs, "a");
+        assert!(to_a.rate < ga.rate, "a is shrunk");
+        let committed = |a: &Allocator| a.key_status(&key("rps", "x")).unwrap().committed.rate;
+        let before = committed(&a);
+        // A stale handle (another generation of the index) acknowledges nothing.
+        let mut stale = ack(&to_a, 1, 0);
+        stale.slices[0].key = KeyName::default();
+        stale.slices[0].key_handle = to_a.key_handle + (1 << 32);
+        a.handle_ack(now + 25 * MS, &stale).unwrap();
+        assert_eq!(committed(&a), before);
+        // By the grant's handle alone: the shrink counts as applied, a's old grant stops
+        // counting.
+        let mut by_handle = ack(&to_a, 1, 0);
+        by_handle.slices[0].key = KeyName::default();
+        by_handle.slices[0].key_handle = to_a.key_handle;
+        a.handle_ack(now + 30 * MS, &by_handle).unwrap();
+        a.check_invariants().unwrap();
+        assert_eq!(committed(&a), before - (ga.rate - to_a.rate));
+    }
+
+    #[test]
     fn an_unacknowledged_shrink_frees_nothing_until_its_lease_ends_plus_the_margin() {
         let (mut a, now, ga) = shifted();
         let gs = settle(&mut a, now + 20 * MS);
@@ -3930,6 +3961,7 @@ mod tests {
                 seq: 1,
                 released_tokens: 0,
                 in_flight: 0,
+                key_handle: 0,
             }],
         };
         let e = a.handle_ack(now, &stale_ack).unwrap_err();

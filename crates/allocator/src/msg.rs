@@ -137,6 +137,9 @@ pub struct SliceAck {
     pub released_tokens: u64,
     /// Slots in flight after applying (`bursar_agent::SliceApplied::in_flight`).
     pub in_flight: u64,
+    /// Non-zero: the key by the handle the acknowledged grant carried
+    /// ([`Grant::key_handle`]), and `key` is ignored (it may be empty).
+    pub key_handle: u64,
 }
 
 /// Acknowledgements of applied grants.

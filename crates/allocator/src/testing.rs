@@ -133,6 +133,7 @@ pub fn ack(g: &Grant, incarnation: u64, released: u64) -> Ack {
             seq: g.seq,
             released_tokens: released,
             in_flight: 0,
+            key_handle: 0,
         }],
     }
 }

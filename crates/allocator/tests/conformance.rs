@@ -249,6 +249,7 @@ fn run(seed: u64, overdraft_permille: u32) -> Outcome {
                                 seq: g.seq,
                                 released_tokens: applied.released_tokens,
                                 in_flight: applied.in_flight,
+                                key_handle: 0,
                             }],
                         };
                         send(&mut net, now, Msg::Ack(ack));

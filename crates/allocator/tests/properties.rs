@@ -309,6 +309,7 @@ impl World {
                 seq: g.seq,
                 released_tokens: old_burst.saturating_sub(g.burst),
                 in_flight: 0,
+                key_handle: 0,
             }],
         }));
     }

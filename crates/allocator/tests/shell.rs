@@ -116,6 +116,7 @@ async fn an_agent_gets_a_welcome_then_a_grant_within_the_limit_and_the_admin_end
                 seq: grant.seq,
                 released_tokens: 0,
                 in_flight: 0,
+                key_handle: 0,
             }],
         })),
     })

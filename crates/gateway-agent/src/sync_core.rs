@@ -61,6 +61,8 @@ pub struct Ack<K> {
     pub released_tokens: u64,
     /// Slots in flight when it was applied (or drained).
     pub in_flight: u64,
+    /// The key's handle from the grant (0: none): the ack may name the key by it.
+    pub key_handle: u64,
 }
 
 /// What became of one grant given to [`SyncTracks::apply`].
@@ -92,6 +94,7 @@ struct Track {
 
 struct PendingAck<K> {
     key: K,
+    key_handle: u64,
     epoch: u64,
     seq: u64,
     slots: u64,
@@ -308,7 +311,7 @@ impl<K: Ord + Clone> SyncTracks<K> {
             }
         }
         let mut out = Vec::with_capacity(updates.len());
-        for ((u, k), r) in updates.into_iter().zip(keys).zip(results) {
+        for (((u, k), r), &key_handle) in updates.into_iter().zip(keys).zip(results).zip(handles) {
             let applied = match r {
                 Ok(a) => a,
                 Err(e) => {
@@ -325,6 +328,7 @@ impl<K: Ord + Clone> SyncTracks<K> {
                 self.pending_acks.retain(|p| p.key != k);
                 self.pending_acks.push(PendingAck {
                     key: k,
+                    key_handle,
                     epoch: u.epoch,
                     seq: u.seq,
                     slots: u.burst,
@@ -339,6 +343,7 @@ impl<K: Ord + Clone> SyncTracks<K> {
                 seq: u.seq,
                 released_tokens: applied.released_tokens,
                 in_flight: applied.in_flight,
+                key_handle,
             }));
         }
         out
@@ -366,6 +371,7 @@ impl<K: Ord + Clone> SyncTracks<K> {
                 seq: p.seq,
                 released_tokens: p.released,
                 in_flight: t.in_flight,
+                key_handle: p.key_handle,
             });
             false
         });

@@ -74,6 +74,18 @@ fn key(k: Option<pb::Key>) -> Result<KeyName, Status> {
     })
 }
 
+/// A line's key: required unless a handle names it (then it may be absent).
+fn key_or_handle(k: Option<pb::Key>, handle: u64) -> Result<KeyName, Status> {
+    if handle == 0 {
+        return key(k);
+    }
+    Ok(k.map(|k| KeyName {
+        rule: k.rule,
+        values: k.values,
+    })
+    .unwrap_or_default())
+}
+
 fn held(h: pb::HeldGrant) -> HeldGrant {
     HeldGrant {
         epoch: h.epoch,
@@ -126,16 +138,7 @@ pub fn report_from_pb(agent: &str, incarnation: u64, r: pb::Report) -> Result<Re
         .into_iter()
         .map(|k| {
             Ok(KeyReport {
-                key: if k.key_handle != 0 {
-                    k.key
-                        .map(|k| KeyName {
-                            rule: k.rule,
-                            values: k.values,
-                        })
-                        .unwrap_or_default()
-                } else {
-                    key(k.key)?
-                },
+                key: key_or_handle(k.key, k.key_handle)?,
                 key_handle: k.key_handle,
                 admitted: k.admitted,
                 rejected: k.rejected,
@@ -161,7 +164,8 @@ pub fn ack_from_pb(agent: &str, incarnation: u64, a: pb::Ack) -> Result<Ack, Sta
         .into_iter()
         .map(|s| {
             Ok(SliceAck {
-                key: key(s.key)?,
+                key: key_or_handle(s.key, s.key_handle)?,
+                key_handle: s.key_handle,
                 epoch: s.epoch,
                 seq: s.seq,
                 released_tokens: s.released_tokens,

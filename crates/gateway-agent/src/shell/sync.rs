@@ -646,10 +646,12 @@ fn held_pb(h: Held) -> pb::HeldGrant {
 
 fn ack_pb(a: Ack<KeyId>) -> pb::SliceAck {
     pb::SliceAck {
-        key: Some(pb::Key {
+        // By the handle the grant carried, when it carried one.
+        key: (a.key_handle == 0).then_some(pb::Key {
             rule: a.key.0,
             values: a.key.1,
         }),
+        key_handle: a.key_handle,
         epoch: a.epoch,
         seq: a.seq,
         released_tokens: a.released_tokens,
