@@ -3316,6 +3316,23 @@ mod tests {
     }
 
     /// Agent `a` holds most of the key; demand moves to `b`.
+    /// One agent, `a`, reporting demand on `rps{x}` at 5 s, and the one grant that
+    /// answers it (issued, drained, not yet delivered).
+    fn first_grant() -> (Allocator, u64, KeyName, Grant) {
+        let now = 5 * SEC;
+        let mut a = warm_allocator(1, now);
+        a.handle_hello(now, &hello("a", 1, 1)).unwrap();
+        let k = key("rps", "x");
+        a.handle_report(
+            now,
+            &report("a", 1, now, vec![line(k.clone(), 100, 0, None)]),
+        )
+        .unwrap();
+        let mut gs = settle(&mut a, now + 10 * MS);
+        assert_eq!(gs.len(), 1);
+        (a, now, k, gs.pop().unwrap())
+    }
+
     fn shifted() -> (Allocator, u64, Grant) {
         let mut now = 5 * SEC;
         let mut a = warm_allocator(1, now);
@@ -4097,6 +4114,13 @@ mod tests {
                 assert_eq!((x.agent.as_ref(), x.incarnation, x.epoch), ("a", 1, 1));
                 // Every grant sent so far is covered.
                 assert!(x.through_seq >= held.map_or(0, |h| h.seq), "{x:?}");
+                // Invariant 3: the lease echoes the report it answers (agent time t),
+                // plus the lease, minus the drift margin.
+                let cfg = a.config();
+                assert_eq!(
+                    x.lease_expires_at_ns,
+                    t + MS * (cfg.lease_ms - cfg.drift_margin_ms)
+                );
                 last_lease = last_lease.max(x.lease_expires_at_ns);
             }
         }
@@ -4152,16 +4176,7 @@ mod tests {
         // The agent's lease ended before this side's (an extension lost on the way):
         // it reports the grant's id with its posture's slice. An extension never puts a
         // lapsed grant back, so the grant is sent again.
-        let now = 5 * SEC;
-        let mut a = warm_allocator(1, now);
-        a.handle_hello(now, &hello("a", 1, 1)).unwrap();
-        let k = key("rps", "x");
-        a.handle_report(
-            now,
-            &report("a", 1, now, vec![line(k.clone(), 100, 0, None)]),
-        )
-        .unwrap();
-        let g = settle(&mut a, now + 10 * MS).pop().unwrap();
+        let (mut a, now, k, g) = first_grant();
         let mut posture = g.held();
         posture.rate /= 4;
         posture.burst /= 4;
@@ -4188,16 +4203,7 @@ mod tests {
 
     #[test]
     fn report_lines_may_name_their_key_by_the_handle_a_grant_carried() {
-        let now = 5 * SEC;
-        let mut a = warm_allocator(1, now);
-        a.handle_hello(now, &hello("a", 1, 1)).unwrap();
-        let k = key("rps", "x");
-        a.handle_report(
-            now,
-            &report("a", 1, now, vec![line(k.clone(), 100, 0, None)]),
-        )
-        .unwrap();
-        let g = settle(&mut a, now + 10 * MS).pop().unwrap();
+        let (mut a, now, k, g) = first_grant();
         assert_ne!(g.key_handle, 0);
         // By handle alone (no name): counted against the key.
         let t = now + 250 * MS;
@@ -4233,17 +4239,8 @@ mod tests {
 
     #[test]
     fn a_grant_the_agent_never_received_is_sent_again() {
-        let now = 5 * SEC;
-        let mut a = warm_allocator(1, now);
-        a.handle_hello(now, &hello("a", 1, 1)).unwrap();
-        let k = key("rps", "x");
-        a.handle_report(
-            now,
-            &report("a", 1, now, vec![line(k.clone(), 100, 0, None)]),
-        )
-        .unwrap();
-        let lost = settle(&mut a, now + 10 * MS);
-        assert_eq!(lost.len(), 1);
+        let (mut a, now, k, lost) = first_grant();
+        let lost = [lost];
         // The grant is lost on the way; the agent keeps reporting that it holds nothing.
         // Not at once (it may be in flight), but once a quarter lease has passed.
         let lease = MS * a.config().lease_ms;

@@ -484,28 +484,11 @@ impl World {
 }
 
 fn run(offsets: [u64; 3], steps: Vec<Step>, large_key_entries: usize) {
-    let start = 100 * SEC;
     let cfg = AllocatorConfig {
         large_key_entries,
         ..quick_config()
     };
-    let mut w = World {
-        now: start,
-        cfg: cfg.clone(),
-        term: 1,
-        rps: 1000,
-        alloc: Allocator::new(&rules_with_rps(1000), cfg, 1, start).unwrap(),
-        agents: (0..3)
-            .map(|i| SimAgent {
-                incarnation: 1,
-                offset: offsets[i],
-                ..SimAgent::default()
-            })
-            .collect(),
-        to_agents: Vec::new(),
-        to_alloc: Vec::new(),
-    };
-    w.wait(1_200); // past learning
+    let mut w = world_with(cfg, offsets);
     for s in steps {
         match s {
             Step::Report {
@@ -606,23 +589,7 @@ fn a_steady_fleet_with_no_losses_uses_the_whole_limit_without_a_partition_bound(
         }
         steps.push(Step::Wait { ms: 250 });
     }
-    let start = 100 * SEC;
-    let mut w = World {
-        now: start,
-        cfg: quick_config(),
-        term: 1,
-        rps: 1000,
-        alloc: Allocator::new(&rules_with_rps(1000), quick_config(), 1, start).unwrap(),
-        agents: (0..3)
-            .map(|_| SimAgent {
-                incarnation: 1,
-                ..SimAgent::default()
-            })
-            .collect(),
-        to_agents: Vec::new(),
-        to_alloc: Vec::new(),
-    };
-    w.wait(1_200);
+    let mut w = world();
     for s in steps {
         match s {
             Step::Report {
@@ -663,23 +630,30 @@ fn a_steady_fleet_with_no_losses_uses_the_whole_limit_without_a_partition_bound(
 
 /// A world of three agents on the test rules, past the learning period.
 fn world() -> World {
+    world_with(quick_config(), [0; 3])
+}
+
+/// The same with `cfg` and agent clocks `offsets` ahead of the allocator's.
+fn world_with(cfg: AllocatorConfig, offsets: [u64; 3]) -> World {
     let start = 100 * SEC;
     let mut w = World {
         now: start,
-        cfg: quick_config(),
+        cfg: cfg.clone(),
         term: 1,
         rps: 1000,
-        alloc: Allocator::new(&rules_with_rps(1000), quick_config(), 1, start).unwrap(),
-        agents: (0..3)
-            .map(|_| SimAgent {
+        alloc: Allocator::new(&rules_with_rps(1000), cfg, 1, start).unwrap(),
+        agents: offsets
+            .iter()
+            .map(|&offset| SimAgent {
                 incarnation: 1,
+                offset,
                 ..SimAgent::default()
             })
             .collect(),
         to_agents: Vec::new(),
         to_alloc: Vec::new(),
     };
-    w.wait(1_200);
+    w.wait(1_200); // past learning
     w
 }
 

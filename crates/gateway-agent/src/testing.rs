@@ -62,6 +62,28 @@ per = "minute"
 mode = "shadow"
 "#;
 
+/// Allocated slices (nothing admitted before a grant): a rate rule on `org` (100 a
+/// second, burst 10) and a concurrency rule on `team` (8 slots). The sync client's
+/// tests (`tests/sync.rs`, `tests/sync_core.rs`).
+pub const ALLOCATED_SYNC: &str = r#"
+[engine]
+slice_source = "allocated"
+
+[[rule]]
+name = "org-rps"
+match = { org = "*" }
+dimension = "requests"
+rate = 100
+per = "second"
+burst = 10
+
+[[rule]]
+name = "team-conc"
+match = { team = "*" }
+dimension = "concurrency"
+max_in_flight = 8
+"#;
+
 /// Three rate rules (requests, input tokens, output tokens) on one `org` key: the
 /// shape of the 3-dimension admit benchmark. The rates are high enough (10^12 units a
 /// second, burst the same) that a benchmark admitting millions of requests a second

@@ -18,24 +18,7 @@ use pb::agent_message::Msg;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 
-const RULES: &str = r#"
-[engine]
-slice_source = "allocated"
-
-[[rule]]
-name = "org-rps"
-match = { org = "*" }
-dimension = "requests"
-rate = 100
-per = "second"
-burst = 10
-
-[[rule]]
-name = "team-conc"
-match = { team = "*" }
-dimension = "concurrency"
-max_in_flight = 8
-"#;
+const RULES: &str = bursar_agent::testing::ALLOCATED_SYNC;
 
 /// One agent stream as the scripted allocator sees it.
 struct Conn {

@@ -8,23 +8,7 @@ use bursar_agent::{AdmitRequest, Cost, Engine, SliceUpdate};
 
 const SEC: u64 = 1_000_000_000;
 
-const RULES: &str = r#"
-[engine]
-slice_source = "allocated"
-
-[[rule]]
-name = "org-rps"
-match = { org = "*" }
-dimension = "requests"
-rate = 100
-per = "second"
-
-[[rule]]
-name = "team-conc"
-match = { team = "*" }
-dimension = "concurrency"
-max_in_flight = 8
-"#;
+const RULES: &str = bursar_agent::testing::ALLOCATED_SYNC;
 
 fn key_of(d: &KeyDemand) -> Option<String> {
     Some(format!("{}/{}", d.rule, d.values()[0]))
