@@ -125,16 +125,6 @@ impl<K: Ord + Clone> SyncTracks<K> {
         }
     }
 
-    /// Keys tracked.
-    pub fn len(&self) -> usize {
-        self.tracks.len()
-    }
-
-    /// No key tracked.
-    pub fn is_empty(&self) -> bool {
-        self.tracks.is_empty()
-    }
-
     /// Whether `key` is tracked.
     pub fn contains(&self, key: &K) -> bool {
         self.tracks.contains_key(key)
