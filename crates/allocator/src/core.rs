@@ -341,7 +341,8 @@ impl RuleInfo {
             Slice { rate: units, burst }
         };
         if learning {
-            t.min(e.learned().unwrap_or(Slice::ZERO))
+            // `black_box`: otherwise the load of `rare` is hoisted above the branch.
+            t.min(learned_cap(std::hint::black_box(e)))
         } else {
             t
         }
@@ -414,10 +415,11 @@ impl Ext {
 /// what every recomputation reads (agent, flags, demand, the current grant and the
 /// commitment, in-flight: 64 bytes) comes first (`repr(C)`); what only reports read
 /// (the counters' bases) follows; what is rare (a grant learned from an earlier term, a
-/// partition fallback) is boxed. 256 bytes. Not aligned to a cache line: aligned to 64,
-/// the cold full pass, which streams every entry, measured 5-10 % slower (noisy).
+/// partition fallback) is boxed. 256 bytes, aligned to a cache line, so that the first
+/// 64 bytes are one line (tested): at 264 bytes unaligned (`smallvec` without its
+/// `union` layout), seven entries in eight straddled two lines there.
 #[derive(Clone, Debug)]
-#[repr(C)]
+#[repr(C, align(64))]
 struct Entry {
     agent: u32,
     has_demand: bool,
@@ -2836,6 +2838,16 @@ impl Allocator {
 
 /// The whole-key target for `units` of the split dimension for entry `e`, capped for
 /// learning and unreachable agents.
+/// What an entry may hold while the allocator learns an earlier term's grants. Out of
+/// line and behind `black_box` in its caller: otherwise the compiler loads `rare` (the
+/// entry's fourth cache line) on every recomputation, learning or not (`perf annotate`:
+/// a fifth of `recompute`'s samples stalled on it).
+#[cold]
+#[inline(never)]
+fn learned_cap(e: &Entry) -> Slice {
+    e.learned().unwrap_or(Slice::ZERO)
+}
+
 fn target_of(
     rule: &RuleInfo,
     learning: bool,
@@ -3070,6 +3082,24 @@ mod tests {
     #[test]
     fn a_pending_grant_is_forty_bytes() {
         assert_eq!(std::mem::size_of::<Pending>(), 40);
+    }
+
+    #[test]
+    fn an_entry_is_four_lines_and_what_recomputation_reads_is_the_first() {
+        use std::mem::{align_of, offset_of, size_of};
+        assert_eq!(size_of::<Entry>(), 256);
+        assert_eq!(align_of::<Entry>(), 64);
+        for end in [
+            offset_of!(Entry, agent) + 4,
+            offset_of!(Entry, sampled) + 1,
+            offset_of!(Entry, demand) + 8,
+            offset_of!(Entry, cur) + size_of::<Slice>(),
+            offset_of!(Entry, commit) + size_of::<Slice>(),
+            offset_of!(Entry, in_flight) + 8,
+            offset_of!(Entry, demand_used) + 8,
+        ] {
+            assert!(end <= 64, "a hot field ends at byte {end}");
+        }
     }
 
     #[test]
