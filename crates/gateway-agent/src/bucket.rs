@@ -104,9 +104,22 @@ impl RateParams {
     /// Nanoseconds charged for `cost` units: `ceil(cost * I)`, saturating.
     #[inline]
     pub(crate) fn debit_ns(&self, cost: u64) -> u64 {
-        let x = (cost as u128).saturating_mul(self.interval_fp());
-        let ns = x.div_ceil(1u128 << FP_BITS);
+        let ns = self.product(cost).div_ceil(1u128 << FP_BITS);
         u64::try_from(ns).unwrap_or(TAT_MAX)
+    }
+
+    /// `cost * I` (32.32 fixed point), saturating. An interval under 2^32 ns (any rate
+    /// of at least one unit per 4.3 s of its period) has no high word, and a 64 x 64-bit
+    /// product cannot overflow 128 bits: one `mul`, where the general `u128`
+    /// saturating multiply costs a multiply per word pair and overflow checks (three of
+    /// them per settlement).
+    #[inline]
+    fn product(&self, cost: u64) -> u128 {
+        if self.interval_fp[0] == 0 {
+            cost as u128 * self.interval_fp[1] as u128
+        } else {
+            (cost as u128).saturating_mul(self.interval_fp())
+        }
     }
 
     /// The lowest TAT allowed at `now` with `held` units held: the level refills only
@@ -123,7 +136,7 @@ impl RateParams {
     /// Nanoseconds given back for `tokens` units: `floor(tokens * I)`.
     #[inline]
     pub(crate) fn refund_ns(&self, tokens: u64) -> u64 {
-        let x = (tokens as u128).saturating_mul(self.interval_fp()) >> FP_BITS;
+        let x = self.product(tokens) >> FP_BITS;
         u64::try_from(x).unwrap_or(TAT_MAX)
     }
 
@@ -780,6 +793,31 @@ mod tests {
         assert_eq!(released, 90);
         assert_eq!(state.held, 30);
         assert_eq!(Slot::level(&small, state, 0), -20);
+    }
+
+    #[test]
+    fn the_one_word_product_agrees_with_the_general_one() {
+        // Intervals with and without a high word (1 a day over a day's period is
+        // 8.64e13 ns), costs up to saturation.
+        let limits = [(1_000_000_000, 1_000_000), (7, 3), (1, 1), (3, 1 << 40)];
+        let periods = [1_000_000_000u64, 60_000_000_000, 86_400_000_000_000];
+        for (rate, burst) in limits {
+            for period_ns in periods {
+                let p = RateParams::new(RateLimit {
+                    rate,
+                    burst,
+                    period_ns,
+                })
+                .unwrap();
+                for cost in [0, 1, 2, 999, 1 << 31, 1 << 33, u64::MAX / 3, u64::MAX] {
+                    let x = (cost as u128).saturating_mul(p.interval_fp());
+                    let debit = u64::try_from(x.div_ceil(1 << FP_BITS)).unwrap_or(TAT_MAX);
+                    let refund = u64::try_from(x >> FP_BITS).unwrap_or(TAT_MAX);
+                    assert_eq!(p.debit_ns(cost), debit, "{rate}/{period_ns} x {cost}");
+                    assert_eq!(p.refund_ns(cost), refund, "{rate}/{period_ns} x {cost}");
+                }
+            }
+        }
     }
 
     #[test]
