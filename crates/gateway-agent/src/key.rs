@@ -59,12 +59,19 @@ const RULE_MIX_CHECK: u64 = 0xd6e8_feb8_6659_fd93;
 /// that matched the same descriptor values (an org's request, input and output token
 /// limits all match `org`) reuse them. Compared by the values' addresses and lengths,
 /// which are the request's own descriptor strings.
+///
+/// It remembers at most [`MEMO_VALUES`] values (a rule matching more hashes its values
+/// every time): built per request, a memo sized for `MAX_DESCRIPTORS` was a 264-byte
+/// `memset` on every admission.
 #[derive(Default)]
 pub(crate) struct KeyMemo {
-    values: [(usize, usize); crate::config::MAX_DESCRIPTORS],
+    values: [(usize, usize); MEMO_VALUES],
     n: usize,
     hashes: Option<(u64, u64)>,
 }
+
+/// Most values a [`KeyMemo`] remembers.
+const MEMO_VALUES: usize = 4;
 
 impl KeyMemo {
     /// The value hashes of `values`, computed at most once while they repeat.
@@ -80,6 +87,10 @@ impl KeyMemo {
             return h;
         }
         let h = hashing.values_hashes(values);
+        if values.len() > MEMO_VALUES {
+            self.hashes = None;
+            return h;
+        }
         for (slot, v) in self.values.iter_mut().zip(values) {
             *slot = (v.as_ptr() as usize, v.len());
         }

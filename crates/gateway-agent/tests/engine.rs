@@ -1304,3 +1304,59 @@ fn granted_keys_whose_lease_ended_are_evicted_when_idle_and_make_room() {
     );
     e.check_invariants(6 * SEC).unwrap();
 }
+
+/// Rules matching more values than the per-request hash memo remembers (four) still
+/// find their own key every time: two limits on six `*` values share a key, and a
+/// request differing in one value has keys of its own.
+#[test]
+fn keys_of_many_values_are_found_without_the_memo() {
+    let e = engine(
+        r#"
+[[rule]]
+name = "six-rpm"
+match = { a = "*", b = "*", c = "*", d = "*", e = "*", f = "*" }
+dimension = "requests"
+rate = 2
+burst = 2
+per = "minute"
+
+[[rule]]
+name = "six-itpm"
+match = { a = "*", b = "*", c = "*", d = "*", e = "*", f = "*" }
+dimension = "input_tokens"
+rate = 1000
+burst = 1000
+per = "minute"
+"#,
+    );
+    let one = [
+        ("a", "1"),
+        ("b", "2"),
+        ("c", "3"),
+        ("d", "4"),
+        ("e", "5"),
+        ("f", "6"),
+    ];
+    let other = [
+        ("a", "1"),
+        ("b", "2"),
+        ("c", "3"),
+        ("d", "4"),
+        ("e", "5"),
+        ("f", "7"),
+    ];
+    let remaining = |d: &Decision| d.limits().iter().map(|l| l.remaining()).collect::<Vec<_>>();
+    let d = e.admit(0, &req("r1", &one, tokens(100, None))).unwrap();
+    assert!(d.is_admitted());
+    assert_eq!(remaining(&d), [1, 900]);
+    let d = e.admit(0, &req("r2", &one, tokens(100, None))).unwrap();
+    assert_eq!(remaining(&d), [0, 800], "the same two keys, debited again");
+    let d = e.admit(0, &req("r3", &other, tokens(100, None))).unwrap();
+    assert_eq!(
+        remaining(&d),
+        [1, 900],
+        "one value differs: keys of its own"
+    );
+    let d = e.admit(0, &req("r4", &one, tokens(100, None))).unwrap();
+    assert!(!d.is_admitted(), "the first key's two requests are spent");
+}
