@@ -412,10 +412,12 @@ impl Ext {
 }
 
 /// One key-agent pair. A million of them at the design's scale, so the layout matters:
-/// what every recomputation reads (agent, flags, demand, the current grant and the
-/// commitment, in-flight: 64 bytes) comes first (`repr(C)`); what only reports read
-/// (the counters' bases) follows; what is rare (a grant learned from an earlier term, a
-/// partition fallback) is boxed. 256 bytes, aligned to a cache line, so that the first
+/// what every recomputation reads (agent, flags, demand, the current grant, in-flight:
+/// with the current grant's id, 64 bytes) comes first (`repr(C)`); what every report
+/// line reads (the counters' bases, the grant known applied) follows, so that a report
+/// line touches the first two lines only; the grants remembered and the commitment (read
+/// when a grant changes) come next; what is rare (a grant learned from an earlier term,
+/// a partition fallback) is boxed. 256 bytes, aligned to a cache line, so that the first
 /// 64 bytes are one line (tested): at 264 bytes unaligned (`smallvec` without its
 /// `union` layout), seven entries in eight straddled two lines there.
 #[derive(Clone, Debug)]
@@ -430,8 +432,11 @@ struct Entry {
     /// The latest grant sent, `sent.last()` (kept in step by [`Key::edit`]): read on
     /// every recomputation, so kept inline where `sent` may have spilled to the heap.
     cur: Slice,
-    /// Componentwise maximum of `sent` (kept in step by [`Key::edit`]).
-    commit: Slice,
+    /// Term and seq of the latest grant sent (kept in step by [`Key::edit`]): a report
+    /// line compares the grant it holds with them without reading `sent` (the entry's
+    /// third and fourth lines, a quarter of `handle_report` when it did).
+    cur_epoch: u64,
+    cur_seq: u64,
     in_flight: u64,
     /// Demand when the key was last allocated (for change detection).
     demand_used: f64,
@@ -450,10 +455,8 @@ struct Entry {
     sent: SmallVec<[Sent; 2]>,
     /// A learned grant or a partition fallback (rare: `None` otherwise).
     rare: Option<Box<Rare>>,
-    /// Term and allocator-side expiry of the latest grant sent (kept in step by
-    /// [`Key::edit`], read by renewals without following `sent` to the heap).
-    cur_epoch: u64,
-    cur_expires_ns: u64,
+    /// Componentwise maximum of `sent` (kept in step by [`Key::edit`]).
+    commit: Slice,
 }
 
 /// The rare parts of an [`Entry`].
@@ -488,7 +491,7 @@ impl Entry {
             sent: SmallVec::new(),
             rare: None,
             cur_epoch: 0,
-            cur_expires_ns: 0,
+            cur_seq: 0,
         }
     }
 
@@ -624,7 +627,7 @@ impl Key {
         let last = e.sent.last();
         e.cur = last.map_or(Slice::ZERO, |s| s.slice);
         e.cur_epoch = last.map_or(0, |s| s.epoch);
-        e.cur_expires_ns = last.map_or(0, |s| s.expires_ns);
+        e.cur_seq = last.map_or(0, |s| s.seq);
         self.sweep_after_ns = self.sweep_after_ns.min(earliest);
         self.recommitted(before, commit);
         r
@@ -644,7 +647,7 @@ impl Key {
         e.commit = commit;
         e.cur = s.slice;
         e.cur_epoch = s.epoch;
-        e.cur_expires_ns = s.expires_ns;
+        e.cur_seq = s.seq;
         self.sweep_after_ns = self.sweep_after_ns.min(s.expires_ns);
         self.recommitted(before, commit);
     }
@@ -2000,7 +2003,7 @@ impl Allocator {
         for (k, pos) in list {
             let key = self.key(k);
             let e = &key.entries[pos as usize];
-            if e.cur_expires_ns == 0 || e.cur_epoch == self.term {
+            if e.sent.is_empty() || e.cur_epoch == self.term {
                 continue; // nothing sent, or covered by the extension
             }
             if !key.inherited.is_zero() {
@@ -2040,17 +2043,18 @@ impl Allocator {
         if e.cur_epoch != self.term || e.cur.is_zero() {
             return;
         }
-        let Some(latest) = e.sent.last() else {
-            return;
-        };
-        let on_posture =
-            |h: &HeldGrant| h.rate != latest.slice.rate || h.burst != latest.slice.burst;
+        // The latest grant's id and slice are cached in the entry's first line.
+        let latest = (e.cur_epoch, e.cur_seq);
+        let on_posture = |h: &HeldGrant| h.rate != e.cur.rate || h.burst != e.cur.burst;
         if held.is_some_and(|h| {
-            (h.epoch, h.seq) > latest.id() || ((h.epoch, h.seq) == latest.id() && !on_posture(h))
+            (h.epoch, h.seq) > latest || ((h.epoch, h.seq) == latest && !on_posture(h))
         }) {
             return;
         }
-        let issued_after = e.cur_expires_ns.saturating_sub(self.hold_ns());
+        let Some(expires_ns) = e.sent.last().map(|s| s.expires_ns) else {
+            return;
+        };
+        let issued_after = expires_ns.saturating_sub(self.hold_ns());
         if issued_after.saturating_add(self.lease_ns() / 4) > now
             || self.outbox.len() >= self.cfg.max_outbox
         {
@@ -2733,11 +2737,11 @@ impl Allocator {
                     return Err(format!("{}: cached commitment out of step", key.name));
                 }
                 let last = e.sent.last();
-                if (e.cur, e.cur_epoch, e.cur_expires_ns)
+                if (e.cur, e.cur_epoch, e.cur_seq)
                     != (
                         last.map_or(Slice::ZERO, |s| s.slice),
                         last.map_or(0, |s| s.epoch),
-                        last.map_or(0, |s| s.expires_ns),
+                        last.map_or(0, |s| s.seq),
                     )
                 {
                     return Err(format!("{}: cached current grant out of step", key.name));
@@ -3085,7 +3089,7 @@ mod tests {
     }
 
     #[test]
-    fn an_entry_is_four_lines_and_what_recomputation_reads_is_the_first() {
+    fn an_entry_is_four_lines_recomputation_reads_the_first_and_a_report_line_two() {
         use std::mem::{align_of, offset_of, size_of};
         assert_eq!(size_of::<Entry>(), 256);
         assert_eq!(align_of::<Entry>(), 64);
@@ -3094,11 +3098,24 @@ mod tests {
             offset_of!(Entry, sampled) + 1,
             offset_of!(Entry, demand) + 8,
             offset_of!(Entry, cur) + size_of::<Slice>(),
-            offset_of!(Entry, commit) + size_of::<Slice>(),
+            offset_of!(Entry, cur_epoch) + 8,
+            offset_of!(Entry, cur_seq) + 8,
             offset_of!(Entry, in_flight) + 8,
             offset_of!(Entry, demand_used) + 8,
         ] {
             assert!(end <= 64, "a hot field ends at byte {end}");
+        }
+        // What a report line reads besides: the first two lines.
+        for end in [
+            offset_of!(Entry, rejected_rate) + 8,
+            offset_of!(Entry, demand_slow) + 8,
+            offset_of!(Entry, base_admitted) + 8,
+            offset_of!(Entry, base_rejected) + 8,
+            offset_of!(Entry, base_ts) + 8,
+            offset_of!(Entry, since) + 8,
+            offset_of!(Entry, applied) + 16,
+        ] {
+            assert!(end <= 128, "a report line's field ends at byte {end}");
         }
     }
 
