@@ -1495,7 +1495,10 @@ impl Sim {
                 incarnation: a.incarnation,
                 slices: drained
                     .into_iter()
-                    .map(|x| slice_ack(x, &self.keys))
+                    .map(|x| {
+                        let k = x.key as usize;
+                        slice_ack(x, || self.keys[k].name.clone())
+                    })
                     .collect(),
             };
             self.send_to_alloc(i, ToAlloc::Ack(ack));
@@ -1566,19 +1569,7 @@ impl Sim {
         let mut slices = Vec::with_capacity(grants.len());
         for (g, outcome) in grants.iter().zip(outcomes) {
             match outcome {
-                Applied::Ack(x) => slices.push(SliceAck {
-                    // By the handle the grant carried (as the sync client).
-                    key: if x.key_handle != 0 {
-                        KeyName::default()
-                    } else {
-                        (*g.key).clone()
-                    },
-                    key_handle: x.key_handle,
-                    epoch: x.epoch,
-                    seq: x.seq,
-                    released_tokens: x.released_tokens,
-                    in_flight: x.in_flight,
-                }),
+                Applied::Ack(x) => slices.push(slice_ack(x, || (*g.key).clone())),
                 Applied::Draining => {}
                 Applied::Refused(_) => self.counters.grants_refused += 1,
             }
@@ -1887,13 +1878,14 @@ fn held_grant(h: Held) -> HeldGrant {
     }
 }
 
-/// An ack the sync bookkeeping owes, as the allocator reads it.
-fn slice_ack(x: SyncAck<u32>, keys: &[KeyState]) -> SliceAck {
+/// An ack the sync bookkeeping owes, as the allocator reads it: by the handle the grant
+/// carried (as the sync client), else by the key's name (`name`).
+fn slice_ack(x: SyncAck<u32>, name: impl FnOnce() -> KeyName) -> SliceAck {
     SliceAck {
         key: if x.key_handle != 0 {
             KeyName::default()
         } else {
-            keys[x.key as usize].name.clone()
+            name()
         },
         key_handle: x.key_handle,
         epoch: x.epoch,

@@ -2840,8 +2840,6 @@ impl Allocator {
     }
 }
 
-/// The whole-key target for `units` of the split dimension for entry `e`, capped for
-/// learning and unreachable agents.
 /// What an entry may hold while the allocator learns an earlier term's grants. Out of
 /// line and behind `black_box` in its caller: otherwise the compiler loads `rare` (the
 /// entry's fourth cache line) on every recomputation, learning or not (`perf annotate`:
@@ -2852,6 +2850,8 @@ fn learned_cap(e: &Entry) -> Slice {
     e.learned().unwrap_or(Slice::ZERO)
 }
 
+/// The whole-key target for `units` of the split dimension for entry `e`, capped for
+/// learning and unreachable agents.
 fn target_of(
     rule: &RuleInfo,
     learning: bool,
@@ -3362,7 +3362,6 @@ mod tests {
         assert!(rates[0] >= 180, "{rates:?}");
     }
 
-    /// Agent `a` holds most of the key; demand moves to `b`.
     /// One agent, `a`, reporting demand on `rps{x}` at 5 s, and the one grant that
     /// answers it (issued, drained, not yet delivered).
     fn first_grant() -> (Allocator, u64, KeyName, Grant) {
@@ -3380,6 +3379,7 @@ mod tests {
         (a, now, k, gs.pop().unwrap())
     }
 
+    /// Agent `a` holds most of the key; demand moves to `b`.
     fn shifted() -> (Allocator, u64, Grant) {
         let mut now = 5 * SEC;
         let mut a = warm_allocator(1, now);
