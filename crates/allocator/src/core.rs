@@ -1895,7 +1895,18 @@ impl Allocator {
         };
         let da = kr.admitted - ba;
         let dr = kr.rejected - br;
-        let interval = agent_time.saturating_sub(bt).max(min_sample);
+        let elapsed = agent_time.saturating_sub(bt);
+        // A sample shorter than `min_sample_ms` is measured over `min_sample_ms`: a
+        // new key's first report covers one request, and read over its own few
+        // milliseconds it would be a surge. For an entry that already has an estimate
+        // that dilution is a bias: with reports every 125 ms (half of the default),
+        // every sample read half the demand, and the `shift` scenario's utilization fell
+        // from 0.87-0.89 to 0.76-0.77. So such an entry keeps its base instead (the
+        // next report measures from it, over at least `min_sample_ms`), and a short
+        // sample can only raise its estimate, by a jump: the diluted rate is a lower
+        // bound on the real one.
+        let short = elapsed < min_sample && e.has_demand && !rule.concurrency;
+        let interval = elapsed.max(min_sample);
         let sample = if rule.concurrency {
             kr.in_flight as f64 + dr as f64
         } else {
@@ -1919,6 +1930,19 @@ impl Allocator {
             *memo = (interval, f(half_life), f(slow_half_life));
         }
         let (alpha, alpha_slow) = (memo.1, memo.2);
+        if short {
+            e.in_flight = kr.in_flight;
+            let rejecting = dr > 0 || e.rejecting;
+            let raised = sample > e.demand && jump(e.demand);
+            if raised {
+                e.demand = sample;
+                e.rejected_rate = e.rejected_rate.max(rejected_sample);
+            }
+            e.rejecting = rejecting;
+            let floor = rule.capacity() as f64 / 1000.0;
+            return e.rejecting != e.rejecting_used
+                || (e.demand - e.demand_used).abs() > change * e.demand_used.max(floor);
+        }
         if e.has_demand && !jump(e.demand) {
             e.demand += alpha * (sample - e.demand);
             e.rejected_rate += alpha * (rejected_sample - e.rejected_rate);
@@ -3412,6 +3436,48 @@ mod tests {
         )
         .unwrap();
         (a, now, ga)
+    }
+
+    #[test]
+    fn reports_shorter_than_the_minimum_sample_do_not_dilute_a_known_rate() {
+        // One agent admitting 400 units a second, reporting every 125 ms (half of
+        // `min_sample_ms`): each short report was read over 250 ms, i.e. as 200 a second.
+        let now = 5 * SEC;
+        let mut a = warm_allocator(1, now);
+        a.handle_hello(now, &hello("a", 1, 0)).unwrap();
+        let step = 125 * MS;
+        let mut admitted = 0;
+        for i in 1..=40u64 {
+            admitted += 50;
+            let t = i * step;
+            a.handle_report(
+                now + t,
+                &report("a", 1, t, vec![line(key("rps", "x"), admitted, 0, None)]),
+            )
+            .unwrap();
+            settle(&mut a, now + t);
+        }
+        let demand = a.key_status(&key("rps", "x")).unwrap().demand;
+        assert!(
+            (380.0..=420.0).contains(&demand),
+            "estimate {demand}, offered 400 a second"
+        );
+        // A surge inside a short report still raises the estimate at once (read over
+        // the minimum sample, a lower bound on its rate): 500 more units 50 ms later.
+        let t = 40 * step + 50 * MS;
+        a.handle_report(
+            now + t,
+            &report(
+                "a",
+                1,
+                t,
+                vec![line(key("rps", "x"), admitted + 500, 0, None)],
+            ),
+        )
+        .unwrap();
+        settle(&mut a, now + t);
+        let demand = a.key_status(&key("rps", "x")).unwrap().demand;
+        assert!(demand >= 1_500.0, "estimate {demand} after the surge");
     }
 
     #[test]
