@@ -9,6 +9,9 @@
 //! - `control/apply_slices_1_grant_10k_keys`: one grant that changes a key's slice (a
 //!   new slot and a publish), cycling over the keys.
 //! - `control/apply_slices_16_grants_10k_keys`: a batch of 16 such grants.
+//! - `control/sync_refresh_10k_keys`: the sync client's read of every key into its
+//!   tracks at a report, keyed as the shell keys them ([`TrackedKey`]);
+//!   `..._string_names_baseline` keys them by fresh strings, as the shell did before.
 //! - `control/maintain_10k_keys`: the maintenance tick (every 100 ms in the shell) when
 //!   nothing is due: no lease or slice ended, no key idle long enough.
 //!
@@ -20,6 +23,7 @@
 use std::hint::black_box;
 
 use bursar_agent::engine::SliceUpdate;
+use bursar_agent::sync_core::{SyncTracks, TrackedKey};
 use bursar_agent::testing::{keyed_engine, keyed_grant};
 use criterion::{Criterion, criterion_group, criterion_main};
 
@@ -38,6 +42,36 @@ fn control(c: &mut Criterion) {
             black_box(buf.len())
         })
     });
+    // The sync client's read of every key at a report (`SyncTracks::refresh`): tracks
+    // keyed as the shell keys them (`TrackedKey`: the engine's identity of the key, its
+    // names shared); and, the named baseline in the same run, as it keyed them until
+    // 2026-12-01: a `String` and a `Vec<String>` per key, at every read.
+    let mut tracked: SyncTracks<TrackedKey> = SyncTracks::new(0);
+    let mut now = 0u64;
+    g.bench_function("sync_refresh_10k_keys", |b| {
+        b.iter(|| {
+            now += 250_000_000;
+            tracked.refresh(&engine, now, &mut buf, |d| Some(TrackedKey::of(d)));
+        })
+    });
+    let key_7 = TrackedKey::named(&engine, "rps", &["key-7".to_string()]);
+    assert!(
+        tracked.contains(&key_7),
+        "a key named on the wire finds its track"
+    );
+    let mut strings: SyncTracks<(String, Vec<String>)> = SyncTracks::new(0);
+    g.bench_function("sync_refresh_10k_keys_string_names_baseline", |b| {
+        b.iter(|| {
+            now += 250_000_000;
+            strings.refresh(&engine, now, &mut buf, |d| {
+                Some((
+                    d.rule.to_string(),
+                    d.values().iter().map(|v| v.to_string()).collect(),
+                ))
+            });
+        })
+    });
+    assert!(strings.contains(&("rps".to_string(), vec!["key-7".to_string()])));
     drop(buf);
     let mut seq = 0u64;
     for batch in [1usize, 16] {

@@ -381,6 +381,18 @@ impl KeyDemand {
     pub fn values(&self) -> &[Box<str>] {
         &self.counters.0.key.values
     }
+
+    /// The same values, shared with the key (a reference count, no copy): for a caller
+    /// that keeps them past the walk, such as the sync client naming its tracks.
+    pub fn shared_values(&self) -> Arc<[Box<str>]> {
+        Arc::clone(&self.counters.0.key.values)
+    }
+
+    /// The key's identity in this engine (see [`Engine::key_identity`]).
+    pub(crate) fn identity(&self) -> (u64, u64) {
+        let k = &self.counters.0.key;
+        (k.id, k.check)
+    }
 }
 
 /// An allocator slice as the engine holds it.
@@ -2387,6 +2399,18 @@ impl Engine {
     /// Live keys.
     pub fn key_count(&self) -> usize {
         self.slow().keys
+    }
+
+    /// The engine's 128-bit identity of a limit key (its id and check hashes, seeded
+    /// per engine), `None` if no rule has that name: what [`KeyDemand::identity`] gives
+    /// for the same key, computed from its names (a grant off the wire).
+    pub(crate) fn key_identity(&self, rule: &str, values: &[&str]) -> Option<(u64, u64)> {
+        let (ri, _) = self.rules.by_name(rule)?;
+        let ri = ri as u32;
+        Some((
+            self.hashing.key_id(ri, values.iter().copied()),
+            self.hashing.key_check(ri, values.iter().copied()),
+        ))
     }
 
     /// A handle for one limit key, for [`Worker::try_acquire`].

@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
+use std::sync::Arc;
 
 /// A limit key: the unit of allocation. Created on the slow path (new keys only).
 #[derive(Debug, PartialEq, Eq)]
@@ -13,7 +14,7 @@ pub struct LimitKey {
     /// Index of the rule in the rule set.
     pub(crate) rule: u32,
     /// Values matched by the rule's `*` entries, in the rule's match-key order.
-    pub(crate) values: Box<[Box<str>]>,
+    pub(crate) values: Arc<[Box<str>]>,
     /// `rule{k=v,...}` for logs, metrics and usage records.
     pub(crate) display: Box<str>,
 }
@@ -40,7 +41,7 @@ impl LimitKey {
             id: 0,
             check: 0,
             rule: 0,
-            values: Box::new([]),
+            values: Arc::new([]),
             display: name.into(),
         }
     }

@@ -10,11 +10,81 @@
 //! kept in order, so reports list them in an order that depends on nothing else (the
 //! simulator replays bit for bit).
 
+use std::cmp::Ordering;
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use crate::config::RuleLimit;
 use crate::engine::{KeyDemand, KeyTotals};
 use crate::{Engine, SliceApplied, SliceError, SliceUpdate};
+
+/// A key as the agent's sync client tracks it (its `K`): ordered and compared by the
+/// engine's 128-bit identity of the key (two integers, where names were compared
+/// string by string in every search of the tracks), and named by the rule's name and
+/// the key's values, shared with the engine's key (reference counts): reading every
+/// key at a report copies no string. It built a `String` and a `Vec<String>` per key
+/// per read; `benches/control.rs` keeps that as its baseline.
+#[derive(Clone, Debug)]
+pub struct TrackedKey {
+    identity: (u64, u64),
+    rule: Arc<str>,
+    values: Arc<[Box<str>]>,
+}
+
+impl TrackedKey {
+    /// The key of one engine key's demand.
+    pub fn of(d: &KeyDemand) -> TrackedKey {
+        TrackedKey {
+            identity: d.identity(),
+            rule: Arc::clone(&d.rule),
+            values: d.shared_values(),
+        }
+    }
+
+    /// A key named on the wire (a grant). A rule `engine` does not have gets identity
+    /// (0, 0), which names none of its keys (the engine refuses such a grant).
+    pub fn named(engine: &Engine, rule: &str, values: &[String]) -> TrackedKey {
+        let vals: Vec<&str> = values.iter().map(String::as_str).collect();
+        TrackedKey {
+            identity: engine.key_identity(rule, &vals).unwrap_or((0, 0)),
+            rule: Arc::from(rule),
+            values: values
+                .iter()
+                .map(|v| Box::<str>::from(v.as_str()))
+                .collect(),
+        }
+    }
+
+    /// The rule's name.
+    pub fn rule(&self) -> &str {
+        &self.rule
+    }
+
+    /// The rule's `*` values, in match-key order.
+    pub fn values(&self) -> &[Box<str>] {
+        &self.values
+    }
+}
+
+impl PartialEq for TrackedKey {
+    fn eq(&self, other: &TrackedKey) -> bool {
+        self.identity == other.identity
+    }
+}
+
+impl Eq for TrackedKey {}
+
+impl PartialOrd for TrackedKey {
+    fn partial_cmp(&self, other: &TrackedKey) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for TrackedKey {
+    fn cmp(&self, other: &TrackedKey) -> Ordering {
+        self.identity.cmp(&other.identity)
+    }
+}
 
 /// A grant as held by the engine and reported back to the allocator.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -141,3 +141,32 @@ fn a_concurrency_shrink_is_acknowledged_once_in_flight_work_fits() {
     assert!(acks[0].in_flight <= 1);
     assert_eq!(t.draining(), 0);
 }
+
+#[test]
+fn a_tracked_key_named_on_the_wire_is_the_engines_key() {
+    use bursar_agent::sync_core::TrackedKey;
+    let e = engine(RULES);
+    let mut buf = Vec::new();
+    let mut t: SyncTracks<TrackedKey> = SyncTracks::new(0);
+    touch(&e, 0, "r1", &[("org", "a")]);
+    touch(&e, 0, "r2", &[("org", "b")]);
+    t.refresh(&e, 0, &mut buf, |d| Some(TrackedKey::of(d)));
+    let a = TrackedKey::named(&e, "org-rps", &["a".to_string()]);
+    assert!(
+        t.contains(&a),
+        "a grant's key finds the track the walk made"
+    );
+    assert_eq!((a.rule(), &*a.values()[0]), ("org-rps", "a"));
+    assert!(!t.contains(&TrackedKey::named(&e, "org-rps", &["c".to_string()])));
+    assert!(
+        !t.contains(&TrackedKey::named(&e, "no-such-rule", &["a".to_string()])),
+        "an unknown rule names no key"
+    );
+    // Reports name the keys as the engine does.
+    let mut named = Vec::new();
+    t.report(true, false, |l| {
+        named.push(format!("{}/{}", l.key.rule(), l.key.values()[0]))
+    });
+    named.sort();
+    assert_eq!(named, ["org-rps/a", "org-rps/b"]);
+}

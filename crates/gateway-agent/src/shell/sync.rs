@@ -53,7 +53,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use super::AgentState;
 use crate::clock::Clock;
 use crate::engine::KeyDemand;
-use crate::sync_core::{Ack, Applied, Held, SyncTracks};
+use crate::sync_core::{Ack, Applied, Held, SyncTracks, TrackedKey};
 use crate::{Engine, SliceError, SliceExtension, SliceUpdate};
 
 /// Settings of the sync client. Durations are plain `Duration`s; defaults in
@@ -192,14 +192,12 @@ pub fn config_version(engine: &Engine) -> String {
     pb::config_version(&format!("{:?}", engine.rules()))
 }
 
-type KeyId = (String, Vec<String>);
-
 struct Client {
     state: Arc<AgentState>,
     cfg: SyncConfig,
     status: Arc<SyncStatus>,
     /// Per-key bookkeeping, shared with the simulator ([`crate::sync_core`]).
-    tracks: SyncTracks<KeyId>,
+    tracks: SyncTracks<TrackedKey>,
     buf: Vec<KeyDemand>,
     last_ts: u64,
     config_version: String,
@@ -307,11 +305,8 @@ impl Client {
         let held: Vec<pb::HeldSlice> = self
             .tracks
             .held()
-            .map(|((rule, values), g)| pb::HeldSlice {
-                key: Some(pb::Key {
-                    rule: rule.clone(),
-                    values: values.clone(),
-                }),
+            .map(|(k, g)| pb::HeldSlice {
+                key: Some(key_pb(k)),
                 grant: Some(held_pb(g)),
             })
             // The rest follow in the first (full) report, which carries every held
@@ -336,12 +331,8 @@ impl Client {
     fn reports(&mut self, full: bool, only_new: bool, max_keys: usize) -> Vec<pb::AgentMessage> {
         let mut keys = Vec::new();
         self.tracks.report(full, only_new, |l| {
-            let (rule, values) = l.key;
             keys.push(pb::KeyReport {
-                key: (l.key_handle == 0).then(|| pb::Key {
-                    rule: rule.clone(),
-                    values: values.clone(),
-                }),
+                key: (l.key_handle == 0).then(|| key_pb(l.key)),
                 key_handle: l.key_handle,
                 admitted: l.admitted,
                 rejected: l.rejected,
@@ -402,7 +393,7 @@ impl Client {
                 continue;
             };
             handles.push(g.key_handle);
-            keys.push((k.rule.clone(), k.values.clone()));
+            keys.push(TrackedKey::named(&self.state.engine, &k.rule, &k.values));
             updates.push(SliceUpdate {
                 rule: k.rule,
                 values: k.values,
@@ -627,12 +618,17 @@ impl Client {
     }
 }
 
-/// The engine's key as the protocol names it.
-fn key_id(d: &KeyDemand) -> Option<KeyId> {
-    Some((
-        d.rule.to_string(),
-        d.values().iter().map(|v| v.to_string()).collect(),
-    ))
+/// The engine's key as the sync client tracks it (every key is tracked).
+fn key_id(d: &KeyDemand) -> Option<TrackedKey> {
+    Some(TrackedKey::of(d))
+}
+
+/// A tracked key as the protocol names it.
+fn key_pb(k: &TrackedKey) -> pb::Key {
+    pb::Key {
+        rule: k.rule().to_string(),
+        values: k.values().iter().map(|v| v.to_string()).collect(),
+    }
 }
 
 fn held_pb(h: Held) -> pb::HeldGrant {
@@ -644,13 +640,10 @@ fn held_pb(h: Held) -> pb::HeldGrant {
     }
 }
 
-fn ack_pb(a: Ack<KeyId>) -> pb::SliceAck {
+fn ack_pb(a: Ack<TrackedKey>) -> pb::SliceAck {
     pb::SliceAck {
         // By the handle the grant carried, when it carried one.
-        key: (a.key_handle == 0).then_some(pb::Key {
-            rule: a.key.0,
-            values: a.key.1,
-        }),
+        key: (a.key_handle == 0).then(|| key_pb(&a.key)),
         key_handle: a.key_handle,
         epoch: a.epoch,
         seq: a.seq,
