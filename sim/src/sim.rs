@@ -1446,6 +1446,7 @@ impl Sim {
             incarnation: a.incarnation,
             agent_time_ns: 0,
             weight: 1,
+            report_interval_ms: self.sc.allocator.report_interval_ms,
             held,
         };
         let ts = self.stamp(iu);

@@ -133,6 +133,7 @@ fn fleet_with(cfg: AllocatorConfig) -> Fleet {
                     incarnation: 1,
                     agent_time_ns: SEC,
                     weight: 1,
+                    report_interval_ms: 250,
                     held: vec![],
                 },
             )

@@ -54,7 +54,8 @@
 //! let sec = 1_000_000_000;
 //! alloc.handle_timeout(2 * sec); // a new term learns for one lease first
 //! alloc.handle_hello(2 * sec, &Hello {
-//!     agent: "node-a".into(), incarnation: 1, agent_time_ns: 50, weight: 1, held: vec![],
+//!     agent: "node-a".into(), incarnation: 1, agent_time_ns: 50, weight: 1,
+//!     report_interval_ms: 250, held: vec![],
 //! }).unwrap();
 //! alloc.handle_report(2 * sec, &Report {
 //!     agent: "node-a".into(), incarnation: 1, agent_time_ns: 100,

@@ -78,6 +78,10 @@ pub struct Hello {
     pub agent_time_ns: u64,
     /// Weight in weighted max-min (1 for equal shares; 0 is read as 1).
     pub weight: u32,
+    /// How often the agent reports, ms (0: not said). Demand samples are read over at
+    /// least this or the allocator's `min_sample_ms`, the shorter: an agent reporting
+    /// more often than `min_sample_ms` is not read as having less demand.
+    pub report_interval_ms: u64,
     /// Every grant the agent holds (empty for a new incarnation).
     pub held: Vec<HeldSlice>,
 }

@@ -88,13 +88,14 @@ pub fn key(rule: &str, org: &str) -> KeyName {
     KeyName::new(rule, &[org])
 }
 
-/// A hello from a new incarnation holding nothing.
+/// A hello from a new incarnation holding nothing, its report interval not said.
 pub fn hello(agent: &str, incarnation: u64, agent_time_ns: u64) -> Hello {
     Hello {
         agent: agent.into(),
         incarnation,
         agent_time_ns,
         weight: 1,
+        report_interval_ms: 0,
         held: vec![],
     }
 }

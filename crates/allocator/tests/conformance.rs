@@ -208,6 +208,7 @@ fn run(seed: u64, overdraft_permille: u32) -> Outcome {
                     incarnation: 1,
                     agent_time_ns: t0 + a.offset,
                     weight: 1,
+                    report_interval_ms: 250,
                     held: vec![],
                 },
             )

@@ -199,6 +199,7 @@ impl World {
             incarnation: a.incarnation,
             agent_time_ns: t,
             weight: 1,
+            report_interval_ms: 250,
             held: a
                 .held
                 .values()

@@ -154,6 +154,7 @@ mod tests {
                 incarnation: 7,
                 weight: 1,
                 agent_time_ns: 123,
+                report_interval_ms: 250,
                 held: vec![HeldSlice {
                     key: Some(Key {
                         rule: "org-rpm".into(),

@@ -126,6 +126,7 @@ pub fn hello_from_pb(h: pb::Hello) -> Result<Hello, Status> {
         incarnation: h.incarnation,
         agent_time_ns: h.agent_time_ns,
         weight: h.weight,
+        report_interval_ms: h.report_interval_ms,
         held,
     })
 }

@@ -160,6 +160,7 @@ pub fn hello(agent: &str, version: u32, time: u64) -> pb::AgentMessage {
             agent_time_ns: time,
             held: vec![],
             config_version: String::new(),
+            report_interval_ms: 250,
         })),
     }
 }

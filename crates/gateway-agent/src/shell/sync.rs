@@ -322,6 +322,8 @@ impl Client {
                 agent_time_ns: self.stamp(),
                 held,
                 config_version: self.config_version.clone(),
+                report_interval_ms: u64::try_from(self.cfg.report_interval.as_millis())
+                    .unwrap_or(u64::MAX),
             })),
         }
     }
