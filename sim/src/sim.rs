@@ -458,7 +458,10 @@ impl Sim {
             sc.limit.typical_cost
         );
         let config = Config::from_toml(&rules).map_err(|e| SimError::Rules(e.to_string()))?;
-        let acfg = sc.allocator.config(sc.gateways);
+        let mut acfg = sc.allocator.config(sc.gateways);
+        // The allocator is told how far the scenario's clocks drift (it grants rates
+        // that keep fast clocks within the limit).
+        acfg.clock_drift_ppm = sc.clock_drift_ppm.ceil() as u32;
         let alloc = Allocator::new(&config, acfg.clone(), 1, 0)
             .map_err(|e| SimError::Allocator(e.to_string()))?;
         let rng = Rng::new(seed);

@@ -80,6 +80,13 @@ pub struct AllocatorConfig {
     /// Overdraft `O` in permille of each rule's rate: the only excess the allocator
     /// ever grants (rate only, never burst). Default 0.
     pub overdraft_permille: u32,
+    /// How fast, at most, an agent's clock may run against real time, in parts per
+    /// million. Buckets refill by their agent's clock: one running fast by `d` admits
+    /// `d` times its rate beyond it. Rates are granted out of `(R + O) / (1 + d)`, so
+    /// that the fleet's refill in real time stays within `R + O`. Default 0 (clocks
+    /// trusted: NTP-disciplined clocks drift by tens of ppm, an excess of `ppm x R x T`
+    /// over a long saturated window); at most 100,000.
+    pub clock_drift_ppm: u32,
     /// An agent silent this long (no report, no ack) counts as gone for the purpose of a
     /// hello claiming its id with a new incarnation. Until then such a hello is refused
     /// as a duplicate. Default 1,000 ms.
@@ -123,6 +130,7 @@ impl Default for AllocatorConfig {
             demand_change_permille: 20,
             spare_reserve_permille: 0,
             overdraft_permille: 0,
+            clock_drift_ppm: 0,
             agent_silence_ms: 1_000,
             hash_seed: 0x6275_7273_6172,
             max_agents: 4_096,
@@ -180,6 +188,12 @@ impl AllocatorConfig {
             if v > 1000 {
                 return err(field, format!("must be at most 1000, got {v}"));
             }
+        }
+        if self.clock_drift_ppm > 100_000 {
+            return err(
+                "clock_drift_ppm",
+                format!("must be at most 100,000, got {}", self.clock_drift_ppm),
+            );
         }
         for (field, v) in [
             ("max_agents", self.max_agents),

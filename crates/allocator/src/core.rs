@@ -190,6 +190,8 @@ struct RuleInfo {
     rate: u64,
     /// `R + O` (0 for concurrency).
     rate_cap: u64,
+    /// The overdraft `O` per period (what the bound states beside `R`).
+    overdraft: u64,
     /// `B`, or slots.
     burst: u64,
     period_ns: u64,
@@ -222,9 +224,16 @@ struct RuleMeta {
 
 /// Builds the core's view of `rules`: per rule its numbers and meaning, and the index
 /// by name.
+/// The rate the allocator grants out of: `cap / (1 + ppm / 10^6)`, rounded down, so
+/// that agents whose clocks run fast by up to `ppm` refill within `cap` in real time.
+fn drift_cap(cap: u64, ppm: u32) -> u64 {
+    (cap as u128 * 1_000_000 / (1_000_000 + ppm as u128)) as u64
+}
+
 fn build_rules(
     rules: &Config,
     overdraft_permille: u32,
+    clock_drift_ppm: u32,
 ) -> (
     Vec<RuleInfo>,
     Vec<RuleMeta>,
@@ -243,7 +252,11 @@ fn build_rules(
             RuleLimit::Rate { rate, per, burst } => RuleInfo {
                 wildcards,
                 rate,
-                rate_cap: rate + rate * overdraft_permille as u64 / 1000,
+                rate_cap: drift_cap(
+                    rate + rate * overdraft_permille as u64 / 1000,
+                    clock_drift_ppm,
+                ),
+                overdraft: rate * overdraft_permille as u64 / 1000,
                 burst,
                 period_ns: per.as_ns(),
                 concurrency: false,
@@ -257,6 +270,7 @@ fn build_rules(
                 wildcards,
                 rate: 0,
                 rate_cap: 0,
+                overdraft: 0,
                 burst: max_in_flight,
                 period_ns: 0,
                 concurrency: true,
@@ -877,7 +891,8 @@ impl Allocator {
         now: u64,
     ) -> Result<Allocator, crate::config::ConfigError> {
         cfg.validate()?;
-        let (infos, meta, rule_index) = build_rules(rules, cfg.overdraft_permille);
+        let (infos, meta, rule_index) =
+            build_rules(rules, cfg.overdraft_permille, cfg.clock_drift_ppm);
         let learn = AllocatorConfig::ns(cfg.lease_ms + cfg.reclaim_margin_ms);
         Ok(Allocator {
             next_sweep_ns: now,
@@ -1139,13 +1154,35 @@ impl Allocator {
         Ok((None, rule, hash))
     }
 
+    /// The transfer pool a key starts with: tokens its first grants carry, so that a
+    /// new tenant's first requests are admitted at once instead of waiting for an empty
+    /// slice to fill (the `cold-keys` scenario's first admissions waited ~400 ms at the
+    /// median, 0.8-0.9 s at p95), and the fleet starts with the `B` one global bucket
+    /// would. Safe because no grant of the key has been in force anywhere for at least
+    /// `reclaim_margin_ms` when the allocator creates it: past the learning period no
+    /// earlier term's grant is alive, and a key is forgotten only once every entry is
+    /// idle (its agent gone, whose grants lapsed a margin before, or not reporting the
+    /// key for a lease, so its engine dropped it). The global bucket has refilled
+    /// `R x reclaim_margin_ms` in that time, up to `B`. Nothing while learning
+    /// (holdings are not all known yet), nothing for concurrency rules.
+    fn new_key_pool(&self, rule: u32) -> u64 {
+        let info = &self.rules[rule as usize];
+        if self.learning || info.concurrency || info.period_ns == 0 {
+            return 0;
+        }
+        let quiet = AllocatorConfig::ns(self.cfg.reclaim_margin_ms) as u128;
+        let refill = info.rate as u128 * quiet / info.period_ns as u128;
+        refill.min(info.burst as u128) as u64
+    }
+
     fn create_key(&mut self, name: &KeyName, rule: u32, hash: Fp) -> u32 {
+        let pool = self.new_key_pool(rule);
         let key = Key {
             name: Arc::new(name.clone()),
             fp: hash,
             rule,
             entries: Vec::new(),
-            pool: 0,
+            pool,
             dirty: false,
             due_ns: 0,
             committed: Slice::ZERO,
@@ -2668,7 +2705,7 @@ impl Allocator {
         let key = self.key(k);
         let rule = &self.rules[key.rule as usize];
         let mut b = OvershootBound {
-            overdraft_rate: rule.rate_cap - rule.rate,
+            overdraft_rate: rule.overdraft,
             period_ns: rule.period_ns,
             ..OvershootBound::default()
         };
@@ -3336,7 +3373,66 @@ mod tests {
         assert_eq!(g.burst, expect as u64, "{g:?}");
         assert!(g.burst < 1000, "part of the burst stays free for newcomers");
         assert_eq!(g.fleet_size, 1);
-        assert_eq!(g.transfer_tokens, 0, "a new grant starts empty");
+        assert_eq!(
+            g.transfer_tokens, 100,
+            "a new key's first grant carries R x reclaim_margin_ms (100 ms of 1,000 a second)"
+        );
+    }
+
+    #[test]
+    fn a_new_key_starts_with_what_the_bucket_refilled_in_a_margin_but_not_while_learning() {
+        let now = 5 * SEC;
+        // Past learning: R x reclaim_margin_ms, at most B.
+        let mut a = warm_allocator(1, now);
+        join(&mut a, now, "a", "x");
+        assert_eq!(a.key_status(&key("rps", "x")).unwrap().transfer_pool, 100);
+        a.check_invariants().unwrap();
+        let cfg = AllocatorConfig {
+            reclaim_margin_ms: 3_000,
+            ..quick_config()
+        };
+        let mut a = warm_allocator_with(&rules(), cfg, 1, now);
+        join(&mut a, now, "a", "y");
+        let st = a.key_status(&key("rps", "y")).unwrap();
+        assert_eq!(st.transfer_pool, 1_000, "capped at B");
+        // Concurrency rules hold slots, not tokens.
+        join(&mut a, now, "b", "z");
+        a.handle_report(
+            now + MS,
+            &report("b", 1, 30, vec![line(key("conc", "z"), 0, 1, None)]),
+        )
+        .unwrap();
+        assert_eq!(a.key_status(&key("conc", "z")).unwrap().transfer_pool, 0);
+        // While learning, holdings are not all known: nothing.
+        let mut a = Allocator::new(&rules(), quick_config(), 2, now).unwrap();
+        a.handle_timeout(now);
+        join(&mut a, now, "a", "x");
+        assert_eq!(a.key_status(&key("rps", "x")).unwrap().transfer_pool, 0);
+    }
+
+    #[test]
+    fn rates_are_granted_out_of_the_limit_less_the_clock_drift_allowance() {
+        let now = 5 * SEC;
+        let cfg = AllocatorConfig {
+            clock_drift_ppm: 50_000,
+            ..quick_config()
+        };
+        let mut a = warm_allocator_with(&rules(), cfg, 1, now);
+        join(&mut a, now, "a", "x");
+        let st = a.key_status(&key("rps", "x")).unwrap();
+        // 1,000 / 1.05, rounded down: a clock 5 % fast refills at most 1,000 a second.
+        assert_eq!(st.rate_capacity, 952);
+        let gs = settle(&mut a, now + 10 * MS);
+        assert!(gs.iter().all(|g| g.rate <= 952), "{gs:?}");
+        assert_eq!(
+            st.bound.overdraft_rate, 0,
+            "the allowance is not an overdraft"
+        );
+        let bad = AllocatorConfig {
+            clock_drift_ppm: 100_001,
+            ..quick_config()
+        };
+        assert_eq!(bad.validate().unwrap_err().field, "clock_drift_ppm");
     }
 
     #[test]

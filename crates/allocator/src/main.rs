@@ -89,6 +89,10 @@ struct ServeArgs {
     /// Overdraft O in permille of each rule's rate: the only excess ever granted.
     #[arg(long, default_value_t = 0)]
     overdraft_permille: u32,
+    /// How fast, at most, an agent's clock may run, ppm: rates are granted out of
+    /// (R + O) / (1 + ppm) so that fast clocks refill within R + O in real time.
+    #[arg(long, default_value_t = 0)]
+    clock_drift_ppm: u32,
     /// Most agents registered.
     #[arg(long, default_value_t = 4_096)]
     max_agents: usize,
@@ -205,6 +209,7 @@ fn serve(args: ServeArgs) -> Result<()> {
         reclaim_margin_ms: args.reclaim_margin_ms,
         drift_margin_ms: args.drift_margin_ms,
         overdraft_permille: args.overdraft_permille,
+        clock_drift_ppm: args.clock_drift_ppm,
         max_agents: args.max_agents,
         max_keys: args.max_keys,
         hash_seed: random_seed(),
@@ -256,6 +261,7 @@ fn allocator_config(args: &ServeArgs) -> AllocatorConfig {
         reclaim_margin_ms: args.reclaim_margin_ms,
         drift_margin_ms: args.drift_margin_ms,
         overdraft_permille: args.overdraft_permille,
+        clock_drift_ppm: args.clock_drift_ppm,
         max_agents: args.max_agents,
         max_keys: args.max_keys,
         hash_seed: random_seed(),

@@ -154,7 +154,8 @@ impl Allocator {
     /// under budget conservation (revoke before grant), removed and replaced rules'
     /// keys are released. The shell drains the grants it issues as after any call.
     pub fn reload(&mut self, now: u64, rules: &Config) -> ReloadSummary {
-        let (mut infos, meta, index) = build_rules(rules, self.cfg.overdraft_permille);
+        let (mut infos, meta, index) =
+            build_rules(rules, self.cfg.overdraft_permille, self.cfg.clock_drift_ppm);
         let mut summary = ReloadSummary::default();
         // Per old rule: its new index and whether its numbers changed, or None (its
         // keys are released).
