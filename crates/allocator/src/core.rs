@@ -222,14 +222,14 @@ struct RuleMeta {
     concurrency: bool,
 }
 
-/// Builds the core's view of `rules`: per rule its numbers and meaning, and the index
-/// by name.
 /// The rate the allocator grants out of: `cap / (1 + ppm / 10^6)`, rounded down, so
 /// that agents whose clocks run fast by up to `ppm` refill within `cap` in real time.
 fn drift_cap(cap: u64, ppm: u32) -> u64 {
     (cap as u128 * 1_000_000 / (1_000_000 + ppm as u128)) as u64
 }
 
+/// Builds the core's view of `rules`: per rule its numbers and meaning, and the index
+/// by name.
 fn build_rules(
     rules: &Config,
     overdraft_permille: u32,
@@ -1167,7 +1167,7 @@ impl Allocator {
     /// (holdings are not all known yet), nothing for concurrency rules.
     fn new_key_pool(&self, rule: u32) -> u64 {
         let info = &self.rules[rule as usize];
-        if self.learning || info.concurrency || info.period_ns == 0 {
+        if self.learning || info.concurrency {
             return 0;
         }
         let quiet = AllocatorConfig::ns(self.cfg.reclaim_margin_ms) as u128;
@@ -1832,6 +1832,7 @@ impl Allocator {
         ag.last_heard_ns = now;
         ag.connected = true;
         let soon = now + AllocatorConfig::ns(self.cfg.recompute_delay_ms);
+        let frequent = self.reports_frequently(a);
         for (kr, r) in report.keys.iter().zip(resolved.drain(..)) {
             let Some(r) = r else {
                 self.ignored_lines += 1;
@@ -1845,7 +1846,7 @@ impl Allocator {
                 Some(p) => p,
                 None => self.create_entry(a, k),
             };
-            let changed = self.sample(k, pos, kr, report.agent_time_ns);
+            let changed = self.sample(k, pos, kr, report.agent_time_ns, frequent);
             if let Some(h) = &kr.held {
                 self.apply_held(k, pos, h, kr.in_flight);
             }
@@ -1916,9 +1917,23 @@ impl Allocator {
         Ok(())
     }
 
-    /// Folds one report's counters into the smoothed demand. True if the key should be
-    /// recomputed.
-    fn sample(&mut self, k: u32, pos: u32, kr: &KeyReport, agent_time: u64) -> bool {
+    /// Whether agent `a` said in its hello that it reports more often than
+    /// `min_sample_ms` (see [`Allocator::sample`]).
+    fn reports_frequently(&self, a: u32) -> bool {
+        let interval = self.agent(a).report_interval_ns;
+        interval > 0 && interval < AllocatorConfig::ns(self.cfg.min_sample_ms)
+    }
+
+    /// Folds one report's counters into the smoothed demand; `frequent`: the agent
+    /// reports more often than `min_sample_ms`. True if the key should be recomputed.
+    fn sample(
+        &mut self,
+        k: u32,
+        pos: u32,
+        kr: &KeyReport,
+        agent_time: u64,
+        frequent: bool,
+    ) -> bool {
         let half_life = AllocatorConfig::ns(self.cfg.demand_half_life_ms) as f64;
         let slow_half_life = AllocatorConfig::ns(self.cfg.sparse_half_life_ms) as f64;
         let min_sample = AllocatorConfig::ns(self.cfg.min_sample_ms);
@@ -1952,9 +1967,6 @@ impl Allocator {
         // against 0.78 and 81 this way). Agents that report at `min_sample_ms` or less
         // often (the default), or do not say, are read as before: an out-of-band report
         // followed soon by a regular one is folded as it always was.
-        let frequent = self.agents[e.agent as usize]
-            .as_ref()
-            .is_some_and(|ag| ag.report_interval_ns > 0 && ag.report_interval_ns < min_sample);
         let short = frequent && elapsed < min_sample && e.has_demand && !rule.concurrency;
         let interval = elapsed.max(min_sample);
         let sample = if rule.concurrency {
@@ -1973,44 +1985,40 @@ impl Allocator {
             let diff = (sample - d).abs();
             diff > jump_rel * sample.max(d) && diff > jump_floor
         };
-        // Reports come at one interval: the smoothing factors are computed once per
-        // interval seen, not once per key (`exp2` is a libm call).
-        if memo.0 != interval {
-            let f = |hl: f64| 1.0 - (-(interval as f64) / hl).exp2();
-            *memo = (interval, f(half_life), f(slow_half_life));
-        }
-        let (alpha, alpha_slow) = (memo.1, memo.2);
         if short {
-            e.in_flight = kr.in_flight;
-            let rejecting = dr > 0 || e.rejecting;
-            let raised = sample > e.demand && jump(e.demand);
-            if raised {
+            // The base stays; only a jump up is taken from the diluted rate.
+            if sample > e.demand && jump(e.demand) {
                 e.demand = sample;
                 e.rejected_rate = e.rejected_rate.max(rejected_sample);
             }
-            e.rejecting = rejecting;
-            let floor = rule.capacity() as f64 / 1000.0;
-            return e.rejecting != e.rejecting_used
-                || (e.demand - e.demand_used).abs() > change * e.demand_used.max(floor);
-        }
-        if e.has_demand && !jump(e.demand) {
-            e.demand += alpha * (sample - e.demand);
-            e.rejected_rate += alpha * (rejected_sample - e.rejected_rate);
+            e.rejecting |= dr > 0;
         } else {
-            e.demand = sample;
-            e.rejected_rate = rejected_sample;
-            e.has_demand = true;
+            // Reports come at one interval: the smoothing factors are computed once per
+            // interval seen, not once per key (`exp2` is a libm call).
+            if memo.0 != interval {
+                let f = |hl: f64| 1.0 - (-(interval as f64) / hl).exp2();
+                *memo = (interval, f(half_life), f(slow_half_life));
+            }
+            let (alpha, alpha_slow) = (memo.1, memo.2);
+            if e.has_demand && !jump(e.demand) {
+                e.demand += alpha * (sample - e.demand);
+                e.rejected_rate += alpha * (rejected_sample - e.rejected_rate);
+            } else {
+                e.demand = sample;
+                e.rejected_rate = rejected_sample;
+                e.has_demand = true;
+            }
+            e.demand_slow += alpha_slow * (sample - e.demand_slow);
+            // Rejecting until the smoothed rejections fade below 2 % of demand: an agent
+            // that got spare capacity keeps it for a few reports after it stops
+            // rejecting, instead of losing it at once and rejecting again (flapping).
+            e.rejecting = dr > 0 || e.rejected_rate > 0.02 * e.demand;
+            e.base_admitted = kr.admitted;
+            e.base_rejected = kr.rejected;
+            e.base_ts = agent_time;
+            e.since = kr.counting_since_ns;
+            e.sampled = true;
         }
-        e.demand_slow += alpha_slow * (sample - e.demand_slow);
-        // Rejecting until the smoothed rejections fade below 2 % of demand: an agent
-        // that got spare capacity keeps it for a few reports after it stops rejecting,
-        // instead of losing it at once and rejecting again (flapping).
-        e.rejecting = dr > 0 || e.rejected_rate > 0.02 * e.demand;
-        e.base_admitted = kr.admitted;
-        e.base_rejected = kr.rejected;
-        e.base_ts = agent_time;
-        e.since = kr.counting_since_ns;
-        e.sampled = true;
         e.in_flight = kr.in_flight;
         let floor = rule.capacity() as f64 / 1000.0;
         e.rejecting != e.rejecting_used

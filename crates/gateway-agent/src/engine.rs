@@ -2424,11 +2424,11 @@ impl Engine {
         if wild != values.len() {
             return None;
         }
-        let ri = ri as u32;
+        let (id, check) = self.key_identity(rule, values)?;
         Some(KeyHandle {
-            rule: ri,
-            id: self.hashing.key_id(ri, values.iter().copied()),
-            check: self.hashing.key_check(ri, values.iter().copied()),
+            rule: ri as u32,
+            id,
+            check,
             values: Box::new(values.iter().map(|v| Box::<str>::from(*v)).collect()),
         })
     }
