@@ -64,6 +64,10 @@ enum Cmd {
         /// against slower small moves, see docs/tuning.md).
         #[arg(long)]
         hysteresis_permille: Option<u32>,
+        /// Override `allocator.measure_window_ms` (0..10,000; 0: holders are never
+        /// asked to measure afresh, see docs/tuning.md).
+        #[arg(long)]
+        measure_window_ms: Option<u64>,
         /// Allocation policy: `bursar` (the real allocator), `static` (R/N each),
         /// `doorman` (proportional shares without revoke-before-grant) or `gubernator`
         /// (every gateway holds the full limit and syncs hits every report interval).
@@ -311,6 +315,7 @@ fn real_main() -> Result<ExitCode> {
             burst,
             overdraft_permille,
             hysteresis_permille,
+            measure_window_ms,
             policy,
             json,
             plot,
@@ -325,6 +330,7 @@ fn real_main() -> Result<ExitCode> {
                 burst,
                 overdraft_permille,
                 hysteresis_permille,
+                measure_window_ms,
             };
             let replay = replay_command(&scenario, seed, &overrides, &policy);
             overrides.apply(&mut sc)?;

@@ -155,6 +155,10 @@ pub struct AllocatorSpec {
     /// more than this far from it (fewer grant messages against slower small moves;
     /// docs/tuning.md has the measured trade).
     pub hysteresis_permille: u32,
+    /// `AllocatorConfig::measure_window_ms`: the window over which a key's holders
+    /// measure their demand afresh when another agent's jumps and nothing is free (0:
+    /// never asked).
+    pub measure_window_ms: u64,
 }
 
 impl AllocatorSpec {
@@ -166,6 +170,7 @@ impl AllocatorSpec {
             reclaim_margin_ms: self.reclaim_margin_ms,
             overdraft_permille: self.overdraft_permille,
             hysteresis_permille: self.hysteresis_permille,
+            measure_window_ms: self.measure_window_ms,
             max_agents: AllocatorConfig::default().max_agents.max(gateways),
             ..AllocatorConfig::default()
         }
@@ -182,6 +187,7 @@ impl Default for AllocatorSpec {
             full_report_every: 8,
             new_key_poll_ms: 20,
             hysteresis_permille: AllocatorConfig::default().hysteresis_permille,
+            measure_window_ms: AllocatorConfig::default().measure_window_ms,
         }
     }
 }
@@ -375,6 +381,8 @@ pub struct Overrides {
     pub overdraft_permille: Option<u32>,
     /// `allocator.hysteresis_permille`.
     pub hysteresis_permille: Option<u32>,
+    /// `allocator.measure_window_ms`.
+    pub measure_window_ms: Option<u64>,
 }
 
 impl Overrides {
@@ -404,6 +412,9 @@ impl Overrides {
         if let Some(h) = self.hysteresis_permille {
             sc.allocator.hysteresis_permille = h;
         }
+        if let Some(m) = self.measure_window_ms {
+            sc.allocator.measure_window_ms = m;
+        }
         sc.validate()
     }
 
@@ -431,6 +442,10 @@ impl Overrides {
         flag(
             "hysteresis-permille",
             self.hysteresis_permille.map(|x| x.to_string()),
+        );
+        flag(
+            "measure-window-ms",
+            self.measure_window_ms.map(|x| x.to_string()),
         );
         c
     }

@@ -18,7 +18,7 @@ use bursar_agent::{
 };
 use bursar_allocator::{
     Ack, Allocator, AllocatorConfig, Grant, HeldGrant, HeldSlice, Hello, KeyName, KeyReport,
-    LeaseExtension, Report as AllocReport, SliceAck,
+    LeaseExtension, Measure, MeasureRequest, Report as AllocReport, SliceAck,
 };
 use serde::Serialize;
 
@@ -160,6 +160,8 @@ pub struct Counters {
     pub grants: u64,
     /// Lease extensions the allocator sent (one message each, in `to_agents` too).
     pub extensions: u64,
+    /// Measure requests the allocator sent (one message each, in `to_agents` too).
+    pub measure_requests: u64,
     /// Hit batches agents sent each other (the Gubernator-like policy).
     pub peer: u64,
     /// Encoded bytes of `to_allocator` messages ([`crate::wire`]).
@@ -318,6 +320,10 @@ struct Agent {
     /// (`bursar_agent::sync_core`), keys named by number.
     sync: SyncTracks<u32>,
     poll_pending: bool,
+    /// Keys (by handle) of the open requested measurement, and when it ends (as the
+    /// sync client: one open at a time, later requests join it).
+    measuring: Vec<u64>,
+    measure_end_at: u64,
     next_request: u64,
     /// Report phase within the interval.
     phase: u64,
@@ -353,6 +359,10 @@ enum Ev {
     ToAgent(u32, Vec<Grant>),
     /// One lease extension (boxed: rare, and it would be the largest variant).
     ToAgentExt(u32, Box<LeaseExtension>),
+    /// One measure request (boxed: rare).
+    ToAgentMeasure(u32, Box<MeasureRequest>),
+    /// Agent `.0` (incarnation `.1`) ends its open measurement, if it is still due now.
+    MeasureEnd(u32, u64),
     Report(u32, u64),
     NewKeyPoll(u32, u64),
     Maintain(u32, u64),
@@ -485,6 +495,8 @@ impl Sim {
                     last_ts: 0,
                     sync: SyncTracks::new(0),
                     poll_pending: false,
+                    measuring: Vec::new(),
+                    measure_end_at: 0,
                     next_request: 0,
                     phase: r.below(report_ns),
                     up_free_at: 0,
@@ -726,6 +738,15 @@ impl Sim {
             Ev::ToAlloc(i, _, m) => self.deliver_to_alloc(i, *m),
             Ev::ToAgent(i, g) => self.deliver_to_agent(i, g),
             Ev::ToAgentExt(i, x) => self.deliver_extension(i, &x),
+            Ev::ToAgentMeasure(i, m) => self.deliver_measure(i, *m),
+            Ev::MeasureEnd(i, inc) => {
+                let a = &self.agents[i as usize];
+                let due = a.measure_end_at == self.now && !a.measuring.is_empty();
+                if due && self.live(i, inc) {
+                    let handles = std::mem::take(&mut self.agents[i as usize].measuring);
+                    self.send_measure_reports(i, &handles, Measure::End);
+                }
+            }
             Ev::Report(i, inc) => {
                 if self.live(i, inc) {
                     self.send_reports(i, false);
@@ -851,6 +872,7 @@ impl Sim {
                 a.sync = SyncTracks::new(0);
                 a.hits.clear();
                 a.poll_pending = false;
+                a.measuring.clear();
             }
             Ev::AgentRestart(i) => {
                 let a = &mut self.agents[i as usize];
@@ -1210,8 +1232,10 @@ impl Sim {
         };
         let grants: Vec<Grant> = alloc.drain_grants().collect();
         let extensions = alloc.drain_extensions();
+        let measures = alloc.drain_measure_requests();
         self.send_grants(grants);
         self.send_extensions(extensions);
+        self.send_measures(measures);
         self.schedule_wake();
     }
 
@@ -1241,6 +1265,93 @@ impl Sim {
                 }
                 rest = tail;
             }
+        }
+    }
+
+    /// Sends drained measure requests, one message each, after the grants and
+    /// extensions (as the shell's `route`).
+    fn send_measures(&mut self, measures: Vec<MeasureRequest>) {
+        for m in measures {
+            let Some(i) = self.agent_index(&m.agent) else {
+                continue;
+            };
+            self.counters.to_agents += 1;
+            self.counters.measure_requests += 1;
+            self.counters.to_agents_bytes += wire::measure_request_bytes(&m);
+            if let Some(at) = self.link_delay(i, false) {
+                self.push(at, Ev::ToAgentMeasure(i as u32, Box::new(m)));
+            }
+        }
+    }
+
+    /// A measure request reaches agent `i` (as `sync.rs`): the keys' start report at
+    /// once, their end when the window closes.
+    fn deliver_measure(&mut self, i: u32, m: MeasureRequest) {
+        let iu = i as usize;
+        if self.cut(iu, self.now) {
+            self.counters.lost += 1;
+            return;
+        }
+        let a = &self.agents[iu];
+        if a.engine.is_none() || a.incarnation != m.incarnation {
+            self.counters.lost += 1;
+            return;
+        }
+        let max = self.acfg.max_keys_per_message.max(1);
+        let mut handles = m.key_handles;
+        handles.truncate(max);
+        self.send_measure_reports(i, &handles, Measure::Start);
+        let at = self.now + u64::from(m.window_ms.min(10_000)) * MS;
+        let a = &mut self.agents[iu];
+        if a.measuring.is_empty() || at > a.measure_end_at {
+            a.measure_end_at = at;
+            let inc = a.incarnation;
+            self.push(at, Ev::MeasureEnd(i, inc));
+        }
+        let a = &mut self.agents[iu];
+        a.measuring.extend(handles);
+        a.measuring.sort_unstable();
+        a.measuring.dedup();
+        a.measuring.truncate(max);
+    }
+
+    /// The reports of a requested measurement for `handles`' keys (those the agent's
+    /// stream knows), marked `measure`.
+    fn send_measure_reports(&mut self, i: u32, handles: &[u64], measure: Measure) {
+        let iu = i as usize;
+        let mut keys = Vec::new();
+        self.agents[iu].sync.measure_report(handles, |l| {
+            keys.push(KeyReport {
+                key: KeyName::default(),
+                admitted: l.admitted,
+                rejected: l.rejected,
+                counting_since_ns: l.counting_since_ns,
+                in_flight: l.in_flight,
+                held: l.held.map(held_grant),
+                key_handle: l.key_handle,
+            });
+        });
+        if keys.is_empty() {
+            return;
+        }
+        let max = self.acfg.max_keys_per_message.max(1);
+        let (name, incarnation) = (self.agents[iu].name.clone(), self.agents[iu].incarnation);
+        let mut rest = keys;
+        loop {
+            let tail = rest.split_off(rest.len().min(max));
+            let ts = self.stamp(iu);
+            let r = AllocReport {
+                agent: name.clone(),
+                incarnation,
+                agent_time_ns: ts,
+                keys: rest,
+                measure,
+            };
+            self.send_to_alloc(i, ToAlloc::Report(r));
+            if tail.is_empty() {
+                break;
+            }
+            rest = tail;
         }
     }
 
@@ -1523,6 +1634,7 @@ impl Sim {
                 incarnation,
                 agent_time_ns: ts,
                 keys: rest,
+                measure: Measure::None,
             };
             self.send_to_alloc(i, ToAlloc::Report(r));
             if tail.is_empty() {
@@ -2185,12 +2297,13 @@ mod tests {
             burst: Some(800),
             overdraft_permille: Some(50),
             hysteresis_permille: Some(150),
+            measure_window_ms: Some(60),
         };
         assert_eq!(
             replay_command("x.toml", 1, &o, "static"),
             "bursar-sim run x.toml --seed 1 --gateways 3 --keys 2 --duration-s 1.5 \
              --report-interval-ms 100 --lease-ms 5000 --burst 800 --overdraft-permille 50 \
-             --hysteresis-permille 150 --policy static"
+             --hysteresis-permille 150 --measure-window-ms 60 --policy static"
         );
         // The overrides it names are the ones applied.
         let mut sc = Scenario::load("steady").unwrap();
@@ -2201,6 +2314,7 @@ mod tests {
         );
         assert_eq!(sc.allocator.overdraft_permille, 50);
         assert_eq!(sc.allocator.hysteresis_permille, 150);
+        assert_eq!(sc.allocator.measure_window_ms, 60);
     }
 
     #[test]

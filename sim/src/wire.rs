@@ -12,7 +12,10 @@
 //! The field numbers follow the .proto file; `a_report_is_sized_as_protobuf_would_encode_it`
 //! checks the arithmetic against a hand-encoded message.
 
-use bursar_allocator::{Ack, Grant, HeldGrant, Hello, KeyName, KeyReport, LeaseExtension, Report};
+use bursar_allocator::{
+    Ack, Grant, HeldGrant, Hello, KeyName, KeyReport, LeaseExtension, Measure, MeasureRequest,
+    Report,
+};
 
 /// gRPC's per-message prefix: one compression byte and a 4-byte length.
 pub const GRPC_PREFIX_BYTES: u64 = 5;
@@ -90,7 +93,12 @@ pub fn hello_bytes(h: &Hello) -> u64 {
 /// a field of the report).
 pub fn report_bytes(r: &Report) -> u64 {
     let keys: u64 = r.keys.iter().map(|k| delimited(key_report_body(k))).sum();
-    GRPC_PREFIX_BYTES + delimited(uint(r.agent_time_ns) + keys)
+    let measure = match r.measure {
+        Measure::None => 0,
+        Measure::Start => 1,
+        Measure::End => 2,
+    };
+    GRPC_PREFIX_BYTES + delimited(uint(r.agent_time_ns) + keys + uint(measure))
 }
 
 /// An `AgentMessage { ack = 3 }` on the stream.
@@ -140,6 +148,14 @@ pub fn extension_bytes(x: &LeaseExtension) -> u64 {
     GRPC_PREFIX_BYTES + delimited(body)
 }
 
+/// An `AllocatorMessage { measure_request = 6 }` (handles packed, as proto3 encodes a
+/// repeated scalar).
+pub fn measure_request_bytes(m: &MeasureRequest) -> u64 {
+    let packed: u64 = m.key_handles.iter().map(|&h| varint_len(h)).sum();
+    let handles = if packed == 0 { 0 } else { delimited(packed) };
+    GRPC_PREFIX_BYTES + delimited(handles + uint(u64::from(m.window_ms)))
+}
+
 /// A Gubernator-like hit batch: one `KeyReport { key, admitted = hits }` per key.
 pub fn hits_bytes<'a>(hits: impl Iterator<Item = (&'a KeyName, u64)>) -> u64 {
     let keys: u64 = hits
@@ -182,6 +198,7 @@ mod tests {
                 }),
                 key_handle: 0,
             }],
+            measure: Measure::None,
         };
         // Hand-encoded: Key = 0a 06 "tenant" 12 02 "t0" (12 bytes);
         // HeldGrant = 08 01 10 02 (4 bytes);
@@ -203,5 +220,30 @@ mod tests {
         // LeaseExtension = 08 01 10 ac 02 (5 bytes); AllocatorMessage = 2a 05 <ext>
         // = 7 bytes; plus gRPC's 5. Agent and incarnation name the stream only.
         assert_eq!(extension_bytes(&x), 7 + GRPC_PREFIX_BYTES);
+    }
+
+    #[test]
+    fn a_measure_request_is_sized_as_protobuf_would_encode_it() {
+        let m = MeasureRequest {
+            agent: "gw-0".into(),
+            incarnation: 1,
+            key_handles: vec![1, 300],
+            window_ms: 100,
+        };
+        // key_handles packed = 0a 03 01 ac 02 (5 bytes); window_ms = 10 64 (2 bytes);
+        // AllocatorMessage = 32 07 <request> = 9 bytes; plus gRPC's 5.
+        assert_eq!(measure_request_bytes(&m), 9 + GRPC_PREFIX_BYTES);
+        // A report's measure field: 18 02 (2 bytes) when not MEASURE_NONE.
+        let r = |measure| Report {
+            agent: "gw-0".into(),
+            incarnation: 1,
+            agent_time_ns: 300,
+            keys: Vec::new(),
+            measure,
+        };
+        assert_eq!(
+            report_bytes(&r(Measure::End)),
+            report_bytes(&r(Measure::None)) + 2
+        );
     }
 }

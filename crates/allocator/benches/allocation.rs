@@ -44,7 +44,7 @@ use std::time::{Duration, Instant};
 
 use bursar_agent::Config;
 use bursar_allocator::shell::driver::grant_to_pb;
-use bursar_allocator::{Allocator, AllocatorConfig, Hello, KeyName, KeyReport, Report};
+use bursar_allocator::{Allocator, AllocatorConfig, Hello, KeyName, KeyReport, Measure, Report};
 use criterion::{BatchSize, Criterion, criterion_group, criterion_main};
 
 const AGENTS: usize = 1_000;
@@ -154,6 +154,7 @@ fn fleet_with(cfg: AllocatorConfig) -> Fleet {
                     key_handle: 0,
                 })
                 .collect(),
+            measure: Measure::None,
         };
         alloc.handle_report(now, &report).unwrap();
     }
@@ -316,6 +317,7 @@ impl Reporter {
                     incarnation: 1,
                     agent_time_ns: SEC + 250 * MS,
                     keys,
+                    measure: Measure::None,
                 }
             })
             .collect();

@@ -48,6 +48,15 @@ pub struct AllocatorConfig {
     /// Shortest interval a demand sample is measured over (a new key's first report
     /// covers one request). Default 250 ms (one report interval).
     pub min_sample_ms: u64,
+    /// When an agent's demand for a key jumps and the key has nothing free for it, the
+    /// key's other holders are asked to measure their demand afresh over this window
+    /// ([`crate::MeasureRequest`]), at most once per `min_sample_ms` per key: a holder
+    /// whose demand moved away is seen within the window instead of up to two report
+    /// intervals (its regular reports still cover time before the move). 0 turns it
+    /// off. Default 100 ms: at ~5 requests a window a holder still busy reads below a
+    /// quarter of its demand (a jump down) about once in 25 requests, and its next
+    /// regular report restores it.
+    pub measure_window_ms: u64,
     /// A key is recomputed at most this long after its demand changed: reports arriving
     /// together are allocated together (and many agents reporting a new key at once
     /// split it). Default 10 ms.
@@ -123,6 +132,7 @@ impl Default for AllocatorConfig {
             demand_jump_permille: 750,
             demand_jump_floor_permille: 200,
             min_sample_ms: 250,
+            measure_window_ms: 100,
             recompute_delay_ms: 10,
             large_key_entries: 32,
             large_key_recompute_ms: 250,
@@ -173,6 +183,12 @@ impl AllocatorConfig {
         }
         if self.min_sample_ms == 0 {
             return err("min_sample_ms", "must be at least 1".into());
+        }
+        if self.measure_window_ms > 10_000 {
+            return err(
+                "measure_window_ms",
+                format!("must be at most 10,000, got {}", self.measure_window_ms),
+            );
         }
         for (field, v) in [
             ("hysteresis_permille", self.hysteresis_permille),
@@ -241,6 +257,11 @@ mod tests {
             ..AllocatorConfig::default()
         };
         assert_eq!(bad.validate().unwrap_err().field, "overdraft_permille");
+        let bad = AllocatorConfig {
+            measure_window_ms: 10_001,
+            ..AllocatorConfig::default()
+        };
+        assert_eq!(bad.validate().unwrap_err().field, "measure_window_ms");
         let bad = AllocatorConfig {
             max_keys: 0,
             ..AllocatorConfig::default()

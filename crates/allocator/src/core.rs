@@ -60,7 +60,8 @@ use foldhash::fast::FixedState;
 use crate::config::{AllocatorConfig, MAX_AGENT_ID_BYTES};
 use crate::error::AllocError;
 use crate::msg::{
-    Ack, Grant, GrantRef, HeldGrant, Hello, KeyName, KeyReport, LeaseExtension, Report,
+    Ack, Grant, GrantRef, HeldGrant, Hello, KeyName, KeyReport, LeaseExtension, Measure,
+    MeasureRequest, Report,
 };
 use crate::waterfill::{Claim, Fill, to_units, water_fill};
 use smallvec::SmallVec;
@@ -71,6 +72,13 @@ pub use reload::{ReloadSummary, RuleStatus};
 /// Grants remembered per key and agent before the oldest two are merged (into one
 /// record as large as both, so that accounting stays conservative).
 const MAX_SENT: usize = 6;
+/// Most holders of one key asked to measure at a time (the largest grants).
+const MEASURE_MAX_HOLDERS: usize = 64;
+/// Most measure requests (agent, key) queued before the shell drains them.
+const MAX_MEASURES_QUEUED: usize = 65_536;
+/// Typical requests a holder should expect in a measurement window: an empty window
+/// then happens by chance about once in 150 (Poisson).
+const MEASURE_MIN_REQUESTS: f64 = 5.0;
 
 /// Probes for a key id whose name hash collides.
 const MAX_PROBE: u64 = 4;
@@ -441,7 +449,7 @@ struct Entry {
     has_demand: bool,
     rejecting: bool,
     rejecting_used: bool,
-    sampled: bool,
+    sampled: Sampled,
     demand: f64,
     /// The latest grant sent, `sent.last()` (kept in step by [`Key::edit`]): read on
     /// every recomputation, so kept inline where `sent` may have spilled to the heap.
@@ -473,6 +481,20 @@ struct Entry {
     commit: Slice,
 }
 
+/// Whether an entry's counters have a base, and what set it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+enum Sampled {
+    /// No report yet.
+    No,
+    /// A regular report.
+    Yes,
+    /// A requested measurement ([`Measure`]) started or ended: a regular report soon
+    /// after is short, and is read as the frequent reporters' short samples are (the
+    /// base stays, only a jump up counts), not diluted over `min_sample_ms`.
+    Measured,
+}
+
 /// The rare parts of an [`Entry`].
 #[derive(Clone, Debug, Default)]
 struct Rare {
@@ -489,7 +511,7 @@ impl Entry {
             has_demand: false,
             rejecting: false,
             rejecting_used: false,
-            sampled: false,
+            sampled: Sampled::No,
             demand: 0.0,
             cur: Slice::ZERO,
             commit: Slice::ZERO,
@@ -623,6 +645,8 @@ struct Key {
     /// [`Key::edit`] and made exact by the sweep): the sweep skips the key until then.
     sweep_after_ns: u64,
     last_full_ns: u64,
+    /// When the key's holders were last asked to measure (0: never).
+    measured_at_ns: u64,
 }
 
 impl Key {
@@ -760,6 +784,10 @@ pub struct Allocator {
     outbox: Vec<Pending>,
     /// Agents with a lease extension to send (each at most once: `Agent::ext_queued`).
     extensions: Vec<u32>,
+    /// Measure requests queued, at most `MAX_MEASURES_QUEUED`.
+    measures: Vec<Measuring>,
+    /// Measure requests not queued because the queue was full.
+    measures_dropped: u64,
     /// Names of agents and keys removed while the outbox held grants for them (a
     /// pending grant still names them), and their indices, which are not reused until
     /// the outbox is drained.
@@ -770,6 +798,16 @@ pub struct Allocator {
     check_hasher: FixedState,
     scratch: Scratch,
     report_scratch: ReportScratch,
+}
+
+/// One key of a queued measure request (batched per agent stream and window when
+/// drained). Ordered by those, so that a sort groups them.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct Measuring {
+    agent: Arc<str>,
+    incarnation: u64,
+    window_ms: u32,
+    key_handle: u64,
 }
 
 /// A grant in the outbox: agent and key by index, named only when drained
@@ -844,6 +882,8 @@ struct Scratch {
     slow: Vec<Claim>,
     /// Entries with a claim, by priority (sparse keys).
     order: Vec<(f64, u32)>,
+    /// Holders of a key to ask for a measurement: (rate held, agent, demand).
+    measure: Vec<(u64, u32, f64)>,
 }
 
 /// The handle of key index `k` in generation `generation` ([`Grant::key_handle`]):
@@ -877,6 +917,8 @@ struct ReportScratch {
     found: Vec<Option<u32>>,
     positions: Vec<Option<u32>>,
     ids: Vec<(u64, u64, usize)>,
+    /// Lines whose demand jumped up: (key, entry).
+    surged: Vec<(u32, u32)>,
 }
 
 impl Allocator {
@@ -919,6 +961,8 @@ impl Allocator {
             recompute_at_ns: None,
             outbox: Vec::new(),
             extensions: Vec::new(),
+            measures: Vec::new(),
+            measures_dropped: 0,
             graves: Graves::default(),
             alpha_memo: (0, 0.0, 0.0),
             hasher: FixedState::with_seed(cfg.hash_seed),
@@ -1052,6 +1096,125 @@ impl Allocator {
     /// Lease extensions waiting to be drained (at most one per agent).
     pub fn pending_extensions(&self) -> usize {
         self.extensions.len()
+    }
+
+    /// Takes the measure requests queued so far, one message per agent stream (at most
+    /// `max_keys_per_message` keys each; see [`MeasureRequest`]). The shell sends each
+    /// on its agent's stream, only to the incarnation it names; one lost only leaves
+    /// that holder to its regular reports.
+    pub fn drain_measure_requests(&mut self) -> Vec<MeasureRequest> {
+        let max = self.cfg.max_keys_per_message.max(1);
+        let mut q = std::mem::take(&mut self.measures);
+        q.sort_unstable();
+        q.dedup();
+        let mut out: Vec<MeasureRequest> = Vec::new();
+        for m in q {
+            match out.last_mut() {
+                Some(o)
+                    if o.agent == m.agent
+                        && o.incarnation == m.incarnation
+                        && o.window_ms == m.window_ms
+                        && o.key_handles.len() < max =>
+                {
+                    o.key_handles.push(m.key_handle)
+                }
+                _ => out.push(MeasureRequest {
+                    agent: m.agent,
+                    incarnation: m.incarnation,
+                    key_handles: vec![m.key_handle],
+                    window_ms: m.window_ms,
+                }),
+            }
+        }
+        out
+    }
+
+    /// Measure requests (agent, key) waiting to be drained.
+    pub fn pending_measure_requests(&self) -> usize {
+        self.measures.len()
+    }
+
+    /// Measure requests not queued because `MAX_MEASURES_QUEUED` were waiting (the
+    /// shell drains after every input, so this stays 0 unless it stalls).
+    pub fn measures_dropped(&self) -> u64 {
+        self.measures_dropped
+    }
+
+    /// Entry `pos` of key `k` (a rate rule) surged: if the key has nothing free for it,
+    /// asks the key's largest other holders (at most `MEASURE_MAX_HOLDERS`) to measure
+    /// afresh, at most once per `min_sample_ms` per key (see [`MeasureRequest`]). Each
+    /// holder's window is long enough to expect `MEASURE_MIN_REQUESTS` of its typical
+    /// requests (at least `measure_window_ms`): an empty window then says its demand
+    /// moved away, not that it had a quiet spell. A holder that would need more than
+    /// two `min_sample_ms` is left to its regular reports, and so is every holder of a
+    /// rule whose typical request is unknown (`typical_cost` 0, the default for
+    /// `input_tokens`): a short window proves nothing without a request size.
+    fn request_measures(&mut self, now: u64, k: u32, pos: u32) {
+        if self.cfg.measure_window_ms == 0 || self.learning {
+            return;
+        }
+        let min_sample = AllocatorConfig::ns(self.cfg.min_sample_ms);
+        let floor = AllocatorConfig::ns(self.cfg.measure_window_ms);
+        let key = self.keys[k as usize].as_ref().expect("live key");
+        let rule = &self.rules[key.rule as usize];
+        if rule.typical == 0 || rule.concurrency {
+            return;
+        }
+        if key.measured_at_ns != 0 && now < key.measured_at_ns.saturating_add(min_sample) {
+            return;
+        }
+        let e = &key.entries[pos as usize];
+        let unmet = e.demand - e.cur.rate as f64;
+        let free = key.limit.rate.saturating_sub(key.committed.rate) as f64;
+        if unmet <= free {
+            return;
+        }
+        let mut holders = std::mem::take(&mut self.scratch.measure);
+        holders.clear();
+        holders.extend(
+            key.entries
+                .iter()
+                .enumerate()
+                .filter(|&(i, o)| i != pos as usize && o.cur.rate > 0)
+                .map(|(_, o)| (o.cur.rate, o.agent, o.demand)),
+        );
+        if holders.len() > MEASURE_MAX_HOLDERS {
+            holders.select_nth_unstable_by(MEASURE_MAX_HOLDERS, |a, b| b.0.cmp(&a.0));
+            holders.truncate(MEASURE_MAX_HOLDERS);
+        }
+        let handle = key_handle(self.key_gens[k as usize], k);
+        let (typical, period) = (rule.typical as f64, rule.period_ns as f64);
+        let mut asked = false;
+        for &(_, a, demand) in &holders {
+            // Time to expect the requests: demand is in units per period.
+            let need = MEASURE_MIN_REQUESTS * typical * period / demand.max(f64::MIN_POSITIVE);
+            // Also skips a holder with no demand (an infinite or NaN wait).
+            if need.is_nan() || need > 2.0 * min_sample as f64 {
+                continue;
+            }
+            let window_ms = (need as u64).max(floor).div_ceil(1_000_000);
+            let Some(ag) = self.agents[a as usize].as_ref() else {
+                continue;
+            };
+            if !ag.connected {
+                continue;
+            }
+            if self.measures.len() >= MAX_MEASURES_QUEUED {
+                self.measures_dropped += 1;
+                continue;
+            }
+            self.measures.push(Measuring {
+                agent: Arc::clone(&ag.id),
+                incarnation: ag.incarnation,
+                window_ms: u32::try_from(window_ms).unwrap_or(u32::MAX),
+                key_handle: handle,
+            });
+            asked = true;
+        }
+        self.scratch.measure = holders;
+        if asked && let Some(key) = self.keys[k as usize].as_mut() {
+            key.measured_at_ns = now.max(1);
+        }
     }
 
     /// When [`Allocator::handle_timeout`] next has work: a recomputation, the expiry
@@ -1194,6 +1357,7 @@ impl Allocator {
             keep_floor: 0.0,
             last_full_ns: 0,
             sweep_after_ns: u64::MAX,
+            measured_at_ns: 0,
         };
         let id = match self.free_keys.pop() {
             Some(id) => {
@@ -1724,6 +1888,7 @@ impl Allocator {
             found,
             positions,
             ids,
+            surged,
         } = rs;
         resolved.clear();
         let mut new_keys = 0usize;
@@ -1833,6 +1998,7 @@ impl Allocator {
         ag.connected = true;
         let soon = now + AllocatorConfig::ns(self.cfg.recompute_delay_ms);
         let frequent = self.reports_frequently(a);
+        surged.clear();
         for (kr, r) in report.keys.iter().zip(resolved.drain(..)) {
             let Some(r) = r else {
                 self.ignored_lines += 1;
@@ -1846,7 +2012,11 @@ impl Allocator {
                 Some(p) => p,
                 None => self.create_entry(a, k),
             };
-            let changed = self.sample(k, pos, kr, report.agent_time_ns, frequent);
+            let (changed, jumped_up) =
+                self.sample(k, pos, kr, report.agent_time_ns, frequent, report.measure);
+            if jumped_up {
+                surged.push((k, pos));
+            }
             if let Some(h) = &kr.held {
                 self.apply_held(k, pos, h, kr.in_flight);
             }
@@ -1864,6 +2034,11 @@ impl Allocator {
                 }
                 self.mark_dirty(k, soon);
             }
+        }
+        // After the held grants of this report are applied (a holder's commitment is
+        // then current): keys where this agent now wants more than is free.
+        for &(k, pos) in surged.iter() {
+            self.request_measures(now, k, pos);
         }
         self.renew(now, a);
         Ok(())
@@ -1890,7 +2065,7 @@ impl Allocator {
         let (mut base_a, mut base_r) = (0, 0);
         if let (Some(k), Some(p)) = (key, entry) {
             let e = &self.key(k).entries[p as usize];
-            if e.sampled && e.since == kr.counting_since_ns {
+            if e.sampled != Sampled::No && e.since == kr.counting_since_ns {
                 base_a = e.base_admitted;
                 base_r = e.base_rejected;
             }
@@ -1925,7 +2100,10 @@ impl Allocator {
     }
 
     /// Folds one report's counters into the smoothed demand; `frequent`: the agent
-    /// reports more often than `min_sample_ms`. True if the key should be recomputed.
+    /// reports more often than `min_sample_ms`; `measure`: what the report is to the
+    /// estimate ([`Measure`]). Returns whether the key should be recomputed, and
+    /// whether the entry's demand jumped up (a surge that may need other holders
+    /// measured, [`Allocator::request_measures`]).
     fn sample(
         &mut self,
         k: u32,
@@ -1933,7 +2111,8 @@ impl Allocator {
         kr: &KeyReport,
         agent_time: u64,
         frequent: bool,
-    ) -> bool {
+        measure: Measure,
+    ) -> (bool, bool) {
         let half_life = AllocatorConfig::ns(self.cfg.demand_half_life_ms) as f64;
         let slow_half_life = AllocatorConfig::ns(self.cfg.sparse_half_life_ms) as f64;
         let min_sample = AllocatorConfig::ns(self.cfg.min_sample_ms);
@@ -1944,8 +2123,22 @@ impl Allocator {
         let rule = &self.rules[key.rule as usize];
         let jump_floor =
             rule.capacity() as f64 * self.cfg.demand_jump_floor_permille as f64 / 1000.0;
+        let window = AllocatorConfig::ns(self.cfg.measure_window_ms).max(1);
         let e = &mut key.entries[pos as usize];
-        let (ba, br, bt) = if e.sampled && e.since == kr.counting_since_ns {
+        if measure == Measure::Start && !rule.concurrency {
+            // The start of a measurement: a base, not a sample (what came before it
+            // may be mostly history; that is why it was asked for).
+            e.base_admitted = kr.admitted;
+            e.base_rejected = kr.rejected;
+            e.base_ts = agent_time;
+            e.since = kr.counting_since_ns;
+            // A regular report before the end is short: it keeps this base.
+            e.sampled = Sampled::Measured;
+            e.in_flight = kr.in_flight;
+            return (false, false);
+        }
+        let (before, was_rejecting) = (e.demand, e.rejecting);
+        let (ba, br, bt) = if e.sampled != Sampled::No && e.since == kr.counting_since_ns {
             (e.base_admitted, e.base_rejected, e.base_ts)
         } else {
             (0, 0, kr.counting_since_ns)
@@ -1967,8 +2160,21 @@ impl Allocator {
         // against 0.78 and 81 this way). Agents that report at `min_sample_ms` or less
         // often (the default), or do not say, are read as before: an out-of-band report
         // followed soon by a regular one is folded as it always was.
-        let short = frequent && elapsed < min_sample && e.has_demand && !rule.concurrency;
-        let interval = elapsed.max(min_sample);
+        //
+        // The end of a requested measurement is read over its own window (at least the
+        // configured one): it was asked for because the estimate may be stale. A
+        // regular report soon after one is short, and is read as a frequent agent's.
+        let measured = measure == Measure::End && !rule.concurrency;
+        let short = !measured
+            && (frequent || e.sampled == Sampled::Measured)
+            && elapsed < min_sample
+            && e.has_demand
+            && !rule.concurrency;
+        let interval = if measured {
+            elapsed.max(window)
+        } else {
+            elapsed.max(min_sample)
+        };
         let sample = if rule.concurrency {
             kr.in_flight as f64 + dr as f64
         } else {
@@ -1979,11 +2185,21 @@ impl Allocator {
         } else {
             dr as f64 * rule.period_ns as f64 / interval as f64
         };
+        // A measurement's window held enough typical requests for an empty one to mean
+        // something (see `request_measures`).
+        let enough = rule.typical > 0
+            && before * elapsed as f64
+                >= MEASURE_MIN_REQUESTS * rule.typical as f64 * rule.period_ns as f64;
         let jump = |d: f64| {
             // A change too large to be noise: demand moved (a shift, a surge, a gateway
-            // drained). Follow it at once instead of over several half-lives.
+            // drained). Follow it at once instead of over several half-lives. A
+            // measurement's window is short: it jumps down only when nothing at all
+            // came in it (a holder whose demand moved away), not on a quiet spell of a
+            // few requests.
             let diff = (sample - d).abs();
-            diff > jump_rel * sample.max(d) && diff > jump_floor
+            diff > jump_rel * sample.max(d)
+                && diff > jump_floor
+                && (!measured || sample > d || (da + dr == 0 && enough))
         };
         if short {
             // The base stays; only a jump up is taken from the diluted rate.
@@ -2017,13 +2233,25 @@ impl Allocator {
             e.base_rejected = kr.rejected;
             e.base_ts = agent_time;
             e.since = kr.counting_since_ns;
-            e.sampled = true;
+            e.sampled = if measured {
+                Sampled::Measured
+            } else {
+                Sampled::Yes
+            };
         }
         e.in_flight = kr.in_flight;
         let floor = rule.capacity() as f64 / 1000.0;
-        e.rejecting != e.rejecting_used
+        // A surge: demand jumped up, or the entry started rejecting (a first report
+        // covers a few milliseconds, too few to jump, but its rejections say the agent
+        // is short now).
+        let rise = e.demand - before;
+        let jumped_up = !rule.concurrency
+            && ((rise > jump_floor && rise > jump_rel * e.demand)
+                || (!was_rejecting && e.rejecting && dr > 0 && e.cur.rate == 0));
+        let changed = e.rejecting != e.rejecting_used
             || (e.demand - e.demand_used).abs() > change * e.demand_used.max(floor)
-            || (e.demand_used == 0.0) != (e.demand == 0.0)
+            || (e.demand_used == 0.0) != (e.demand == 0.0);
+        (changed, jumped_up)
     }
 
     /// Keeps agent `a`'s grants in force while it reports: once the earliest of them
@@ -3137,6 +3365,10 @@ mod tests {
     use super::*;
     use crate::testing::*;
 
+    fn rules_fixture() -> Config {
+        crate::testing::rules()
+    }
+
     /// Runs due timers at `now`, checks invariants, returns the grants issued.
     fn settle(a: &mut Allocator, now: u64) -> Vec<Grant> {
         a.handle_timeout(now);
@@ -3553,6 +3785,186 @@ mod tests {
         )
         .unwrap();
         (a, now, ga)
+    }
+
+    /// Agent `a` holds all of key `rps/x` (demand ~3,600 a second), acknowledged; `b`
+    /// and `c` are registered. Returns the allocator, the time, and a's grant.
+    fn held_by_a() -> (Allocator, u64, Grant) {
+        let now = 5 * SEC;
+        let mut a = warm_allocator(1, now);
+        for agent in ["a", "b", "c"] {
+            a.handle_hello(now, &hello(agent, 1, 1)).unwrap();
+        }
+        a.handle_report(
+            now,
+            &report("a", 1, 2, vec![line(key("rps", "x"), 0, 900, None)]),
+        )
+        .unwrap();
+        let gs = settle(&mut a, now + 20 * MS);
+        let ga = last_for(&gs, "a");
+        a.handle_ack(now + 21 * MS, &ack(&ga, 1, 0)).unwrap();
+        settle(&mut a, now + 21 * MS);
+        let k = a.key_status(&key("rps", "x")).unwrap();
+        assert_eq!(k.committed.rate, k.rate_capacity, "a holds the whole key");
+        (a, now + 30 * MS, ga)
+    }
+
+    fn demand_of(a: &Allocator, agent: &str) -> f64 {
+        let k = a.key_status(&key("rps", "x")).unwrap();
+        k.agents.iter().find(|s| &*s.agent == agent).unwrap().demand
+    }
+
+    fn measured(agent: &str, t: u64, admitted: u64, measure: Measure, ga: &Grant) -> Report {
+        Report {
+            measure,
+            ..report(
+                agent,
+                1,
+                t,
+                vec![line(key("rps", "x"), admitted, 900, Some(ga.held()))],
+            )
+        }
+    }
+
+    #[test]
+    fn a_surge_on_a_full_key_asks_its_holders_to_measure_and_an_empty_window_frees_theirs() {
+        let (mut a, now, ga) = held_by_a();
+        // b starts rejecting: nothing is free, so a (the holder) is asked to measure,
+        // over the configured floor (a's ~3,600 requests a second need far less).
+        a.handle_report(
+            now,
+            &report("b", 1, 2, vec![line(key("rps", "x"), 0, 50, None)]),
+        )
+        .unwrap();
+        let asked = a.drain_measure_requests();
+        assert_eq!(asked.len(), 1);
+        assert_eq!(&*asked[0].agent, "a");
+        assert_eq!(asked[0].incarnation, 1);
+        assert_eq!(asked[0].key_handles, vec![ga.key_handle]);
+        assert_eq!(asked[0].window_ms, 100);
+        // At most once per `min_sample_ms` per key: c's surge 100 ms later asks nothing.
+        a.handle_report(
+            now + 100 * MS,
+            &report("c", 1, 2, vec![line(key("rps", "x"), 0, 50, None)]),
+        )
+        .unwrap();
+        assert_eq!(a.pending_measure_requests(), 0);
+
+        // a answers: the start is a base, not a sample; a regular report 30 ms later is
+        // short and keeps it (read over 250 ms, its empty 30 ms would look like a drop).
+        let before = demand_of(&a, "a");
+        let t = 300 * MS;
+        a.handle_report(now + 5 * MS, &measured("a", t, 0, Measure::Start, &ga))
+            .unwrap();
+        assert_eq!(demand_of(&a, "a"), before);
+        a.handle_report(
+            now + 35 * MS,
+            &measured("a", t + 30 * MS, 0, Measure::None, &ga),
+        )
+        .unwrap();
+        assert_eq!(
+            demand_of(&a, "a"),
+            before,
+            "a short report after a start is kept"
+        );
+        // The end: nothing came in 100 ms where ~360 requests were expected.
+        a.handle_report(
+            now + 105 * MS,
+            &measured("a", t + 100 * MS, 0, Measure::End, &ga),
+        )
+        .unwrap();
+        assert_eq!(
+            demand_of(&a, "a"),
+            0.0,
+            "an empty window drops the estimate"
+        );
+        // a's grant shrinks at the next recomputation.
+        let gs = settle(&mut a, now + 120 * MS);
+        assert!(last_for(&gs, "a").rate < ga.rate);
+    }
+
+    #[test]
+    fn a_window_with_requests_in_it_only_nudges_the_estimate() {
+        let (mut a, now, ga) = held_by_a();
+        let before = demand_of(&a, "a");
+        let t = 300 * MS;
+        a.handle_report(now + 5 * MS, &measured("a", t, 0, Measure::Start, &ga))
+            .unwrap();
+        // One request in the window: far below the estimate, but not nothing. A quiet
+        // spell is not a move; it is folded in as a sample of its own length.
+        a.handle_report(
+            now + 105 * MS,
+            &measured("a", t + 100 * MS, 1, Measure::End, &ga),
+        )
+        .unwrap();
+        let after = demand_of(&a, "a");
+        assert!(
+            after < before && after > before / 2.0,
+            "{before} -> {after}"
+        );
+    }
+
+    #[test]
+    fn holders_of_a_rule_with_no_typical_request_size_are_never_asked_to_measure() {
+        // `input_tokens` without `typical_cost`: an empty 100 ms window could be one
+        // large request's gap, so it proves nothing and nobody is asked.
+        let rules = Config::from_toml(
+            r#"
+            [engine]
+            slice_source = "allocated"
+            [[rule]]
+            name = "tpm"
+            match = { org = "*" }
+            dimension = "input_tokens"
+            rate = 1000
+            per = "second"
+            burst = 1000
+            "#,
+        )
+        .unwrap();
+        let now = 5 * SEC;
+        let mut a = warm_allocator_with(&rules, quick_config(), 1, now);
+        a.handle_hello(now, &hello("a", 1, 1)).unwrap();
+        a.handle_hello(now, &hello("b", 1, 1)).unwrap();
+        a.handle_report(
+            now,
+            &report("a", 1, 2, vec![line(key("tpm", "x"), 0, 900, None)]),
+        )
+        .unwrap();
+        let ga = last_for(&settle(&mut a, now + 20 * MS), "a");
+        a.handle_ack(now + 21 * MS, &ack(&ga, 1, 0)).unwrap();
+        a.handle_report(
+            now + 30 * MS,
+            &report("b", 1, 2, vec![line(key("tpm", "x"), 0, 900, None)]),
+        )
+        .unwrap();
+        assert_eq!(a.pending_measure_requests(), 0);
+        // Nor when measuring is off.
+        let (mut off, now, _) = {
+            let now = 5 * SEC;
+            let cfg = AllocatorConfig {
+                measure_window_ms: 0,
+                ..quick_config()
+            };
+            let mut off = warm_allocator_with(&rules_fixture(), cfg, 1, now);
+            for agent in ["a", "b"] {
+                off.handle_hello(now, &hello(agent, 1, 1)).unwrap();
+            }
+            off.handle_report(
+                now,
+                &report("a", 1, 2, vec![line(key("rps", "x"), 0, 900, None)]),
+            )
+            .unwrap();
+            let ga = last_for(&settle(&mut off, now + 20 * MS), "a");
+            off.handle_ack(now + 21 * MS, &ack(&ga, 1, 0)).unwrap();
+            (off, now + 30 * MS, ga)
+        };
+        off.handle_report(
+            now,
+            &report("b", 1, 2, vec![line(key("rps", "x"), 0, 50, None)]),
+        )
+        .unwrap();
+        assert_eq!(off.pending_measure_requests(), 0);
     }
 
     #[test]

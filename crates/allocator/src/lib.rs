@@ -39,7 +39,7 @@
 //!
 //! ```
 //! use bursar_agent::Config;
-//! use bursar_allocator::{Allocator, AllocatorConfig, Hello, KeyName, KeyReport, Report};
+//! use bursar_allocator::{Allocator, AllocatorConfig, Hello, KeyName, KeyReport, Measure, Report};
 //!
 //! let rules = Config::from_toml(r#"
 //!     [[rule]]
@@ -64,6 +64,7 @@
 //!         admitted: 0, rejected: 1, counting_since_ns: 100, in_flight: 0, held: None,
 //!         key_handle: 0,
 //!     }],
+//!     measure: Measure::None,
 //! }).unwrap();
 //! alloc.handle_timeout(alloc.poll_timeout());
 //! let grants: Vec<_> = alloc.drain_grants().collect();
@@ -111,6 +112,6 @@ pub use core::{
 };
 pub use error::AllocError;
 pub use msg::{
-    Ack, Grant, GrantRef, HeldGrant, HeldSlice, Hello, KeyName, KeyReport, LeaseExtension, Report,
-    SliceAck,
+    Ack, Grant, GrantRef, HeldGrant, HeldSlice, Hello, KeyName, KeyReport, LeaseExtension, Measure,
+    MeasureRequest, Report, SliceAck,
 };

@@ -93,6 +93,11 @@ struct ServeArgs {
     /// (R + O) / (1 + ppm) so that fast clocks refill within R + O in real time.
     #[arg(long, default_value_t = 0)]
     clock_drift_ppm: u32,
+    /// When one agent's demand for a key jumps and nothing is free, ask the key's other
+    /// holders to measure their demand over this window, ms (a holder whose demand
+    /// moved away is then seen within it). 0: off.
+    #[arg(long, default_value_t = 100)]
+    measure_window_ms: u64,
     /// Most agents registered.
     #[arg(long, default_value_t = 4_096)]
     max_agents: usize,
@@ -210,6 +215,7 @@ fn serve(args: ServeArgs) -> Result<()> {
         drift_margin_ms: args.drift_margin_ms,
         overdraft_permille: args.overdraft_permille,
         clock_drift_ppm: args.clock_drift_ppm,
+        measure_window_ms: args.measure_window_ms,
         max_agents: args.max_agents,
         max_keys: args.max_keys,
         hash_seed: random_seed(),
@@ -262,6 +268,7 @@ fn allocator_config(args: &ServeArgs) -> AllocatorConfig {
         drift_margin_ms: args.drift_margin_ms,
         overdraft_permille: args.overdraft_permille,
         clock_drift_ppm: args.clock_drift_ppm,
+        measure_window_ms: args.measure_window_ms,
         max_agents: args.max_agents,
         max_keys: args.max_keys,
         hash_seed: random_seed(),

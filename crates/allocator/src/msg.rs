@@ -125,6 +125,22 @@ pub struct Report {
     /// Keys whose demand or holding the agent reports (a delta report may omit keys that
     /// did not change).
     pub keys: Vec<KeyReport>,
+    /// Part of a measurement the allocator asked for ([`MeasureRequest`]), or not.
+    pub measure: Measure,
+}
+
+/// What a report's counters are to the demand estimate (see [`MeasureRequest`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Measure {
+    /// A regular or new-key report: a demand sample since the entry's last one.
+    #[default]
+    None,
+    /// The start of a requested measurement: the counters become the entry's base and
+    /// are not a sample (the time since the last report may be mostly history).
+    Start,
+    /// The end of a requested measurement: the demand over the window since its start,
+    /// read as it is (not over `min_sample_ms`).
+    End,
 }
 
 /// The agent applied one grant.
@@ -259,6 +275,24 @@ pub struct LeaseExtension {
     pub through_seq: u64,
     /// The new lease end, in the agent's clock.
     pub lease_expires_at_ns: u64,
+}
+
+/// Asks one agent to report some keys at once ([`Measure::Start`]) and again
+/// `window_ms` later ([`Measure::End`]). Queued for the other holders of a key when
+/// one agent's demand for it jumps and nothing is free (docs/allocator.md, "Measure
+/// requests"): a holder whose demand moved away is seen within one window, where its
+/// regular reports would still cover time before the move for up to two intervals.
+/// Like a grant, it goes only to the incarnation it names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MeasureRequest {
+    /// The agent it is for.
+    pub agent: Arc<str>,
+    /// The incarnation it is for.
+    pub incarnation: u64,
+    /// The keys, by the handles their grants carried ([`Grant::key_handle`]).
+    pub key_handles: Vec<u64>,
+    /// How long after the start to send the end.
+    pub window_ms: u32,
 }
 
 /// A grant borrowed from the allocator's outbox ([`crate::Allocator::for_each_grant`]):

@@ -4,7 +4,7 @@ use bursar_agent::Config;
 
 use crate::config::AllocatorConfig;
 use crate::core::Allocator;
-use crate::msg::{Ack, Grant, HeldGrant, Hello, KeyName, KeyReport, Report, SliceAck};
+use crate::msg::{Ack, Grant, HeldGrant, Hello, KeyName, KeyReport, Measure, Report, SliceAck};
 
 /// Nanoseconds per millisecond.
 pub const MS: u64 = 1_000_000;
@@ -120,6 +120,7 @@ pub fn report(agent: &str, incarnation: u64, agent_time_ns: u64, keys: Vec<KeyRe
         incarnation,
         agent_time_ns,
         keys,
+        measure: Measure::None,
     }
 }
 

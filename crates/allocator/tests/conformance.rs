@@ -21,7 +21,7 @@ use bursar_agent::{
 };
 use bursar_allocator::{
     Ack, Allocator, AllocatorConfig, Grant, HeldGrant, Hello, KeyName, KeyReport, LeaseExtension,
-    Report, SliceAck,
+    Measure, Report, SliceAck,
 };
 
 const MS: u64 = 1_000_000;
@@ -365,6 +365,7 @@ fn run(seed: u64, overdraft_permille: u32) -> Outcome {
                         held: a.held,
                         key_handle: 0,
                     }],
+                    measure: Measure::None,
                 };
                 send(&mut net, now, Msg::Report(r));
                 a.next_report = now + REPORT_EVERY_NS;

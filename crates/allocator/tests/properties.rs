@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use bursar_allocator::testing::{MS, SEC, quick_config};
 use bursar_allocator::{
     Ack, AllocError, Allocator, AllocatorConfig, Grant, HeldGrant, HeldSlice, Hello, KeyName,
-    KeyReport, LeaseExtension, Report, SliceAck,
+    KeyReport, LeaseExtension, Measure, Report, SliceAck,
 };
 use proptest::prelude::*;
 
@@ -267,11 +267,16 @@ impl World {
                 key_handle: 0,
             });
         }
+        // Some reports are parts of measurements (as if the allocator had asked): they
+        // change how demand is read, never what may be granted.
+        let measure =
+            [Measure::None, Measure::None, Measure::Start, Measure::End][(t / 1_000 % 4) as usize];
         self.to_alloc.push(ToAlloc::Report(Report {
             agent: format!("agent-{i}"),
             incarnation: a.incarnation,
             agent_time_ns: t,
             keys,
+            measure,
         }));
     }
 
@@ -436,6 +441,9 @@ impl World {
                 .into_iter()
                 .map(ToAgent::Extend),
         );
+        // Measure requests only ask for reports, which the steps send anyway.
+        let asked = self.alloc.drain_measure_requests();
+        assert!(asked.iter().all(|m| !m.key_handles.is_empty()));
     }
 
     /// Delivers a message to its agent.

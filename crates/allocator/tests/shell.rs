@@ -24,6 +24,7 @@ async fn a_hello_with_another_protocol_version_or_no_hello_first_is_refused() {
         msg: Some(Msg::Report(pb::Report {
             agent_time_ns: 1,
             keys: vec![],
+            measure: 0,
         })),
     };
     let (_tx, r) = open(a.grpc, report).await;
@@ -78,6 +79,7 @@ async fn an_agent_gets_a_welcome_then_a_grant_within_the_limit_and_the_admin_end
                 held: None,
                 key_handle: 0,
             }],
+            measure: 0,
         })),
     };
     tx.send(report(t)).await.unwrap();
@@ -203,6 +205,7 @@ async fn a_report_over_the_key_bound_or_the_size_bound_ends_the_stream_and_chang
             keys: (0..pb::MAX_KEYS_PER_MESSAGE + 1)
                 .map(|i| key_report(i, 8))
                 .collect(),
+            measure: 0,
         })),
     })
     .await
@@ -218,6 +221,7 @@ async fn a_report_over_the_key_bound_or_the_size_bound_ends_the_stream_and_chang
             msg: Some(Msg::Report(pb::Report {
                 agent_time_ns: 2,
                 keys: (0..2_000).map(|i| key_report(i, 4_000)).collect(),
+                measure: 0,
             })),
         })
         .await;
@@ -265,6 +269,7 @@ async fn a_restarted_agent_releases_its_old_grants_at_once() {
                 held: None,
                 key_handle: 0,
             }],
+            measure: 0,
         })),
     };
     let (tx, r) = open(a.grpc, hello("node-r", pb::PROTOCOL_VERSION, 10)).await;
@@ -380,6 +385,7 @@ async fn a_malformed_rules_file_is_refused_with_the_old_limits_kept_and_a_valid_
                 held: None,
                 key_handle: 0,
             }],
+            measure: 0,
         })),
     })
     .await

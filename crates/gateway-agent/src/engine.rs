@@ -348,6 +348,10 @@ pub struct SliceApplied {
     /// into its [`KeyTotals`] in order: a key replaced twice in one batch, or between
     /// two [`Engine::key_demand`] walks, then loses no counts.
     pub replaced: Option<SlotCounters>,
+    /// The key's new slot, when the slice installed one (`None` for a renewal): folded
+    /// in after `replaced`, a client's totals then follow the live slot, and a read of
+    /// one key ([`KeyTotals::reread`]) sees what it counts, not the sealed slot.
+    pub current: Option<SlotCounters>,
 }
 
 /// What one [`Engine::maintain`] pass did.
@@ -493,6 +497,13 @@ impl KeyTotals {
         }
         self.slot_admitted = a;
         self.slot_rejected = r;
+    }
+
+    /// Folds in the growth of the slot last read (a read of one key between walks of
+    /// all of them: a slice applied since must have been observed through
+    /// [`SliceApplied::replaced`]).
+    pub fn reread(&mut self) {
+        self.observe(self.slot.clone());
     }
 
     /// Cost admitted since [`KeyTotals::new`].
@@ -2038,6 +2049,7 @@ impl Engine {
                     0
                 },
                 replaced: None,
+                current: None,
             };
             return Ok((applied, Arc::clone(&old.key)));
         }
@@ -2086,14 +2098,13 @@ impl Engine {
             Params::Slots(_) => state.tat,
             _ => 0,
         };
-        slow.pending.insert(
-            slot_id,
-            Arc::new(Slot::new(Arc::clone(&key), params, state)),
-        );
+        let slot = Arc::new(Slot::new(Arc::clone(&key), params, state));
+        slow.pending.insert(slot_id, Arc::clone(&slot));
         let applied = SliceApplied {
             released_tokens: released,
             in_flight,
             replaced,
+            current: Some(SlotCounters(slot)),
         };
         Ok((applied, key))
     }

@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use crate::config::RuleLimit;
 use crate::engine::{KeyDemand, KeyTotals};
-use crate::{Engine, SliceApplied, SliceError, SliceUpdate};
+use crate::{Engine, SliceError, SliceUpdate};
 
 /// A key as the agent's sync client tracks it (its `K`): ordered and compared by the
 /// engine's 128-bit identity of the key (two integers, where names were compared
@@ -341,6 +341,35 @@ impl<K: Ord + Clone> SyncTracks<K> {
         }
     }
 
+    /// The lines of a measurement the allocator asked for (a `MeasureRequest`): the
+    /// tracked keys whose handle on this stream is among `handles` (others are
+    /// skipped), by handle, with counters re-read from the slot each track holds (grants
+    /// applied since were folded in by [`SyncTracks::apply`]), each marked sent.
+    pub fn measure_report(&mut self, handles: &[u64], mut f: impl FnMut(Line<'_, K>)) {
+        if handles.is_empty() {
+            return;
+        }
+        let mut wanted = handles.to_vec();
+        wanted.sort_unstable();
+        for (k, t) in self.tracks.iter_mut() {
+            if t.handle == 0 || wanted.binary_search(&t.handle).is_err() {
+                continue;
+            }
+            t.totals.reread();
+            let (admitted, rejected) = (t.totals.admitted(), t.totals.rejected());
+            t.sent = Some((admitted, rejected, t.in_flight, t.held));
+            f(Line {
+                key: k,
+                key_handle: t.handle,
+                admitted,
+                rejected,
+                counting_since_ns: t.since_ns,
+                in_flight: t.in_flight,
+                held: t.held,
+            });
+        }
+    }
+
     /// Applies grants to the engine at `now`: `keys[i]` names `updates[i]`, whose
     /// grant carried key handle `handles[i]` (0: none). Every slot a slice replaced is
     /// folded into its key's totals, in order: a track keeps the slot it last read,
@@ -362,12 +391,13 @@ impl<K: Ord + Clone> SyncTracks<K> {
             if handle != 0 {
                 t.handle = handle;
             }
-            if let Ok(SliceApplied {
-                replaced: Some(old),
-                ..
-            }) = r
-            {
-                t.totals.observe(old.clone());
+            if let Ok(a) = r {
+                if let Some(old) = &a.replaced {
+                    t.totals.observe(old.clone());
+                }
+                if let Some(new) = &a.current {
+                    t.totals.observe(new.clone());
+                }
             }
         }
         let mut out = Vec::with_capacity(updates.len());

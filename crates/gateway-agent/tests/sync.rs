@@ -418,3 +418,72 @@ async fn a_lost_stream_is_reopened_with_the_same_incarnation_and_the_held_grants
     tokio::time::sleep(Duration::from_millis(30)).await;
     assert!(admit(&state, "x", &[("org", "acme")]));
 }
+
+#[tokio::test]
+async fn a_measure_request_is_answered_with_a_start_at_once_and_an_end_after_its_window() {
+    let (addr, mut conns) = scripted_allocator().await;
+    let (state, _status, _stop) = start_agent(addr);
+    let mut conn = conns.recv().await.unwrap();
+    assert!(!admit(&state, "r0", &[("org", "acme")]));
+    let lease_end = conn.hello.agent_time_ns + 60_000_000_000;
+    conn.to_agent
+        .send(Ok(grant("org-rps", "acme", 1_000, 100, 1, lease_end)))
+        .await
+        .unwrap();
+    next_where(&mut conn, 2, |m| match &m.msg {
+        Some(Msg::Ack(_)) => Some(()),
+        _ => None,
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let mut admitted = 0u64;
+    for i in 0..3 {
+        admitted += u64::from(admit(&state, &format!("a{i}"), &[("org", "acme")]));
+    }
+    assert!(admitted > 0);
+
+    // Handle 8 is the key's (the grant carried it); 99 names nothing on this stream.
+    let asked = Instant::now();
+    conn.to_agent
+        .send(Ok(pb::AllocatorMessage {
+            msg: Some(pb::allocator_message::Msg::MeasureRequest(
+                pb::MeasureRequest {
+                    key_handles: vec![99, 8],
+                    window_ms: 150,
+                },
+            )),
+        }))
+        .await
+        .unwrap();
+    let measured = |want: pb::Measure| {
+        move |m: &pb::AgentMessage| match &m.msg {
+            Some(Msg::Report(r)) if r.measure() == want => Some(r.clone()),
+            _ => None,
+        }
+    };
+    let start = next_where(&mut conn, 2, measured(pb::Measure::Start)).await;
+    assert!(
+        asked.elapsed() < Duration::from_millis(150),
+        "the start comes at once, not after the window"
+    );
+    assert_eq!(start.keys.len(), 1, "only the known handle answers");
+    assert_eq!(
+        (start.keys[0].key_handle, start.keys[0].admitted),
+        (8, admitted)
+    );
+    // More admissions inside the window are in its end, which waits for the window.
+    let mut more = 0u64;
+    for i in 0..2 {
+        more += u64::from(admit(&state, &format!("b{i}"), &[("org", "acme")]));
+    }
+    let end = next_where(&mut conn, 2, measured(pb::Measure::End)).await;
+    assert!(
+        asked.elapsed() >= Duration::from_millis(150),
+        "the end came {:?} after the request, inside its 150 ms window",
+        asked.elapsed()
+    );
+    assert_eq!(end.keys.len(), 1);
+    assert_eq!(end.keys[0].key_handle, 8);
+    assert_eq!(end.keys[0].admitted, admitted + more);
+    assert!(end.agent_time_ns > start.agent_time_ns);
+}

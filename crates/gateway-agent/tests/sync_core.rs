@@ -170,3 +170,67 @@ fn a_tracked_key_named_on_the_wire_is_the_engines_key() {
     named.sort();
     assert_eq!(named, ["org-rps/a", "org-rps/b"]);
 }
+
+#[test]
+fn a_measurement_reports_only_known_handles_with_counts_from_the_live_slot() {
+    let e = engine(RULES);
+    let mut buf = Vec::new();
+    let mut t: SyncTracks<String> = SyncTracks::new(0);
+    touch(&e, 0, "r0", &[("org", "a")]);
+    touch(&e, 0, "r1", &[("org", "b")]);
+    t.refresh(&e, 0, &mut buf, key_of);
+    lines(&mut t, false);
+    // `a` gets a grant with handle 42, then a second one that replaces its slot: the
+    // track must follow the new slot, or a read of one key sees the sealed one.
+    for (seq, burst) in [(1, 10), (2, 20)] {
+        let now = seq * SEC / 4;
+        let out = t.apply(
+            &e,
+            now,
+            vec![grant("org-rps", "a", burst, seq)],
+            vec!["org-rps/a".into()],
+            &[42],
+        );
+        assert!(matches!(&out[..], [Applied::Ack(_)]));
+    }
+    let measure = |t: &mut SyncTracks<String>| {
+        let mut out = Vec::new();
+        t.measure_report(&[7, 42], |l| {
+            out.push((l.key.clone(), l.key_handle, l.admitted, l.rejected))
+        });
+        out
+    };
+    // Only the key with a handle on this stream answers (7 names nothing).
+    let start = measure(&mut t);
+    assert_eq!(start.len(), 1);
+    let (k, h, admitted, rejected) = start[0].clone();
+    assert_eq!((k.as_str(), h), ("org-rps/a", 42));
+    // Admissions on the new slot since the start, with no walk of the engine's keys:
+    // the end sees them.
+    let mut admitted_now = 0;
+    for i in 0..5 {
+        let now = SEC + i * SEC / 10;
+        let d = e
+            .admit(
+                now,
+                &AdmitRequest {
+                    request_id: &format!("m{i}"),
+                    domain: None,
+                    descriptors: &[("org", "a")],
+                    cost: Cost::ONE_REQUEST,
+                    ttl_ms: Some(60_000),
+                },
+            )
+            .unwrap();
+        admitted_now += u64::from(d.is_admitted());
+    }
+    assert!(admitted_now > 0, "the slice admits");
+    let end = measure(&mut t);
+    assert_eq!(end.len(), 1);
+    assert_eq!(
+        end[0].2,
+        admitted + admitted_now,
+        "admitted counted from the live slot"
+    );
+    assert_eq!(end[0].3, rejected + (5 - admitted_now));
+}

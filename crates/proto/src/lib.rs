@@ -202,6 +202,7 @@ mod tests {
             msg: Some(agent_message::Msg::Report(Report {
                 agent_time_ns: u64::MAX,
                 keys,
+                measure: Measure::End.into(),
             })),
         };
         let len = m.encoded_len();

@@ -127,6 +127,8 @@ fn status_json(s: &Snapshot) -> Value {
             "grants_dropped": c.grants_dropped,
             "extensions_sent": c.extensions_sent,
             "extensions_dropped": c.extensions_dropped,
+            "measures_sent": c.measures_sent,
+            "measures_dropped": c.measures_dropped,
         },
         "last_error": s.last_error,
         "config": {

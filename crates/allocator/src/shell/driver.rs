@@ -119,6 +119,11 @@ pub struct ShellCounters {
     pub extensions_sent: u64,
     /// Lease extensions dropped (as grants; safe: the core counts them as sent).
     pub extensions_dropped: u64,
+    /// Measure requests queued on agent streams.
+    pub measures_sent: u64,
+    /// Measure requests dropped (no stream for that incarnation, or its queue was
+    /// full; safe: the holders' regular reports follow).
+    pub measures_dropped: u64,
 }
 
 /// What the admin endpoint shows.
@@ -409,9 +414,11 @@ impl Driver {
     }
 
     /// Sends drained grants, batched per agent, on the right incarnation's stream, then
-    /// the lease extensions (after the grants they may cover; either order is safe).
+    /// the lease extensions (after the grants they may cover; either order is safe),
+    /// then the measure requests.
     fn route(&mut self) {
         self.route_grants();
+        self.route_measures();
         if self.core.pending_extensions() == 0 {
             return;
         }
@@ -436,6 +443,34 @@ impl Driver {
             match r.tx.try_send(Ok(msg)) {
                 Ok(()) => self.counters.extensions_sent += 1,
                 Err(_) => self.counters.extensions_dropped += 1,
+            }
+        }
+    }
+
+    fn route_measures(&mut self) {
+        if self.core.pending_measure_requests() == 0 {
+            return;
+        }
+        for m in self.core.drain_measure_requests() {
+            let n = m.key_handles.len() as u64;
+            let r = match self.routes.get(&m.agent) {
+                Some(r) if r.incarnation == m.incarnation => r,
+                _ => {
+                    self.counters.measures_dropped += n;
+                    continue;
+                }
+            };
+            let msg = pb::AllocatorMessage {
+                msg: Some(pb::allocator_message::Msg::MeasureRequest(
+                    pb::MeasureRequest {
+                        key_handles: m.key_handles,
+                        window_ms: m.window_ms,
+                    },
+                )),
+            };
+            match r.tx.try_send(Ok(msg)) {
+                Ok(()) => self.counters.measures_sent += n,
+                Err(_) => self.counters.measures_dropped += n,
             }
         }
     }

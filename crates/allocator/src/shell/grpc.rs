@@ -16,7 +16,9 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::driver::Input;
-use crate::{Ack, AllocError, HeldGrant, HeldSlice, Hello, KeyName, KeyReport, Report, SliceAck};
+use crate::{
+    Ack, AllocError, HeldGrant, HeldSlice, Hello, KeyName, KeyReport, Measure, Report, SliceAck,
+};
 
 /// The tonic service.
 #[derive(Clone)]
@@ -134,6 +136,12 @@ pub fn hello_from_pb(h: pb::Hello) -> Result<Hello, Status> {
 /// A wire report as the core's, for the stream's agent.
 pub fn report_from_pb(agent: &str, incarnation: u64, r: pb::Report) -> Result<Report, Status> {
     too_many(r.keys.len())?;
+    // A value this build does not know is read as a regular report (only slower).
+    let measure = match r.measure() {
+        pb::Measure::None => Measure::None,
+        pb::Measure::Start => Measure::Start,
+        pb::Measure::End => Measure::End,
+    };
     let keys = r
         .keys
         .into_iter()
@@ -154,6 +162,7 @@ pub fn report_from_pb(agent: &str, incarnation: u64, r: pb::Report) -> Result<Re
         incarnation,
         agent_time_ns: r.agent_time_ns,
         keys,
+        measure,
     })
 }
 

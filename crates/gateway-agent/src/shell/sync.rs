@@ -18,6 +18,11 @@
 //!   the engine) and **acknowledged** with the tokens the shrink gave up; a
 //!   concurrency shrink is acknowledged only once in-flight work fits the new slot
 //!   count (in-flight work drains, it is never revoked).
+//! - **Measure requests**: when one agent's demand for a key jumps and nothing is free,
+//!   the allocator asks the key's other holders to report it at once (a measurement's
+//!   start) and again `window_ms` later (its end, read as it is): a holder whose demand
+//!   moved away is then seen within the window. Only keys with a handle on this stream
+//!   (holders always have one); one measurement open at a time, later requests join it.
 //! - The stream breaks: the client reconnects with jittered exponential backoff
 //!   (`backoff_min` .. `backoff_max`); a redirect names the leader to reconnect to. In
 //!   between the engine keeps admitting within its grants, and once a lease ends
@@ -53,8 +58,11 @@ use tokio_stream::wrappers::ReceiverStream;
 use super::AgentState;
 use crate::clock::Clock;
 use crate::engine::KeyDemand;
-use crate::sync_core::{Ack, Applied, Held, SyncTracks, TrackedKey};
+use crate::sync_core::{Ack, Applied, Held, Line, SyncTracks, TrackedKey};
 use crate::{Engine, SliceError, SliceExtension, SliceUpdate};
+
+/// Longest measurement window honoured (the allocator's own bound).
+const MAX_MEASURE_WINDOW_MS: u32 = 10_000;
 
 /// Settings of the sync client. Durations are plain `Duration`s; defaults in
 /// [`SyncConfig::new`].
@@ -332,20 +340,38 @@ impl Client {
     /// allocator has not heard of on this stream (`only_new`).
     fn reports(&mut self, full: bool, only_new: bool, max_keys: usize) -> Vec<pb::AgentMessage> {
         let mut keys = Vec::new();
-        self.tracks.report(full, only_new, |l| {
-            keys.push(pb::KeyReport {
-                key: (l.key_handle == 0).then(|| key_pb(l.key)),
-                key_handle: l.key_handle,
-                admitted: l.admitted,
-                rejected: l.rejected,
-                counting_since_ns: l.counting_since_ns,
-                in_flight: l.in_flight,
-                held: l.held.map(held_pb),
-            });
-        });
+        self.tracks
+            .report(full, only_new, |l| keys.push(key_report_pb(l)));
         if keys.is_empty() && only_new {
             return Vec::new();
         }
+        self.chunked(keys, max_keys, pb::Measure::None)
+    }
+
+    /// The reports of a measurement the allocator asked for: `handles`' keys (those
+    /// this stream knows), marked `measure`; nothing when none is known.
+    fn measure_reports(
+        &mut self,
+        handles: &[u64],
+        measure: pb::Measure,
+        max_keys: usize,
+    ) -> Vec<pb::AgentMessage> {
+        let mut keys = Vec::new();
+        self.tracks
+            .measure_report(handles, |l| keys.push(key_report_pb(l)));
+        if keys.is_empty() {
+            return Vec::new();
+        }
+        self.chunked(keys, max_keys, measure)
+    }
+
+    /// Report lines in messages of at most `max_keys` lines (one, empty, for none).
+    fn chunked(
+        &mut self,
+        keys: Vec<pb::KeyReport>,
+        max_keys: usize,
+        measure: pb::Measure,
+    ) -> Vec<pb::AgentMessage> {
         let mut out = Vec::new();
         let mut keys = keys.into_iter().peekable();
         loop {
@@ -354,6 +380,7 @@ impl Client {
                 msg: Some(pb::agent_message::Msg::Report(pb::Report {
                     agent_time_ns: self.stamp(),
                     keys: chunk,
+                    measure: measure.into(),
                 })),
             });
             if keys.peek().is_none() {
@@ -547,6 +574,11 @@ impl Client {
         poll_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut key_count = self.state.engine.key_count();
         let full_every = self.cfg.full_report_every.max(1) as u64;
+        // A requested measurement's end: when, and for which keys (one at a time; a
+        // request while one is open joins it, ending at the later time).
+        let mut measuring: Vec<u64> = Vec::new();
+        let measure_end = tokio::time::sleep(Duration::from_secs(3600));
+        tokio::pin!(measure_end);
         loop {
             tokio::select! {
                 _ = shutdown.wait_for(|s| *s) => return End::Shutdown,
@@ -575,6 +607,23 @@ impl Client {
                             };
                             counter.fetch_add(1, Ordering::Relaxed);
                         }
+                        Some(In::MeasureRequest(m)) => {
+                            let mut handles = m.key_handles;
+                            handles.truncate(max_keys);
+                            let ms = self.measure_reports(&handles, pb::Measure::Start, max_keys);
+                            if !self.send_reports(&tx, ms) {
+                                return End::Lost("stream closed".into());
+                            }
+                            let window = Duration::from_millis(u64::from(m.window_ms.min(MAX_MEASURE_WINDOW_MS)));
+                            let at = tokio::time::Instant::now() + window;
+                            if measuring.is_empty() || at > measure_end.deadline() {
+                                measure_end.as_mut().reset(at);
+                            }
+                            measuring.extend(handles);
+                            measuring.sort_unstable();
+                            measuring.dedup();
+                            measuring.truncate(max_keys);
+                        }
                         Some(In::Redirect(r)) => return End::Redirect(r.leader),
                         Some(In::ConfigVersion(v)) => {
                             if v.version != self.config_version {
@@ -585,6 +634,13 @@ impl Client {
                             }
                         }
                         Some(In::Welcome(_)) | None => {}
+                    }
+                }
+                () = &mut measure_end, if !measuring.is_empty() => {
+                    let handles = std::mem::take(&mut measuring);
+                    let ms = self.measure_reports(&handles, pb::Measure::End, max_keys);
+                    if !self.send_reports(&tx, ms) {
+                        return End::Lost("stream closed".into());
                     }
                 }
                 _ = report_tick.tick() => {
@@ -626,6 +682,18 @@ fn key_id(d: &KeyDemand) -> Option<TrackedKey> {
 }
 
 /// A tracked key as the protocol names it.
+fn key_report_pb(l: Line<'_, TrackedKey>) -> pb::KeyReport {
+    pb::KeyReport {
+        key: (l.key_handle == 0).then(|| key_pb(l.key)),
+        key_handle: l.key_handle,
+        admitted: l.admitted,
+        rejected: l.rejected,
+        counting_since_ns: l.counting_since_ns,
+        in_flight: l.in_flight,
+        held: l.held.map(held_pb),
+    }
+}
+
 fn key_pb(k: &TrackedKey) -> pb::Key {
     pb::Key {
         rule: k.rule().to_string(),
