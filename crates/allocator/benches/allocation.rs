@@ -42,130 +42,12 @@ use std::collections::HashMap;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use bursar_agent::Config;
+use bursar_allocator::AllocatorConfig;
 use bursar_allocator::shell::driver::grant_to_pb;
-use bursar_allocator::{Allocator, AllocatorConfig, Hello, KeyName, KeyReport, Measure, Report};
+use bursar_allocator::testing::fleet::{ENTRIES, Reporter, fleet, fleet_with, zipf_counts};
 use criterion::{BatchSize, Criterion, criterion_group, criterion_main};
 
-const AGENTS: usize = 1_000;
-const KEYS: usize = 100_000;
-const ENTRIES: usize = 1_000_000;
 const MS: u64 = 1_000_000;
-const SEC: u64 = 1_000 * MS;
-
-const RULES: &str = r#"
-[[rule]]
-name = "key-tpm"
-match = { key = "*" }
-dimension = "input_tokens"
-rate = 100_000
-per = "second"
-burst = 100_000
-"#;
-
-/// Agents per key: Zipf (s = 1) capped at every agent, at least one, summing to about
-/// `ENTRIES`.
-fn zipf_counts() -> Vec<usize> {
-    let count = |c: f64| -> Vec<usize> {
-        (1..=KEYS)
-            .map(|k| ((c / k as f64) as usize).clamp(1, AGENTS))
-            .collect()
-    };
-    let (mut lo, mut hi) = (1.0f64, 1e7f64);
-    for _ in 0..60 {
-        let mid = (lo + hi) / 2.0;
-        if count(mid).iter().sum::<usize>() < ENTRIES {
-            lo = mid;
-        } else {
-            hi = mid;
-        }
-    }
-    count(hi)
-}
-
-struct Fleet {
-    alloc: Allocator,
-    /// Per agent, the keys it reports.
-    keys_of: Vec<Vec<u32>>,
-    now: u64,
-}
-
-fn name(k: u32) -> KeyName {
-    KeyName::new("key-tpm", &[&format!("k{k:06}")])
-}
-
-/// Cumulative admitted cost after `round` reports: 50-1,050 tokens per 250 ms,
-/// depending on the pair.
-fn demand(agent: usize, key: u32, round: u64) -> u64 {
-    let x = (agent as u64 * 2_654_435_761 + key as u64 * 40_503) % 1_000;
-    (round + 1) * (50 + x)
-}
-
-/// Every agent has said hello and reported all its keys once; nothing is allocated yet.
-fn fleet(recompute_delay_ms: u64, large_key_entries: usize) -> Fleet {
-    fleet_with(AllocatorConfig {
-        recompute_delay_ms,
-        large_key_entries,
-        ..AllocatorConfig::default()
-    })
-}
-
-fn fleet_with(cfg: AllocatorConfig) -> Fleet {
-    let rules = Config::from_toml(RULES).unwrap();
-    let mut alloc = Allocator::new(&rules, cfg, 1, 0).unwrap();
-    let now = 20 * SEC;
-    alloc.handle_timeout(now); // past the learning period
-    let counts = zipf_counts();
-    let mut keys_of = vec![Vec::new(); AGENTS];
-    for (k, &n) in counts.iter().enumerate() {
-        let start = (k * 7_919) % AGENTS;
-        for j in 0..n {
-            keys_of[(start + j) % AGENTS].push(k as u32);
-        }
-    }
-    for (i, keys) in keys_of.iter().enumerate() {
-        let agent = format!("agent-{i:04}");
-        alloc
-            .handle_hello(
-                now,
-                &Hello {
-                    agent: agent.clone(),
-                    incarnation: 1,
-                    agent_time_ns: SEC,
-                    weight: 1,
-                    report_interval_ms: 250,
-                    held: vec![],
-                },
-            )
-            .unwrap();
-        let report = Report {
-            agent,
-            incarnation: 1,
-            agent_time_ns: SEC + 250 * MS,
-            keys: keys
-                .iter()
-                .map(|&k| KeyReport {
-                    key: name(k),
-                    admitted: demand(i, k, 0),
-                    rejected: 0,
-                    counting_since_ns: SEC,
-                    in_flight: 0,
-                    held: None,
-                    key_handle: 0,
-                })
-                .collect(),
-            measure: Measure::None,
-        };
-        alloc.handle_report(now, &report).unwrap();
-    }
-    assert_eq!(alloc.key_count(), KEYS);
-    assert!(alloc.entry_count() >= ENTRIES - 1_000 && alloc.entry_count() <= ENTRIES + 1_000);
-    Fleet {
-        alloc,
-        keys_of,
-        now,
-    }
-}
 
 fn full_pass(c: &mut Criterion) {
     let f = fleet(10, AllocatorConfig::default().large_key_entries);
@@ -268,108 +150,6 @@ fn full_pass(c: &mut Criterion) {
     g.finish();
 }
 
-/// Agents reporting 100 keys each in turn, 4,000 reports per virtual second (each
-/// agent every 250 ms); each report carries the grants the agent last received (as an
-/// agent that applies and acknowledges does).
-struct Reporter {
-    f: Fleet,
-    reports: Vec<Report>,
-    /// Per agent: position in its report of each reported key.
-    slot: Vec<HashMap<u32, usize>>,
-    /// Per agent, per line: the key's handle from the last grant (0: none).
-    handles: Vec<Vec<u64>>,
-    round: Vec<u64>,
-    n: usize,
-}
-
-impl Reporter {
-    fn new(large_key_entries: usize, recompute_delay_ms: u64) -> Reporter {
-        let mut f = fleet(recompute_delay_ms, large_key_entries);
-        f.alloc.reallocate_all(f.now);
-        let grants: Vec<_> = f.alloc.drain_grants().collect();
-        let mut slot = vec![HashMap::new(); AGENTS];
-        let reports: Vec<Report> = f
-            .keys_of
-            .iter()
-            .enumerate()
-            .map(|(i, keys)| {
-                let step = (keys.len() / 100).max(1);
-                let keys: Vec<KeyReport> = keys
-                    .iter()
-                    .step_by(step)
-                    .take(100)
-                    .enumerate()
-                    .map(|(j, &k)| {
-                        slot[i].insert(k, j);
-                        KeyReport {
-                            key: name(k),
-                            admitted: demand(i, k, 0),
-                            rejected: 0,
-                            counting_since_ns: SEC,
-                            in_flight: 0,
-                            held: None,
-                            key_handle: 0,
-                        }
-                    })
-                    .collect();
-                Report {
-                    agent: format!("agent-{i:04}"),
-                    incarnation: 1,
-                    agent_time_ns: SEC + 250 * MS,
-                    keys,
-                    measure: Measure::None,
-                }
-            })
-            .collect();
-        let handles = reports.iter().map(|r| vec![0; r.keys.len()]).collect();
-        let mut r = Reporter {
-            f,
-            reports,
-            slot,
-            handles,
-            round: vec![0; AGENTS],
-            n: 0,
-        };
-        r.deliver(&grants);
-        r
-    }
-
-    fn deliver(&mut self, grants: &[bursar_allocator::Grant]) {
-        for g in grants {
-            let i: usize = g.agent["agent-".len()..].parse().unwrap();
-            let k: u32 = g.key.values[0][1..].parse().unwrap();
-            if let Some(&j) = self.slot[i].get(&k) {
-                self.reports[i].keys[j].held = Some(g.held());
-                self.handles[i][j] = g.key_handle;
-            }
-        }
-    }
-
-    /// Prepares the next report (outside the timing); returns its agent.
-    fn next(&mut self) -> usize {
-        let i = self.n % AGENTS;
-        self.n += 1;
-        self.round[i] += 1;
-        let round = self.round[i];
-        let r = &mut self.reports[i];
-        r.agent_time_ns += 250 * MS;
-        // As the sync client: every 8th report names its keys, the others use the
-        // handles grants carried (the name stays in memory here, ignored).
-        let full = round.is_multiple_of(8);
-        for (kr, &h) in r.keys.iter_mut().zip(&self.handles[i]) {
-            kr.key_handle = if full { 0 } else { h };
-            let k: u32 = kr.key.values[0][1..].parse().unwrap();
-            kr.admitted = demand(i, k, round);
-            // Demand steps every other round: every key in the report changes.
-            if round.is_multiple_of(2) {
-                kr.rejected += 300;
-            }
-        }
-        self.f.now += 250 * MS / AGENTS as u64;
-        i
-    }
-}
-
 fn report(c: &mut Criterion) {
     let mut g = c.benchmark_group("report");
     let mut out = Vec::new();
@@ -393,14 +173,9 @@ fn report(c: &mut Criterion) {
             b.iter_custom(|iters| {
                 let mut spent = Duration::ZERO;
                 for _ in 0..iters {
-                    let i = r.next();
+                    let i = r.prepare();
                     let t = Instant::now();
-                    r.f.alloc.handle_report(r.f.now, &r.reports[i]).unwrap();
-                    if recompute {
-                        r.f.alloc.handle_timeout(r.f.now);
-                    }
-                    out.extend(r.f.alloc.drain_grants());
-                    black_box(r.f.alloc.drain_extensions());
+                    r.report(i, recompute, &mut out);
                     spent += t.elapsed();
                     black_box(out.len());
                     r.deliver(&out);

@@ -1,5 +1,7 @@
 //! Fixtures shared by unit tests, property tests, the conformance test and benchmarks.
 
+pub mod fleet;
+
 use bursar_agent::Config;
 
 use crate::config::AllocatorConfig;
