@@ -12,12 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! command -v valgrind >/dev/null 2>&1; then
-  echo "== installing valgrind (Debian package)"
-  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq valgrind >/dev/null
-fi
+. bench/valgrind_setup.sh
 cargo build --release -q -p bursar-allocator --example report_loop
 BIN=target/release/examples/report_loop
 # Two runs, rounds 1-4 and 1-8 of every agent reporting once (1,000 reports a round);
@@ -26,20 +21,11 @@ BIN=target/release/examples/report_loop
 SMALL="${SMALL:-4000}"
 LARGE="${LARGE:-8000}"
 
-# This machine's L1d and its L2 per core as the last level (getconf), as
-# bench/instructions.sh does.
-D1="$(getconf LEVEL1_DCACHE_SIZE),$(getconf LEVEL1_DCACHE_ASSOC),64"
-LL="$(getconf LEVEL2_CACHE_SIZE),$(getconf LEVEL2_CACHE_ASSOC),64"
-case "$D1,$LL" in
-  *,,*|,*) D1=32768,8,64 LL=1048576,16,64 ;;
-esac
 echo "== cache model: L1d $D1, last level $LL (size,ways,line); reports $SMALL and $LARGE"
 run() { # mode reports -> "instructions d1_misses ll_misses"
   valgrind --tool=callgrind --cache-sim=yes --D1="$D1" --LL="$LL" \
     --toggle-collect='*Reporter*report*' \
-    --callgrind-out-file=/dev/null "$BIN" "$1" "$2" 2>&1 |
-    awk '/I *refs/ {gsub(",","",$4); i=$4} /D1  misses/ {gsub(",","",$4); d=$4}
-         /LLd misses/ {gsub(",","",$4); l=$4} END {print i, d, l}'
+    --callgrind-out-file=/dev/null "$BIN" "$1" "$2" 2>&1 | counts
 }
 for mode in ${1:-report handle-report}; do
   read -r i1 d1 l1 < <(run "$mode" "$SMALL")

@@ -9,33 +9,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! command -v valgrind >/dev/null 2>&1; then
-  echo "== installing valgrind (Debian package)"
-  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq valgrind >/dev/null
-fi
+. bench/valgrind_setup.sh
 cargo build --release -q -p bursar-agent --example hot_loop
 BIN=target/release/examples/hot_loop
 
-# Cache model: this machine's L1d and its L2 per core as the last level (getconf), or
-# CACHE_MODEL=amd for the one used until 2026-12-01 (32 KiB 8-way L1d, 1 MiB 16-way),
-# to compare with figures from then.
-if [ "${CACHE_MODEL:-}" = amd ]; then
-  D1=32768,8,64 LL=1048576,16,64
-else
-  D1="$(getconf LEVEL1_DCACHE_SIZE),$(getconf LEVEL1_DCACHE_ASSOC),64"
-  LL="$(getconf LEVEL2_CACHE_SIZE),$(getconf LEVEL2_CACHE_ASSOC),64"
-  case "$D1,$LL" in
-    *,,*|,*) D1=32768,8,64 LL=1048576,16,64 ;; # getconf does not know: the old model
-  esac
-fi
 echo "== cache model: L1d $D1, last level $LL (size,ways,line)"
 run() { # mode ops -> "instructions d1_misses ll_misses"
   valgrind --tool=cachegrind --cache-sim=yes --D1="$D1" --LL="$LL" \
-    --cachegrind-out-file=/dev/null "$BIN" "$1" "$2" 2>&1 |
-    awk '/I *refs/ {gsub(",","",$4); i=$4} /D1  misses/ {gsub(",","",$4); d=$4}
-         /LLd misses/ {gsub(",","",$4); l=$4} END {print i, d, l}'
+    --cachegrind-out-file=/dev/null "$BIN" "$1" "$2" 2>&1 | counts
 }
 
 for mode in ${1:-admit-complete admit-into-complete keyed-10k}; do

@@ -11,7 +11,7 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 
 use bursar_agent::engine::KeyDemand;
-use bursar_agent::sync_core::{Ack as SyncAck, Applied, Held, SyncTracks};
+use bursar_agent::sync_core::{Ack as SyncAck, Applied, Held, Line, SyncTracks};
 use bursar_agent::{
     AdmitRequest, CompletionStatus, Config, Cost, Decision, DiscardSink, Engine, SliceExtension,
     Usage,
@@ -320,10 +320,6 @@ struct Agent {
     /// (`bursar_agent::sync_core`), keys named by number.
     sync: SyncTracks<u32>,
     poll_pending: bool,
-    /// Keys (by handle) of the open requested measurement, and when it ends (as the
-    /// sync client: one open at a time, later requests join it).
-    measuring: Vec<u64>,
-    measure_end_at: u64,
     next_request: u64,
     /// Report phase within the interval.
     phase: u64,
@@ -495,8 +491,6 @@ impl Sim {
                     last_ts: 0,
                     sync: SyncTracks::new(0),
                     poll_pending: false,
-                    measuring: Vec::new(),
-                    measure_end_at: 0,
                     next_request: 0,
                     phase: r.below(report_ns),
                     up_free_at: 0,
@@ -740,11 +734,13 @@ impl Sim {
             Ev::ToAgentExt(i, x) => self.deliver_extension(i, &x),
             Ev::ToAgentMeasure(i, m) => self.deliver_measure(i, *m),
             Ev::MeasureEnd(i, inc) => {
-                let a = &self.agents[i as usize];
-                let due = a.measure_end_at == self.now && !a.measuring.is_empty();
-                if due && self.live(i, inc) {
-                    let handles = std::mem::take(&mut self.agents[i as usize].measuring);
-                    self.send_measure_reports(i, &handles, Measure::End);
+                if self.live(i, inc) {
+                    // An earlier end that a later request moved finds nothing ended.
+                    let now = self.now;
+                    let sync = &mut self.agents[i as usize].sync;
+                    if let Some(handles) = sync.take_ended_measurement(now) {
+                        self.send_measure_reports(i, &handles, Measure::End);
+                    }
                 }
             }
             Ev::Report(i, inc) => {
@@ -872,7 +868,6 @@ impl Sim {
                 a.sync = SyncTracks::new(0);
                 a.hits.clear();
                 a.poll_pending = false;
-                a.measuring.clear();
             }
             Ev::AgentRestart(i) => {
                 let a = &mut self.agents[i as usize];
@@ -1301,39 +1296,31 @@ impl Sim {
         let mut handles = m.key_handles;
         handles.truncate(max);
         self.send_measure_reports(i, &handles, Measure::Start);
-        let at = self.now + u64::from(m.window_ms.min(10_000)) * MS;
+        let end = self.now + u64::from(m.window_ms.min(10_000)) * MS;
         let a = &mut self.agents[iu];
-        if a.measuring.is_empty() || at > a.measure_end_at {
-            a.measure_end_at = at;
+        if let Some(at) = a.sync.open_measurement(&handles, end, max) {
             let inc = a.incarnation;
             self.push(at, Ev::MeasureEnd(i, inc));
         }
-        let a = &mut self.agents[iu];
-        a.measuring.extend(handles);
-        a.measuring.sort_unstable();
-        a.measuring.dedup();
-        a.measuring.truncate(max);
     }
 
     /// The reports of a requested measurement for `handles`' keys (those the agent's
     /// stream knows), marked `measure`.
     fn send_measure_reports(&mut self, i: u32, handles: &[u64], measure: Measure) {
-        let iu = i as usize;
         let mut keys = Vec::new();
-        self.agents[iu].sync.measure_report(handles, |l| {
-            keys.push(KeyReport {
-                key: KeyName::default(),
-                admitted: l.admitted,
-                rejected: l.rejected,
-                counting_since_ns: l.counting_since_ns,
-                in_flight: l.in_flight,
-                held: l.held.map(held_grant),
-                key_handle: l.key_handle,
-            });
-        });
-        if keys.is_empty() {
-            return;
+        let names = &self.keys;
+        self.agents[i as usize]
+            .sync
+            .measure_report(handles, |l| keys.push(key_report(l, names)));
+        if !keys.is_empty() {
+            self.send_report_lines(i, keys, measure);
         }
+    }
+
+    /// Report lines in messages of at most `max_keys_per_message` lines (one, empty,
+    /// for none), as the sync client sends them.
+    fn send_report_lines(&mut self, i: u32, keys: Vec<KeyReport>, measure: Measure) {
+        let iu = i as usize;
         let max = self.acfg.max_keys_per_message.max(1);
         let (name, incarnation) = (self.agents[iu].name.clone(), self.agents[iu].incarnation);
         let mut rest = keys;
@@ -1586,21 +1573,8 @@ impl Sim {
                 .next_report_is_full(self.sc.allocator.full_report_every as u64);
         let mut keys = Vec::new();
         let names = &self.keys;
-        a.sync.report(full, only_new, |l| {
-            keys.push(KeyReport {
-                key: if l.key_handle != 0 {
-                    KeyName::default()
-                } else {
-                    names[*l.key as usize].name.clone()
-                },
-                admitted: l.admitted,
-                rejected: l.rejected,
-                counting_since_ns: l.counting_since_ns,
-                in_flight: l.in_flight,
-                held: l.held.map(held_grant),
-                key_handle: l.key_handle,
-            });
-        });
+        a.sync
+            .report(full, only_new, |l| keys.push(key_report(l, names)));
         // Concurrency shrinks whose in-flight work drained, acknowledged with the
         // report (as the client's report tick).
         let drained = a.sync.drained_acks();
@@ -1618,30 +1592,10 @@ impl Sim {
             };
             self.send_to_alloc(i, ToAlloc::Ack(ack));
         }
-        let a = &self.agents[iu];
         if keys.is_empty() && only_new {
             return;
         }
-        let max = self.acfg.max_keys_per_message.max(1);
-        let name = a.name.clone();
-        let incarnation = a.incarnation;
-        let mut rest = keys;
-        loop {
-            let tail = rest.split_off(rest.len().min(max));
-            let ts = self.stamp(iu);
-            let r = AllocReport {
-                agent: name.clone(),
-                incarnation,
-                agent_time_ns: ts,
-                keys: rest,
-                measure: Measure::None,
-            };
-            self.send_to_alloc(i, ToAlloc::Report(r));
-            if tail.is_empty() {
-                break;
-            }
-            rest = tail;
-        }
+        self.send_report_lines(i, keys, Measure::None);
     }
 
     /// One grants message reaches agent `i`: applied with one `apply_slices` call and
@@ -1983,6 +1937,24 @@ fn key_of(v: &str, n: usize) -> Option<u32> {
 /// The key number of an engine key (its first `*` value), for the sync bookkeeping.
 fn engine_key(d: &KeyDemand, n: usize) -> Option<u32> {
     d.values().first().and_then(|v| key_of(v, n))
+}
+
+/// A report line as the sync client sends it: by the handle a grant carried, else by
+/// name.
+fn key_report(l: Line<'_, u32>, names: &[KeyState]) -> KeyReport {
+    KeyReport {
+        key: if l.key_handle != 0 {
+            KeyName::default()
+        } else {
+            names[*l.key as usize].name.clone()
+        },
+        admitted: l.admitted,
+        rejected: l.rejected,
+        counting_since_ns: l.counting_since_ns,
+        in_flight: l.in_flight,
+        held: l.held.map(held_grant),
+        key_handle: l.key_handle,
+    }
 }
 
 fn held_grant(h: Held) -> HeldGrant {

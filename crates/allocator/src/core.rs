@@ -3363,10 +3363,6 @@ mod tests {
     use super::*;
     use crate::testing::*;
 
-    fn rules_fixture() -> Config {
-        crate::testing::rules()
-    }
-
     /// Runs due timers at `now`, checks invariants, returns the grants issued.
     fn settle(a: &mut Allocator, now: u64) -> Vec<Grant> {
         a.handle_timeout(now);
@@ -3788,22 +3784,27 @@ mod tests {
     /// Agent `a` holds all of key `rps/x` (demand ~3,600 a second), acknowledged; `b`
     /// and `c` are registered. Returns the allocator, the time, and a's grant.
     fn held_by_a() -> (Allocator, u64, Grant) {
+        held_by_a_with(&rules(), quick_config(), key("rps", "x"))
+    }
+
+    /// [`held_by_a`] under other rules and settings, for key `k`.
+    fn held_by_a_with(rules: &Config, cfg: AllocatorConfig, k: KeyName) -> (Allocator, u64, Grant) {
         let now = 5 * SEC;
-        let mut a = warm_allocator(1, now);
+        let mut a = warm_allocator_with(rules, cfg, 1, now);
         for agent in ["a", "b", "c"] {
             a.handle_hello(now, &hello(agent, 1, 1)).unwrap();
         }
-        a.handle_report(
-            now,
-            &report("a", 1, 2, vec![line(key("rps", "x"), 0, 900, None)]),
-        )
-        .unwrap();
+        a.handle_report(now, &report("a", 1, 2, vec![line(k.clone(), 0, 900, None)]))
+            .unwrap();
         let gs = settle(&mut a, now + 20 * MS);
         let ga = last_for(&gs, "a");
         a.handle_ack(now + 21 * MS, &ack(&ga, 1, 0)).unwrap();
         settle(&mut a, now + 21 * MS);
-        let k = a.key_status(&key("rps", "x")).unwrap();
-        assert_eq!(k.committed.rate, k.rate_capacity, "a holds the whole key");
+        let status = a.key_status(&k).unwrap();
+        assert_eq!(
+            status.committed.rate, status.rate_capacity,
+            "a holds the whole key"
+        );
         (a, now + 30 * MS, ga)
     }
 
@@ -3906,7 +3907,7 @@ mod tests {
     fn holders_of_a_rule_with_no_typical_request_size_are_never_asked_to_measure() {
         // `input_tokens` without `typical_cost`: an empty 100 ms window could be one
         // large request's gap, so it proves nothing and nobody is asked.
-        let rules = Config::from_toml(
+        let tpm = Config::from_toml(
             r#"
             [engine]
             slice_source = "allocated"
@@ -3920,49 +3921,22 @@ mod tests {
             "#,
         )
         .unwrap();
-        let now = 5 * SEC;
-        let mut a = warm_allocator_with(&rules, quick_config(), 1, now);
-        a.handle_hello(now, &hello("a", 1, 1)).unwrap();
-        a.handle_hello(now, &hello("b", 1, 1)).unwrap();
-        a.handle_report(
-            now,
-            &report("a", 1, 2, vec![line(key("tpm", "x"), 0, 900, None)]),
-        )
-        .unwrap();
-        let ga = last_for(&settle(&mut a, now + 20 * MS), "a");
-        a.handle_ack(now + 21 * MS, &ack(&ga, 1, 0)).unwrap();
-        a.handle_report(
-            now + 30 * MS,
-            &report("b", 1, 2, vec![line(key("tpm", "x"), 0, 900, None)]),
-        )
-        .unwrap();
+        let surge = |rule: &str| report("b", 1, 2, vec![line(key(rule, "x"), 0, 900, None)]);
+        let (mut a, now, _) = held_by_a_with(&tpm, quick_config(), key("tpm", "x"));
+        a.handle_report(now, &surge("tpm")).unwrap();
         assert_eq!(a.pending_measure_requests(), 0);
         // Nor when measuring is off.
-        let (mut off, now, _) = {
-            let now = 5 * SEC;
-            let cfg = AllocatorConfig {
-                measure_window_ms: 0,
-                ..quick_config()
-            };
-            let mut off = warm_allocator_with(&rules_fixture(), cfg, 1, now);
-            for agent in ["a", "b"] {
-                off.handle_hello(now, &hello(agent, 1, 1)).unwrap();
-            }
-            off.handle_report(
-                now,
-                &report("a", 1, 2, vec![line(key("rps", "x"), 0, 900, None)]),
-            )
-            .unwrap();
-            let ga = last_for(&settle(&mut off, now + 20 * MS), "a");
-            off.handle_ack(now + 21 * MS, &ack(&ga, 1, 0)).unwrap();
-            (off, now + 30 * MS, ga)
+        let off = AllocatorConfig {
+            measure_window_ms: 0,
+            ..quick_config()
         };
-        off.handle_report(
-            now,
-            &report("b", 1, 2, vec![line(key("rps", "x"), 0, 50, None)]),
-        )
-        .unwrap();
-        assert_eq!(off.pending_measure_requests(), 0);
+        let (mut a, now, _) = held_by_a_with(&rules(), off, key("rps", "x"));
+        a.handle_report(now, &surge("rps")).unwrap();
+        assert_eq!(a.pending_measure_requests(), 0);
+        // On, the same surge asks: the two above are not vacuous.
+        let (mut a, now, _) = held_by_a();
+        a.handle_report(now, &surge("rps")).unwrap();
+        assert_eq!(a.pending_measure_requests(), 1);
     }
 
     #[test]

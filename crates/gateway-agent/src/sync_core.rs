@@ -180,6 +180,8 @@ pub struct SyncTracks<K> {
     created_cursor: u64,
     reports: u64,
     pending_acks: Vec<PendingAck<K>>,
+    /// The open requested measurement: its keys (by handle) and when it ends.
+    measuring: (Vec<u64>, u64),
 }
 
 impl<K: Ord + Clone> SyncTracks<K> {
@@ -192,6 +194,7 @@ impl<K: Ord + Clone> SyncTracks<K> {
             created_cursor: 0,
             reports: 0,
             pending_acks: Vec::new(),
+            measuring: (Vec::new(), 0),
         }
     }
 
@@ -295,6 +298,7 @@ impl<K: Ord + Clone> SyncTracks<K> {
             t.sent = None;
             t.handle = 0;
         }
+        self.measuring = (Vec::new(), 0);
     }
 
     /// Every held grant, for the hello.
@@ -339,6 +343,35 @@ impl<K: Ord + Clone> SyncTracks<K> {
                 held: t.held,
             });
         }
+    }
+
+    /// Opens a requested measurement of `handles` ending at `end` (the caller's clock),
+    /// at most `max` keys: one is open at a time, and a request while one is open joins
+    /// it and ends at the later time. Returns the end to (re)arm a timer for, if it
+    /// moved. The start's report is the caller's ([`SyncTracks::measure_report`]).
+    pub fn open_measurement(&mut self, handles: &[u64], end: u64, max: usize) -> Option<u64> {
+        let (keys, at) = &mut self.measuring;
+        let moved = keys.is_empty() || end > *at;
+        if moved {
+            *at = end;
+        }
+        keys.extend_from_slice(handles);
+        keys.sort_unstable();
+        keys.dedup();
+        keys.truncate(max);
+        moved.then_some(*at)
+    }
+
+    /// When the open measurement ends, if one is open.
+    pub fn measurement_end(&self) -> Option<u64> {
+        (!self.measuring.0.is_empty()).then_some(self.measuring.1)
+    }
+
+    /// Closes the open measurement if it has ended at `now`, returning its keys for
+    /// the end's report.
+    pub fn take_ended_measurement(&mut self, now: u64) -> Option<Vec<u64>> {
+        let end = self.measurement_end()?;
+        (now >= end).then(|| std::mem::take(&mut self.measuring.0))
     }
 
     /// The lines of a measurement the allocator asked for (a `MeasureRequest`): the

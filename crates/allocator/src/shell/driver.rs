@@ -121,8 +121,8 @@ pub struct ShellCounters {
     pub extensions_dropped: u64,
     /// Measure requests queued on agent streams.
     pub measures_sent: u64,
-    /// Measure requests dropped (no stream for that incarnation, or its queue was
-    /// full; safe: the holders' regular reports follow).
+    /// Measure requests dropped (not queued in the core, no stream for that
+    /// incarnation, or its queue was full; safe: the holders' regular reports follow).
     pub measures_dropped: u64,
 }
 
@@ -404,7 +404,11 @@ impl Driver {
                 .filter_map(|k| self.core.key_status(k))
                 .collect(),
             truncated,
-            counters: self.counters,
+            counters: ShellCounters {
+                // Also those the core could not queue (its queue was full).
+                measures_dropped: self.counters.measures_dropped + self.core.measures_dropped(),
+                ..self.counters
+            },
             last_error: self.last_error.clone(),
             config_version: self.config_version.clone(),
             rules: self.core.rules().collect(),

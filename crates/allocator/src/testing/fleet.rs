@@ -73,6 +73,19 @@ pub fn demand(agent: usize, key: u32, round: u64) -> u64 {
     (round + 1) * (50 + x)
 }
 
+/// Agent `agent`'s first report line for key `k`, by name, holding nothing.
+fn first_line(agent: usize, k: u32) -> KeyReport {
+    KeyReport {
+        key: name(k),
+        admitted: demand(agent, k, 0),
+        rejected: 0,
+        counting_since_ns: SEC,
+        in_flight: 0,
+        held: None,
+        key_handle: 0,
+    }
+}
+
 /// Every agent has said hello and reported all its keys once; nothing is allocated yet.
 pub fn fleet(recompute_delay_ms: u64, large_key_entries: usize) -> Fleet {
     fleet_with(AllocatorConfig {
@@ -115,18 +128,7 @@ pub fn fleet_with(cfg: AllocatorConfig) -> Fleet {
             agent,
             incarnation: 1,
             agent_time_ns: SEC + 250 * MS,
-            keys: keys
-                .iter()
-                .map(|&k| KeyReport {
-                    key: name(k),
-                    admitted: demand(i, k, 0),
-                    rejected: 0,
-                    counting_since_ns: SEC,
-                    in_flight: 0,
-                    held: None,
-                    key_handle: 0,
-                })
-                .collect(),
+            keys: keys.iter().map(|&k| first_line(i, k)).collect(),
             measure: Measure::None,
         };
         alloc.handle_report(now, &report).unwrap();
@@ -176,15 +178,7 @@ impl Reporter {
                     .enumerate()
                     .map(|(j, &k)| {
                         slot[i].insert(k, j);
-                        KeyReport {
-                            key: name(k),
-                            admitted: demand(i, k, 0),
-                            rejected: 0,
-                            counting_since_ns: SEC,
-                            in_flight: 0,
-                            held: None,
-                            key_handle: 0,
-                        }
+                        first_line(i, k)
                     })
                     .collect();
                 Report {

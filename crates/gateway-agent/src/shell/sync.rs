@@ -574,9 +574,10 @@ impl Client {
         poll_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut key_count = self.state.engine.key_count();
         let full_every = self.cfg.full_report_every.max(1) as u64;
-        // A requested measurement's end: when, and for which keys (one at a time; a
-        // request while one is open joins it, ending at the later time).
-        let mut measuring: Vec<u64> = Vec::new();
+        // The timer of a requested measurement's end (`SyncTracks::open_measurement`),
+        // on the timer's own clock: nanoseconds since the stream opened.
+        let base = tokio::time::Instant::now();
+        let since_base = || base.elapsed().as_nanos() as u64;
         let measure_end = tokio::time::sleep(Duration::from_secs(3600));
         tokio::pin!(measure_end);
         loop {
@@ -614,15 +615,11 @@ impl Client {
                             if !self.send_reports(&tx, ms) {
                                 return End::Lost("stream closed".into());
                             }
-                            let window = Duration::from_millis(u64::from(m.window_ms.min(MAX_MEASURE_WINDOW_MS)));
-                            let at = tokio::time::Instant::now() + window;
-                            if measuring.is_empty() || at > measure_end.deadline() {
-                                measure_end.as_mut().reset(at);
+                            let window = u64::from(m.window_ms.min(MAX_MEASURE_WINDOW_MS)) * 1_000_000;
+                            let end = since_base() + window;
+                            if let Some(at) = self.tracks.open_measurement(&handles, end, max_keys) {
+                                measure_end.as_mut().reset(base + Duration::from_nanos(at));
                             }
-                            measuring.extend(handles);
-                            measuring.sort_unstable();
-                            measuring.dedup();
-                            measuring.truncate(max_keys);
                         }
                         Some(In::Redirect(r)) => return End::Redirect(r.leader),
                         Some(In::ConfigVersion(v)) => {
@@ -636,11 +633,13 @@ impl Client {
                         Some(In::Welcome(_)) | None => {}
                     }
                 }
-                () = &mut measure_end, if !measuring.is_empty() => {
-                    let handles = std::mem::take(&mut measuring);
-                    let ms = self.measure_reports(&handles, pb::Measure::End, max_keys);
-                    if !self.send_reports(&tx, ms) {
-                        return End::Lost("stream closed".into());
+                () = &mut measure_end, if self.tracks.measurement_end().is_some() => {
+                    // The timer fires at or after its deadline, on the same clock.
+                    if let Some(handles) = self.tracks.take_ended_measurement(since_base()) {
+                        let ms = self.measure_reports(&handles, pb::Measure::End, max_keys);
+                        if !self.send_reports(&tx, ms) {
+                            return End::Lost("stream closed".into());
+                        }
                     }
                 }
                 _ = report_tick.tick() => {
