@@ -1508,6 +1508,19 @@ impl Sim {
             .refresh(engine, now, &mut self.demand_buf, |d| engine_key(d, nkeys));
     }
 
+    /// The report tick's read: only the keys that changed since the last walk, as the
+    /// sync client does (`refresh_changed`); everything when the engine cannot say.
+    fn refresh_changed(&mut self, i: usize) {
+        let nkeys = self.keys.len();
+        let a = &mut self.agents[i];
+        let Some(engine) = &a.engine else {
+            return;
+        };
+        let now = a.clock(self.now);
+        a.sync
+            .refresh_changed(engine, now, &mut self.demand_buf, |d| engine_key(d, nkeys));
+    }
+
     /// The new-key poll: only the keys the engine created since the last read, as the
     /// sync client does (`refresh_new`); everything when the engine forgot some.
     fn refresh_new(&mut self, i: usize) {
@@ -1565,7 +1578,7 @@ impl Sim {
         if only_new {
             self.refresh_new(iu);
         } else {
-            self.refresh(iu);
+            self.refresh_changed(iu);
         }
         let a = &mut self.agents[iu];
         let full = !only_new

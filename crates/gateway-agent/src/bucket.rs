@@ -254,7 +254,7 @@ impl State {
         }
     }
 
-    fn sealed(self) -> bool {
+    pub(crate) fn sealed(self) -> bool {
         self.tat == SEALED
     }
 }
@@ -288,7 +288,17 @@ pub(crate) struct Slot {
     /// their TAT).
     touched: AtomicU64,
     pub(crate) key: Arc<LimitKey>,
+    /// The sync client's last walk of this slot ([`Slot::walk_mark`];
+    /// [`WALK_UNSEEN`]: never walked, or a slice change to report). A walk of changed
+    /// keys skips a slot whose mark still matches. Written only under the engine's
+    /// slow-path lock; never read by a decision. One word: the slot has 8 bytes to
+    /// spare in its 128.
+    walked: AtomicU64,
 }
+
+/// [`Slot`]'s walk mark before any walk (and after a slice change the counts do not
+/// show): the next walk of changed keys reads the slot.
+const WALK_UNSEEN: u64 = u64::MAX;
 
 impl Slot {
     pub(crate) fn new(key: Arc<LimitKey>, params: Params, state: State) -> Slot {
@@ -302,7 +312,29 @@ impl Slot {
             params,
             check: key.check,
             key,
+            walked: AtomicU64::new(WALK_UNSEEN),
         }
+    }
+
+    /// For the sync client's walks (under the slow-path lock): records what the slot
+    /// shows now and says whether it differs from the last walk's mark (or the slot
+    /// was never walked, or [`Slot::walk_unseen`] marked it). The mark is the low 40
+    /// bits of `admitted + rejected + blocked` (each only grows) and the low 24 of the
+    /// slots in flight: a change goes unseen only if the counts grew by a multiple of
+    /// 2^40 (10^12 units) between two walks while in-flight came back to its value;
+    /// then the key's next change shows it, counts included (they are cumulative).
+    pub(crate) fn walk_mark(&self, in_flight: u64) -> bool {
+        let counts = self.admitted.load(Ordering::Relaxed)
+            + self.rejected.load(Ordering::Relaxed)
+            + self.blocked.load(Ordering::Relaxed);
+        let mark = (counts & ((1 << 40) - 1)) | (in_flight << 40);
+        self.walked.swap(mark, Ordering::Relaxed) != mark || mark == WALK_UNSEEN
+    }
+
+    /// Makes the next walk of changed keys read this slot: its key's slice changed
+    /// without a new slot (a renewal, a lease ending on an unchanged posture).
+    pub(crate) fn walk_unseen(&self) {
+        self.walked.store(WALK_UNSEEN, Ordering::Relaxed);
     }
 
     /// The current state.
@@ -818,6 +850,24 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_walk_mark_sees_counts_in_flight_and_slice_changes_once_each() {
+        let slot = full(Params::Slots(4), 0);
+        assert!(slot.walk_mark(0), "a slot never walked is new");
+        assert!(!slot.walk_mark(0));
+        slot.admitted.fetch_add(1, Ordering::Relaxed);
+        assert!(slot.walk_mark(0));
+        assert!(!slot.walk_mark(0));
+        slot.blocked.fetch_add(3, Ordering::Relaxed);
+        assert!(slot.walk_mark(0));
+        assert!(slot.walk_mark(1), "in flight went up");
+        assert!(slot.walk_mark(0), "and back down");
+        assert!(!slot.walk_mark(0));
+        slot.walk_unseen();
+        assert!(slot.walk_mark(0), "a slice change without a new slot");
+        assert!(!slot.walk_mark(0));
     }
 
     #[test]

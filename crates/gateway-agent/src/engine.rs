@@ -954,6 +954,15 @@ struct Slow {
     created: VecDeque<(u64, Arc<LimitKey>)>,
     /// Number of the last key created.
     created_seq: u64,
+    /// Slots evicted since the sync client's last walk, numbered (its walk of changed
+    /// keys drops their tracks: [`Engine::changed_key_demand`]); at most [`GONE_MAX`],
+    /// oldest dropped. Kept only once a sync walk has run (a standalone engine has no
+    /// reader), and only until that reader has read them.
+    gone: VecDeque<(u64, Arc<Slot>)>,
+    /// Number of the last slot evicted.
+    gone_seq: u64,
+    /// A sync walk ran: log evictions in `gone`.
+    gone_tracking: bool,
     /// No slice's lease ends before this (a lower bound: the earliest lease end of
     /// the slices not yet expired when [`Engine::maintain`] last looked, lowered by
     /// every slice applied since). Maintenance scans the slices only once it is due.
@@ -971,6 +980,23 @@ struct Slow {
 /// 20 ms sees at most this many at 50,000 new keys a second); a reader that falls
 /// further behind is told to read every key.
 pub const CREATED_MAX: usize = 1_024;
+
+/// Evictions remembered for the sync client's walk of changed keys (one walk a report
+/// interval); a reader that falls further behind is told to walk every key.
+pub const GONE_MAX: usize = 16_384;
+
+/// What a walk of the keys reads and marks (see [`Engine::key_demand`],
+/// [`Engine::sync_key_demand`], [`Engine::changed_key_demand`]).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Walk {
+    /// Every live key; marks nothing.
+    Read,
+    /// Every live key, each marked walked (the sync client's full read).
+    Mark,
+    /// Only the keys whose counts, in-flight slots or slice changed since their last
+    /// mark (new slots included), each marked walked.
+    Changed,
+}
 
 /// Table chunks (64 cells, at most 48 keys each) that [`Engine::key_demand`] reads under
 /// one hold of the slow-path lock: ~750 keys, tens of microseconds.
@@ -1076,6 +1102,9 @@ impl Engine {
                 published_at_ns: 0,
                 created: VecDeque::new(),
                 created_seq: 0,
+                gone: VecDeque::new(),
+                gone_seq: 0,
+                gone_tracking: false,
                 next_slice_end_ns: 0,
                 extension: None,
                 next_idle_scan_ns: 0,
@@ -1559,6 +1588,14 @@ impl Engine {
                 if ended == Some(true) {
                     slow.slices.remove(&*s.key as &dyn KeyView);
                 }
+                if slow.gone_tracking {
+                    slow.gone_seq += 1;
+                    let seq = slow.gone_seq;
+                    slow.gone.push_back((seq, Arc::clone(&s)));
+                    if slow.gone.len() > GONE_MAX {
+                        slow.gone.pop_front();
+                    }
+                }
                 slow.table_garbage += 1;
                 retire(&mut slow.retired, &s);
                 slow.keys -= 1;
@@ -2039,7 +2076,9 @@ impl Engine {
             && old.params == params
             && transfer == 0
         {
-            // A renewal: same slice. Keep the slot (and its pending refunds).
+            // A renewal: same slice. Keep the slot (and its pending refunds); its new
+            // epoch and seq are the sync client's to report.
+            old.walk_unseen();
             let state = old.load();
             let applied = SliceApplied {
                 released_tokens: 0,
@@ -2210,6 +2249,13 @@ impl Engine {
                 st.expired = true;
                 st.grant = fallback;
             }
+            // The slice the sync client reports changed, whether or not the slot did.
+            let vals: Vec<&str> = key.0.values().collect();
+            let id = self.hashing.key_id(rule, vals.iter().copied());
+            let table = self.table.load();
+            if let Some((_, live)) = find_live(slow, &table, id, rule, &vals) {
+                live.walk_unseen();
+            }
             expired += 1;
         }
         expired
@@ -2254,15 +2300,84 @@ impl Engine {
     /// first; a reader that keeps the last sighting of each key (the sync client does)
     /// sees every live key.
     pub fn key_demand(&self, out: &mut Vec<KeyDemand>) {
+        self.walk(Walk::Read, out);
+    }
+
+    /// [`Engine::key_demand`] for the allocator sync client: also marks every key
+    /// walked, so that its next [`Engine::changed_key_demand`] reads only what changed
+    /// since, and moves `gone_cursor` past every eviction so far (their keys are not in
+    /// this walk). One sync client per engine: a second one's marks would hide changes
+    /// from the first.
+    pub fn sync_key_demand(&self, gone_cursor: &mut u64, out: &mut Vec<KeyDemand>) {
+        {
+            let mut slow = self.slow();
+            slow.gone_tracking = true;
+            slow.gone.clear();
+            *gone_cursor = slow.gone_seq;
+        }
+        self.walk(Walk::Mark, out);
+    }
+
+    /// The sync client's walk of what changed since its last walk: into `out`, the
+    /// live keys whose counts, in-flight slots or applied slice changed (new keys and
+    /// replaced slots included), each marked walked; into `gone`, the keys evicted
+    /// since `gone_cursor` (which it advances) that have no live slot now, read from
+    /// their final slot. A walk still visits every slot, but reads only its counters for
+    /// one that did not change: no lookup of its slice, no reference count, nothing
+    /// appended. Returns false, appending nothing, if evictions since `gone_cursor`
+    /// were forgotten ([`GONE_MAX`]) or no [`Engine::sync_key_demand`] came first:
+    /// then read every key with that.
+    pub fn changed_key_demand(
+        &self,
+        gone_cursor: &mut u64,
+        out: &mut Vec<KeyDemand>,
+        gone: &mut Vec<KeyDemand>,
+    ) -> bool {
+        {
+            let mut slow = self.slow();
+            let missed = !slow.gone_tracking
+                || *gone_cursor > slow.gone_seq
+                || (slow.gone.is_empty() && *gone_cursor < slow.gone_seq)
+                || slow
+                    .gone
+                    .front()
+                    .is_some_and(|(seq, _)| *seq > *gone_cursor + 1);
+            if missed {
+                return false;
+            }
+            *gone_cursor = slow.gone_seq;
+            let table = self.table.load();
+            let mut values: Vec<&str> = Vec::with_capacity(MAX_DESCRIPTORS);
+            for (_, s) in &slow.gone {
+                let key = &s.key;
+                values.clear();
+                values.extend(key.values());
+                let id = self.hashing.key_id(key.rule, values.iter().copied());
+                if find_live(&slow, &table, id, key.rule, &values).is_none() {
+                    gone.push(KeyDemand {
+                        rule: Arc::clone(&self.compiled[key.rule as usize].name),
+                        counters: SlotCounters(Arc::clone(s)),
+                        in_flight: 0,
+                        slice: None,
+                    });
+                }
+            }
+            slow.gone.clear();
+        }
+        self.walk(Walk::Changed, out);
+        true
+    }
+
+    fn walk(&self, mode: Walk, out: &mut Vec<KeyDemand>) {
         let table = self.table.load_full();
         let n = table.chunks.len();
         let mut slow = self.slow();
-        self.pending_demand(&slow, out);
+        self.pending_demand(&slow, mode, out);
         let mut at = 0;
         loop {
             let end = (at + WALK_CHUNKS).min(n);
             for c in &table.chunks[at..end] {
-                self.chunk_demand(&slow, c, out);
+                self.chunk_demand(&slow, mode, c, out);
             }
             at = end;
             if at == n {
@@ -2279,30 +2394,47 @@ impl Engine {
             let same_shape = current.chunks.len() == n;
             for (i, c) in current.chunks.iter().enumerate() {
                 if !same_shape || !Arc::ptr_eq(c, &table.chunks[i]) {
-                    self.chunk_demand(&slow, c, out);
+                    self.chunk_demand(&slow, mode, c, out);
                 }
             }
         }
         if republished || n > WALK_CHUNKS {
             // Keys created or replaced during the walk, not yet published.
-            self.pending_demand(&slow, out);
+            self.pending_demand(&slow, mode, out);
         }
     }
 
     /// [`Engine::key_demand`] for the live keys waiting to be published.
-    fn pending_demand(&self, slow: &Slow, out: &mut Vec<KeyDemand>) {
-        for s in slow.pending.values().filter(|s| !s.is_sealed()) {
-            out.push(self.demand_of(slow, s));
+    fn pending_demand(&self, slow: &Slow, mode: Walk, out: &mut Vec<KeyDemand>) {
+        for s in slow.pending.values() {
+            self.slot_demand(slow, mode, s, out);
         }
     }
 
     /// [`Engine::key_demand`] for one chunk of a table.
-    fn chunk_demand(&self, slow: &Slow, c: &Chunk, out: &mut Vec<KeyDemand>) {
+    fn chunk_demand(&self, slow: &Slow, mode: Walk, c: &Chunk, out: &mut Vec<KeyDemand>) {
         for (_, s) in c.0.iter().flat_map(|l| l.0.iter()).flatten() {
-            if !s.is_sealed() {
-                out.push(self.demand_of(slow, s));
+            self.slot_demand(slow, mode, s, out);
+        }
+    }
+
+    /// One slot of a walk: appended if live (and, for [`Walk::Changed`], changed).
+    #[inline]
+    fn slot_demand(&self, slow: &Slow, mode: Walk, s: &Arc<Slot>, out: &mut Vec<KeyDemand>) {
+        let state = s.load();
+        if state.sealed() {
+            return;
+        }
+        if mode != Walk::Read {
+            let in_flight = match s.params {
+                Params::Slots(_) => state.tat,
+                _ => 0,
+            };
+            if !s.walk_mark(in_flight) && mode == Walk::Changed {
+                return;
             }
         }
+        out.push(self.demand_of(slow, s));
     }
 
     /// The number of the last key created (a cursor for [`Engine::new_key_demand`] that

@@ -300,6 +300,13 @@ impl Client {
             .refresh(&self.state.engine, now, &mut self.buf, key_id);
     }
 
+    /// Reads only the keys that changed since the last walk (the report tick).
+    fn refresh_changed(&mut self) {
+        let now = self.now_ns();
+        self.tracks
+            .refresh_changed(&self.state.engine, now, &mut self.buf, key_id);
+    }
+
     /// Reads only the keys the engine created since the last read (the new-key poll,
     /// every 20 ms).
     fn refresh_new(&mut self) {
@@ -643,7 +650,7 @@ impl Client {
                     }
                 }
                 _ = report_tick.tick() => {
-                    self.refresh();
+                    self.refresh_changed();
                     let full = self.tracks.next_report_is_full(full_every);
                     let ms = self.reports(full, false, max_keys);
                     let acks = self.drained_acks();
