@@ -80,6 +80,15 @@ const MAX_MEASURES_QUEUED: usize = 65_536;
 /// then happens by chance about once in 150 (Poisson).
 const MEASURE_MIN_REQUESTS: f64 = 5.0;
 
+/// Typical requests an empty measurement window must have been expected to hold, by
+/// the estimate when it ends, for the emptiness to drop the estimate. Below
+/// [`MEASURE_MIN_REQUESTS`]: a window sized for exactly five at the request is judged
+/// at its end, when the estimate has moved a little, and at five a holder whose demand
+/// had left was kept whenever its estimate had slipped a fraction of a percent (the
+/// `shift` scenario's one-second reallocations). An empty window expected to hold four
+/// is chance once in 55 (`e^-4`).
+const MEASURE_ENOUGH_REQUESTS: f64 = 4.0;
+
 /// Probes for a key id whose name hash collides.
 const MAX_PROBE: u64 = 4;
 
@@ -2187,17 +2196,21 @@ impl Allocator {
         // something (see `request_measures`).
         let enough = rule.typical > 0
             && before * elapsed as f64
-                >= MEASURE_MIN_REQUESTS * rule.typical as f64 * rule.period_ns as f64;
+                >= MEASURE_ENOUGH_REQUESTS * rule.typical as f64 * rule.period_ns as f64;
         let jump = |d: f64| {
             // A change too large to be noise: demand moved (a shift, a surge, a gateway
             // drained). Follow it at once instead of over several half-lives. A
             // measurement's window is short: it jumps down only when nothing at all
             // came in it (a holder whose demand moved away), not on a quiet spell of a
-            // few requests.
+            // few requests; and then whatever the estimate's size, since the floor is
+            // there for noise and a window that should have held `enough` requests is
+            // not noise (with the floor, a small holder whose demand had left kept its
+            // grant, and grew on what the others freed, for a half-life).
+            if measured && sample < d {
+                return da + dr == 0 && enough;
+            }
             let diff = (sample - d).abs();
-            diff > jump_rel * sample.max(d)
-                && diff > jump_floor
-                && (!measured || sample > d || (da + dr == 0 && enough))
+            diff > jump_rel * sample.max(d) && diff > jump_floor
         };
         if short {
             // The base stays; only a jump up is taken from the diluted rate.
@@ -3880,6 +3893,93 @@ mod tests {
         // a's grant shrinks at the next recomputation.
         let gs = settle(&mut a, now + 120 * MS);
         assert!(last_for(&gs, "a").rate < ga.rate);
+    }
+
+    /// Agent `a` holds key `rps/x` asking `rejected` requests over its first sample
+    /// (read over 250 ms), then `b` surges and `a` is asked to measure; returns the
+    /// allocator, the time, `a`'s grant and the window it was asked for.
+    fn measuring_a(cfg: AllocatorConfig, rejected: u64) -> (Allocator, u64, Grant, u32) {
+        let now = 5 * SEC;
+        let mut a = warm_allocator_with(&rules(), cfg, 1, now);
+        for agent in ["a", "b"] {
+            a.handle_hello(now, &hello(agent, 1, 1)).unwrap();
+        }
+        let k = key("rps", "x");
+        a.handle_report(
+            now,
+            &report("a", 1, 2, vec![line(k.clone(), 0, rejected, None)]),
+        )
+        .unwrap();
+        let ga = last_for(&settle(&mut a, now + 20 * MS), "a");
+        a.handle_ack(now + 21 * MS, &ack(&ga, 1, 0)).unwrap();
+        settle(&mut a, now + 21 * MS);
+        a.handle_report(
+            now + 30 * MS,
+            &report("b", 1, 2, vec![line(k, 0, 900, None)]),
+        )
+        .unwrap();
+        let asked = a.drain_measure_requests();
+        assert_eq!(asked.len(), 1, "a is asked to measure");
+        (a, now + 30 * MS, ga, asked[0].window_ms)
+    }
+
+    fn a_measures(a: &mut Allocator, now: u64, ga: &Grant, rejected: u64, window_ms: u64) {
+        let at = |t: u64, measure| Report {
+            measure,
+            ..report(
+                "a",
+                1,
+                t,
+                vec![line(key("rps", "x"), 0, rejected, Some(ga.held()))],
+            )
+        };
+        let t = 300 * MS;
+        a.handle_report(now + 5 * MS, &at(t, Measure::Start))
+            .unwrap();
+        a.handle_report(
+            now + 5 * MS + window_ms * MS,
+            &at(t + window_ms * MS, Measure::End),
+        )
+        .unwrap();
+    }
+
+    #[test]
+    fn an_empty_window_drops_a_small_holder_and_one_judged_a_little_short() {
+        // a asks ~150 requests a second, under the jump floor (20 % of the limit of
+        // 1,000): a 100 ms window that should have held 15 and held none still means its
+        // demand left (with the floor, it was kept for a half-life).
+        let (mut a, now, ga, window) = measuring_a(quick_config(), 37);
+        let before = demand_of(&a, "a");
+        assert!(before > 100.0 && before < 200.0, "{before}");
+        assert_eq!(window, 100);
+        a_measures(&mut a, now, &ga, 37, 100);
+        assert_eq!(
+            demand_of(&a, "a"),
+            0.0,
+            "an empty window drops a small holder"
+        );
+
+        // A window sized for five requests at the request, judged at its end over a
+        // little less (4.5 expected): empty, it drops the estimate too (at five it was
+        // kept whenever the estimate had slipped a fraction of a percent).
+        let short = AllocatorConfig {
+            measure_window_ms: 10,
+            ..quick_config()
+        };
+        let (mut a, now, ga, window) = measuring_a(short, 63);
+        let before = demand_of(&a, "a");
+        assert!(before > 200.0, "{before}");
+        assert!(
+            (window as f64 - 5_000.0 / before).abs() < 1.0,
+            "{window} ms for five"
+        );
+        let judged = (window as f64 * 0.9).floor() as u64;
+        assert!(
+            before * judged as f64 / 1_000.0 >= 4.0,
+            "{before} over {judged} ms"
+        );
+        a_measures(&mut a, now, &ga, 63, judged);
+        assert_eq!(demand_of(&a, "a"), 0.0, "{before} over {judged} ms");
     }
 
     #[test]
