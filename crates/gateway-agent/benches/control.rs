@@ -12,6 +12,11 @@
 //! - `control/sync_refresh_10k_keys`: the sync client's read of every key into its
 //!   tracks at a report, keyed as the shell keys them ([`TrackedKey`]);
 //!   `..._string_names_baseline` keys them by fresh strings, as the shell did before.
+//! - `control/sync_refresh_changed_10k_keys_100_busy`: the report tick's read since
+//!   the twelfth session (`SyncTracks::refresh_changed`) and the report it feeds, when
+//!   100 of the 10,000 keys admitted a request since the last one;
+//!   `control/sync_refresh_every_key_10k_keys_100_busy` is the same tick reading every
+//!   key (`SyncTracks::refresh`), in the same run.
 //! - `control/maintain_10k_keys`: the maintenance tick (every 100 ms in the shell) when
 //!   nothing is due: no lease or slice ended, no key idle long enough.
 //!
@@ -25,6 +30,7 @@ use std::hint::black_box;
 use bursar_agent::engine::SliceUpdate;
 use bursar_agent::sync_core::{SyncTracks, TrackedKey};
 use bursar_agent::testing::{keyed_engine, keyed_grant};
+use bursar_agent::{AdmitRequest, CompletionStatus, Cost, Decision, Usage};
 use criterion::{Criterion, criterion_group, criterion_main};
 
 const KEYS: usize = 10_000;
@@ -72,6 +78,57 @@ fn control(c: &mut Criterion) {
         })
     });
     assert!(strings.contains(&("rps".to_string(), vec!["key-7".to_string()])));
+    drop(strings);
+    // The report tick: 100 keys busy since the last one (a different 100 each time: a
+    // request admitted and completed on each, which the counters a report reads
+    // count), read by changes or by a walk of every key, then the delta report's lines.
+    let (engine2, _) = keyed_engine(KEYS);
+    let names: Vec<String> = (0..KEYS).map(|i| format!("key-{i}")).collect();
+    for changed_only in [true, false] {
+        let mut t: SyncTracks<TrackedKey> = SyncTracks::new(0);
+        t.refresh(&engine2, now, &mut buf, |d| Some(TrackedKey::of(d)));
+        t.report(true, false, |_| {});
+        let mut next = 0usize;
+        let name = if changed_only {
+            "sync_refresh_changed_10k_keys_100_busy"
+        } else {
+            "sync_refresh_every_key_10k_keys_100_busy"
+        };
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                now += 250_000_000;
+                for _ in 0..100 {
+                    let desc = [("k", names[next % KEYS].as_str())];
+                    let d = engine2
+                        .admit(
+                            now,
+                            &AdmitRequest {
+                                request_id: "bench",
+                                domain: None,
+                                descriptors: &desc,
+                                cost: Cost::ONE_REQUEST,
+                                ttl_ms: None,
+                            },
+                        )
+                        .expect("valid");
+                    assert!(matches!(d, Decision::Admitted(_)), "{d:?}");
+                    engine2
+                        .complete(now, "bench", Usage::default(), CompletionStatus::Ok)
+                        .expect("settles");
+                    next += 97;
+                }
+                if changed_only {
+                    t.refresh_changed(&engine2, now, &mut buf, |d| Some(TrackedKey::of(d)));
+                } else {
+                    t.refresh(&engine2, now, &mut buf, |d| Some(TrackedKey::of(d)));
+                }
+                let mut lines = 0;
+                t.report(false, false, |_| lines += 1);
+                assert_eq!(lines, 100, "each busy key is reported once ({lines})");
+                black_box(lines)
+            })
+        });
+    }
     drop(buf);
     let mut seq = 0u64;
     for batch in [1usize, 16] {

@@ -328,7 +328,15 @@ impl Slot {
             + self.rejected.load(Ordering::Relaxed)
             + self.blocked.load(Ordering::Relaxed);
         let mark = (counts & ((1 << 40) - 1)) | (in_flight << 40);
-        self.walked.swap(mark, Ordering::Relaxed) != mark || mark == WALK_UNSEEN
+        // A load, and a store only on a change: the walker is the only writer (under the
+        // slow-path lock, as `walk_unseen`'s callers), so no locked swap, and a walk of
+        // unchanged keys leaves their lines clean (a swap made the whole-key walk 35 %
+        // slower).
+        let last = self.walked.load(Ordering::Relaxed);
+        if last != mark {
+            self.walked.store(mark, Ordering::Relaxed);
+        }
+        last != mark || mark == WALK_UNSEEN
     }
 
     /// Makes the next walk of changed keys read this slot: its key's slice changed
