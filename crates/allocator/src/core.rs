@@ -656,6 +656,8 @@ struct Key {
     last_full_ns: u64,
     /// When the key's holders were last asked to measure (0: never).
     measured_at_ns: u64,
+    /// Whether the entry whose surge started that round held a grant.
+    measured_for_holder: bool,
     /// Entries with a learned grant or a partition fallback (`Entry::rare`): the bound
     /// ([`Allocator::overshoot_bound`]) walks the entries only when some have one. Kept
     /// by [`Key::edit`] (every change of `rare` goes through it, or recounts).
@@ -1183,10 +1185,19 @@ impl Allocator {
         if rule.typical == 0 || rule.concurrency {
             return;
         }
-        if key.measured_at_ns != 0 && now < key.measured_at_ns.saturating_add(min_sample) {
+        let e = &key.entries[pos as usize];
+        // One round per `min_sample_ms` per key, except that demand arriving where
+        // there is no grant (a shift's new gateways) may start one after a round a
+        // holder's surge started: under overload holders' estimates jump by noise, and
+        // such a round just before a shift held off the one the shift needed for a
+        // whole `min_sample_ms`.
+        let holder = e.cur.rate > 0;
+        if key.measured_at_ns != 0
+            && now < key.measured_at_ns.saturating_add(min_sample)
+            && (holder || !key.measured_for_holder)
+        {
             return;
         }
-        let e = &key.entries[pos as usize];
         let unmet = e.demand - e.cur.rate as f64;
         let free = key.limit.rate.saturating_sub(key.committed.rate) as f64;
         if unmet <= free {
@@ -1237,6 +1248,7 @@ impl Allocator {
         self.scratch.measure = holders;
         if asked && let Some(key) = self.keys[k as usize].as_mut() {
             key.measured_at_ns = now.max(1);
+            key.measured_for_holder = holder;
         }
     }
 
@@ -1381,6 +1393,7 @@ impl Allocator {
             last_full_ns: 0,
             sweep_after_ns: u64::MAX,
             measured_at_ns: 0,
+            measured_for_holder: false,
             rare_entries: 0,
         };
         let id = match self.free_keys.pop() {
@@ -4014,6 +4027,65 @@ mod tests {
         );
         a_measures(&mut a, now, &ga, 63, judged);
         assert_eq!(demand_of(&a, "a"), 0.0, "{before} over {judged} ms");
+    }
+
+    #[test]
+    fn demand_arriving_without_a_grant_may_start_a_round_after_a_holders_surge() {
+        let now = 5 * SEC;
+        let mut a = warm_allocator_with(&rules(), quick_config(), 1, now);
+        let k = key("rps", "x");
+        for agent in ["a", "b", "c", "d"] {
+            a.handle_hello(now, &hello(agent, 1, 1)).unwrap();
+        }
+        // a and b both want far more than the limit: each holds half.
+        for agent in ["a", "b"] {
+            a.handle_report(
+                now,
+                &report(agent, 1, 2, vec![line(k.clone(), 0, 900, None)]),
+            )
+            .unwrap();
+        }
+        let gs = settle(&mut a, now + 20 * MS);
+        let (ga, gb) = (last_for(&gs, "a"), last_for(&gs, "b"));
+        a.handle_ack(now + 21 * MS, &ack(&ga, 1, 0)).unwrap();
+        a.handle_ack(now + 21 * MS, &ack(&gb, 1, 0)).unwrap();
+        settle(&mut a, now + 21 * MS);
+        a.drain_measure_requests();
+        // A holder's surge (a's demand jumps tenfold) asks the other holder.
+        a.handle_report(
+            now + 300 * MS,
+            &report(
+                "a",
+                1,
+                300 * MS,
+                vec![line(k.clone(), 0, 10_900, Some(ga.held()))],
+            ),
+        )
+        .unwrap();
+        let asked: Vec<_> = a.drain_measure_requests();
+        assert_eq!(asked.len(), 1);
+        assert_eq!(&*asked[0].agent, "b");
+        // 50 ms later demand arrives at c, which holds nothing: a round of its own,
+        // asking both holders (with the old rule, nothing until `min_sample_ms`).
+        a.handle_report(
+            now + 350 * MS,
+            &report("c", 1, 2, vec![line(k.clone(), 0, 50, None)]),
+        )
+        .unwrap();
+        let mut asked: Vec<_> = a
+            .drain_measure_requests()
+            .into_iter()
+            .map(|m| m.agent.to_string())
+            .collect();
+        asked.sort();
+        assert_eq!(asked, ["a", "b"]);
+        // That round stands for `min_sample_ms`, for everyone: d asks nothing.
+        a.handle_report(
+            now + 400 * MS,
+            &report("d", 1, 2, vec![line(k, 0, 50, None)]),
+        )
+        .unwrap();
+        assert_eq!(a.pending_measure_requests(), 0);
     }
 
     #[test]
