@@ -28,9 +28,5 @@ run() { # mode reports -> "instructions d1_misses ll_misses"
     --callgrind-out-file=/dev/null "$BIN" "$1" "$2" 2>&1 | counts
 }
 for mode in ${1:-report handle-report}; do
-  read -r i1 d1 l1 < <(run "$mode" "$SMALL")
-  read -r i2 d2 l2 < <(run "$mode" "$LARGE")
-  n=$((LARGE - SMALL))
-  awk -v m="$mode" -v n="$n" -v i="$((i2 - i1))" -v d="$((d2 - d1))" -v l="$((l2 - l1))" \
-    'BEGIN { printf "%-14s %9.0f instructions  %7.1f L1d misses  %7.1f LL misses per report\n", m, i/n, d/n, l/n }'
+  per_op "$mode" "$SMALL" "$LARGE" report
 done

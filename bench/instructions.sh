@@ -25,9 +25,5 @@ for mode in ${1:-admit-complete admit-into-complete keyed-10k}; do
     keyed-10k) small=100000; large=1100000 ;;
     *) echo "unknown loop: $mode" >&2; exit 2 ;;
   esac
-  read -r i1 d1 l1 < <(run "$mode" "$small")
-  read -r i2 d2 l2 < <(run "$mode" "$large")
-  n=$((large - small))
-  awk -v m="$mode" -v n="$n" -v i="$((i2 - i1))" -v d="$((d2 - d1))" -v l="$((l2 - l1))" \
-    'BEGIN { printf "%-15s %7.0f instructions  %5.2f L1d misses  %5.2f LL misses per operation\n", m, i/n, d/n, l/n }'
+  per_op "$mode" "$small" "$large" operation
 done

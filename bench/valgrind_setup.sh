@@ -24,3 +24,12 @@ counts() {
   awk '/I *refs/ {gsub(",","",$4); i=$4} /D1  misses/ {gsub(",","",$4); d=$4}
        /LLd misses/ {gsub(",","",$4); l=$4} END {print i, d, l}'
 }
+# per_op MODE SMALL LARGE UNIT: the caller's `run MODE N` at two sizes, and the
+# difference per UNIT (start-up and set-up cancel out).
+per_op() {
+  read -r i1 d1 l1 < <(run "$1" "$2")
+  read -r i2 d2 l2 < <(run "$1" "$3")
+  awk -v m="$1" -v n="$(($3 - $2))" -v i="$((i2 - i1))" -v d="$((d2 - d1))" \
+    -v l="$((l2 - l1))" -v u="$4" \
+    'BEGIN { printf "%-19s %9.0f instructions  %7.2f L1d misses  %7.2f LL misses per %s\n", m, i/n, d/n, l/n, u }'
+}

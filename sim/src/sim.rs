@@ -382,6 +382,14 @@ enum Ev {
     Hits(u32, Arc<[(u32, u64)]>),
 }
 
+/// Which keys a sync client's read takes from its engine ([`Sim::read_keys`]).
+#[derive(Clone, Copy)]
+enum Read {
+    All,
+    Changed,
+    New,
+}
+
 struct Entry {
     at: u64,
     seq: u64,
@@ -1270,14 +1278,9 @@ impl Sim {
     /// extensions (as the shell's `route`).
     fn send_measures(&mut self, measures: Vec<MeasureRequest>) {
         for m in measures {
-            let Some(i) = self.agent_index(&m.agent) else {
-                continue;
-            };
-            self.counters.to_agents += 1;
-            self.counters.measure_requests += 1;
-            self.counters.to_agents_bytes += wire::measure_request_bytes(&m);
-            if let Some(at) = self.link_delay(i, false) {
-                self.push(at, Ev::ToAgentMeasure(i as u32, Box::new(m)));
+            let (agent, bytes) = (Arc::clone(&m.agent), wire::measure_request_bytes(&m));
+            if self.send_one(&agent, bytes, |i| Ev::ToAgentMeasure(i, Box::new(m))) {
+                self.counters.measure_requests += 1;
             }
         }
     }
@@ -1299,9 +1302,11 @@ impl Sim {
         let mut handles = m.key_handles;
         handles.truncate(max);
         self.send_measure_reports(i, &handles, Measure::Start);
-        let end = self.now + u64::from(m.window_ms.min(10_000)) * MS;
         let a = &mut self.agents[iu];
-        if let Some(at) = a.sync.open_measurement(&handles, end, max) {
+        if let Some(at) = a
+            .sync
+            .open_measurement(&handles, self.now, m.window_ms, max)
+        {
             let inc = a.incarnation;
             self.push(at, Ev::MeasureEnd(i, inc));
         }
@@ -1349,16 +1354,25 @@ impl Sim {
     /// shell's `route`).
     fn send_extensions(&mut self, extensions: Vec<LeaseExtension>) {
         for x in extensions {
-            let Some(i) = self.agent_index(&x.agent) else {
-                continue;
-            };
-            self.counters.to_agents += 1;
-            self.counters.extensions += 1;
-            self.counters.to_agents_bytes += wire::extension_bytes(&x);
-            if let Some(at) = self.link_delay(i, false) {
-                self.push(at, Ev::ToAgentExt(i as u32, Box::new(x)));
+            let (agent, bytes) = (Arc::clone(&x.agent), wire::extension_bytes(&x));
+            if self.send_one(&agent, bytes, |i| Ev::ToAgentExt(i, Box::new(x))) {
+                self.counters.extensions += 1;
             }
         }
+    }
+
+    /// One message to agent `agent` (`bytes` encoded), counted, on its link: false if
+    /// no such agent.
+    fn send_one(&mut self, agent: &str, bytes: u64, ev: impl FnOnce(u32) -> Ev) -> bool {
+        let Some(i) = self.agent_index(agent) else {
+            return false;
+        };
+        self.counters.to_agents += 1;
+        self.counters.to_agents_bytes += bytes;
+        if let Some(at) = self.link_delay(i, false) {
+            self.push(at, ev(i as u32));
+        }
+        true
     }
 
     /// The static policy: `(R/N, B/N)` per key, starting full, leased for ever. The
@@ -1500,41 +1514,24 @@ impl Sim {
 
     // ---- agent side, as crates/gateway-agent/src/shell/sync.rs does it ----
 
-    fn refresh(&mut self, i: usize) {
+    /// Reads agent `i`'s engine into its sync tracks, as the sync client does: every
+    /// key (`refresh`, at a hello), the keys changed since the last walk
+    /// (`refresh_changed`, the report tick), or the keys created since the last read
+    /// (`refresh_new`, the new-key poll); the last two read everything when the engine
+    /// cannot say.
+    fn read_keys(&mut self, i: usize, read: Read) {
         let nkeys = self.keys.len();
         let a = &mut self.agents[i];
         let Some(engine) = &a.engine else {
             return;
         };
         let now = a.clock(self.now);
-        a.sync
-            .refresh(engine, now, &mut self.demand_buf, |d| engine_key(d, nkeys));
-    }
-
-    /// The report tick's read: only the keys that changed since the last walk, as the
-    /// sync client does (`refresh_changed`); everything when the engine cannot say.
-    fn refresh_changed(&mut self, i: usize) {
-        let nkeys = self.keys.len();
-        let a = &mut self.agents[i];
-        let Some(engine) = &a.engine else {
-            return;
-        };
-        let now = a.clock(self.now);
-        a.sync
-            .refresh_changed(engine, now, &mut self.demand_buf, |d| engine_key(d, nkeys));
-    }
-
-    /// The new-key poll: only the keys the engine created since the last read, as the
-    /// sync client does (`refresh_new`); everything when the engine forgot some.
-    fn refresh_new(&mut self, i: usize) {
-        let nkeys = self.keys.len();
-        let a = &mut self.agents[i];
-        let Some(engine) = &a.engine else {
-            return;
-        };
-        let now = a.clock(self.now);
-        a.sync
-            .refresh_new(engine, now, &mut self.demand_buf, |d| engine_key(d, nkeys));
+        let (buf, key_of) = (&mut self.demand_buf, |d: &KeyDemand| engine_key(d, nkeys));
+        match read {
+            Read::All => a.sync.refresh(engine, now, buf, key_of),
+            Read::Changed => a.sync.refresh_changed(engine, now, buf, key_of),
+            Read::New => a.sync.refresh_new(engine, now, buf, key_of),
+        }
     }
 
     fn stamp(&mut self, i: usize) -> u64 {
@@ -1546,7 +1543,7 @@ impl Sim {
 
     fn send_hello(&mut self, i: u32) {
         let iu = i as usize;
-        self.refresh(iu);
+        self.read_keys(iu, Read::All);
         let a = &mut self.agents[iu];
         // A new stream starts with a full report and knows no handle of the last one.
         a.sync.new_stream();
@@ -1579,9 +1576,9 @@ impl Sim {
     fn send_reports(&mut self, i: u32, only_new: bool) {
         let iu = i as usize;
         if only_new {
-            self.refresh_new(iu);
+            self.read_keys(iu, Read::New);
         } else {
-            self.refresh_changed(iu);
+            self.read_keys(iu, Read::Changed);
         }
         let a = &mut self.agents[iu];
         let full = !only_new

@@ -184,10 +184,14 @@ impl AllocatorConfig {
         if self.min_sample_ms == 0 {
             return err("min_sample_ms", "must be at least 1".into());
         }
-        if self.measure_window_ms > 10_000 {
+        let max_window = bursar_agent::sync_core::MAX_MEASURE_WINDOW_MS;
+        if self.measure_window_ms > u64::from(max_window) {
             return err(
                 "measure_window_ms",
-                format!("must be at most 10,000, got {}", self.measure_window_ms),
+                format!(
+                    "must be at most {max_window} (what agents honour), got {}",
+                    self.measure_window_ms
+                ),
             );
         }
         for (field, v) in [

@@ -3849,22 +3849,37 @@ mod tests {
 
     /// [`held_by_a`] under other rules and settings, for key `k`.
     fn held_by_a_with(rules: &Config, cfg: AllocatorConfig, k: KeyName) -> (Allocator, u64, Grant) {
-        let now = 5 * SEC;
-        let mut a = warm_allocator_with(rules, cfg, 1, now);
-        for agent in ["a", "b", "c"] {
-            a.handle_hello(now, &hello(agent, 1, 1)).unwrap();
-        }
-        a.handle_report(now, &report("a", 1, 2, vec![line(k.clone(), 0, 900, None)]))
-            .unwrap();
-        let gs = settle(&mut a, now + 20 * MS);
-        let ga = last_for(&gs, "a");
-        a.handle_ack(now + 21 * MS, &ack(&ga, 1, 0)).unwrap();
-        settle(&mut a, now + 21 * MS);
+        let (a, now, ga) = granted_to_a(rules, cfg, &k, 900);
         let status = a.key_status(&k).unwrap();
         assert_eq!(
             status.committed.rate, status.rate_capacity,
             "a holds the whole key"
         );
+        (a, now, ga)
+    }
+
+    /// Agents `a`, `b` and `c` registered; `a` reported `rejected` units over its first
+    /// sample (read over 250 ms) of key `k` and acknowledged the grant it got. Returns
+    /// the allocator, a time just after, and a's grant.
+    fn granted_to_a(
+        rules: &Config,
+        cfg: AllocatorConfig,
+        k: &KeyName,
+        rejected: u64,
+    ) -> (Allocator, u64, Grant) {
+        let now = 5 * SEC;
+        let mut a = warm_allocator_with(rules, cfg, 1, now);
+        for agent in ["a", "b", "c"] {
+            a.handle_hello(now, &hello(agent, 1, 1)).unwrap();
+        }
+        a.handle_report(
+            now,
+            &report("a", 1, 2, vec![line(k.clone(), 0, rejected, None)]),
+        )
+        .unwrap();
+        let ga = last_for(&settle(&mut a, now + 20 * MS), "a");
+        a.handle_ack(now + 21 * MS, &ack(&ga, 1, 0)).unwrap();
+        settle(&mut a, now + 21 * MS);
         (a, now + 30 * MS, ga)
     }
 
@@ -3874,13 +3889,25 @@ mod tests {
     }
 
     fn measured(agent: &str, t: u64, admitted: u64, measure: Measure, ga: &Grant) -> Report {
+        measured_with(agent, t, admitted, 900, measure, ga)
+    }
+
+    /// A report of key `rps/x` by `agent` at `t`, holding `ga`, marked `measure`.
+    fn measured_with(
+        agent: &str,
+        t: u64,
+        admitted: u64,
+        rejected: u64,
+        measure: Measure,
+        ga: &Grant,
+    ) -> Report {
         Report {
             measure,
             ..report(
                 agent,
                 1,
                 t,
-                vec![line(key("rps", "x"), admitted, 900, Some(ga.held()))],
+                vec![line(key("rps", "x"), admitted, rejected, Some(ga.held()))],
             )
         }
     }
@@ -3946,48 +3973,24 @@ mod tests {
     /// (read over 250 ms), then `b` surges and `a` is asked to measure; returns the
     /// allocator, the time, `a`'s grant and the window it was asked for.
     fn measuring_a(cfg: AllocatorConfig, rejected: u64) -> (Allocator, u64, Grant, u32) {
-        let now = 5 * SEC;
-        let mut a = warm_allocator_with(&rules(), cfg, 1, now);
-        for agent in ["a", "b"] {
-            a.handle_hello(now, &hello(agent, 1, 1)).unwrap();
-        }
         let k = key("rps", "x");
-        a.handle_report(
-            now,
-            &report("a", 1, 2, vec![line(k.clone(), 0, rejected, None)]),
-        )
-        .unwrap();
-        let ga = last_for(&settle(&mut a, now + 20 * MS), "a");
-        a.handle_ack(now + 21 * MS, &ack(&ga, 1, 0)).unwrap();
-        settle(&mut a, now + 21 * MS);
-        a.handle_report(
-            now + 30 * MS,
-            &report("b", 1, 2, vec![line(k, 0, 900, None)]),
-        )
-        .unwrap();
+        let (mut a, now, ga) = granted_to_a(&rules(), cfg, &k, rejected);
+        a.handle_report(now, &report("b", 1, 2, vec![line(k, 0, 900, None)]))
+            .unwrap();
         let asked = a.drain_measure_requests();
         assert_eq!(asked.len(), 1, "a is asked to measure");
-        (a, now + 30 * MS, ga, asked[0].window_ms)
+        (a, now, ga, asked[0].window_ms)
     }
 
+    /// `a` measures over `window_ms` and nothing comes (its counters stay where they
+    /// were: 0 admitted, `rejected` rejected).
     fn a_measures(a: &mut Allocator, now: u64, ga: &Grant, rejected: u64, window_ms: u64) {
-        let at = |t: u64, measure| Report {
-            measure,
-            ..report(
-                "a",
-                1,
-                t,
-                vec![line(key("rps", "x"), 0, rejected, Some(ga.held()))],
-            )
-        };
         let t = 300 * MS;
-        a.handle_report(now + 5 * MS, &at(t, Measure::Start))
+        let start = measured_with("a", t, 0, rejected, Measure::Start, ga);
+        a.handle_report(now + 5 * MS, &start).unwrap();
+        let end = measured_with("a", t + window_ms * MS, 0, rejected, Measure::End, ga);
+        a.handle_report(now + 5 * MS + window_ms * MS, &end)
             .unwrap();
-        a.handle_report(
-            now + 5 * MS + window_ms * MS,
-            &at(t + window_ms * MS, Measure::End),
-        )
-        .unwrap();
     }
 
     #[test]

@@ -209,18 +209,7 @@ fn serve(args: ServeArgs) -> Result<()> {
         bail!("the term must be at least 1");
     }
     let mut cfg = ShellConfig::new(args.grpc, Some(args.admin), term);
-    cfg.allocator = AllocatorConfig {
-        lease_ms: args.lease_ms,
-        reclaim_margin_ms: args.reclaim_margin_ms,
-        drift_margin_ms: args.drift_margin_ms,
-        overdraft_permille: args.overdraft_permille,
-        clock_drift_ppm: args.clock_drift_ppm,
-        measure_window_ms: args.measure_window_ms,
-        max_agents: args.max_agents,
-        max_keys: args.max_keys,
-        hash_seed: random_seed(),
-        ..AllocatorConfig::default()
-    };
+    cfg.allocator = allocator_config(&args);
     cfg.rules_path = args.config.clone();
     cfg.tls = stream_tls(&args)?;
     let rt = tokio::runtime::Builder::new_multi_thread()

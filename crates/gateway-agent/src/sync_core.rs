@@ -18,6 +18,10 @@ use crate::config::RuleLimit;
 use crate::engine::{KeyDemand, KeyTotals};
 use crate::{Engine, SliceError, SliceUpdate};
 
+/// Longest measurement window an agent honours; the allocator asks for no longer
+/// (`AllocatorConfig::measure_window_ms` is bounded by it).
+pub const MAX_MEASURE_WINDOW_MS: u32 = 10_000;
+
 /// A key as the agent's sync client tracks it (its `K`): ordered and compared by the
 /// engine's 128-bit identity of the key (two integers, where names were compared
 /// string by string in every search of the tracks), and named by the rule's name and
@@ -459,11 +463,19 @@ impl<K: Ord + Clone> SyncTracks<K> {
         });
     }
 
-    /// Opens a requested measurement of `handles` ending at `end` (the caller's clock),
-    /// at most `max` keys: one is open at a time, and a request while one is open joins
-    /// it and ends at the later time. Returns the end to (re)arm a timer for, if it
-    /// moved. The start's report is the caller's ([`SyncTracks::measure_report`]).
-    pub fn open_measurement(&mut self, handles: &[u64], end: u64, max: usize) -> Option<u64> {
+    /// Opens a requested measurement of `handles` at `now` (the caller's clock, in ns)
+    /// for `window_ms` (at most [`MAX_MEASURE_WINDOW_MS`]), at most `max` keys: one is
+    /// open at a time, and a request while one is open joins it and ends at the later
+    /// time. Returns the end to (re)arm a timer for, if it moved. The start's report is
+    /// the caller's ([`SyncTracks::measure_report`]).
+    pub fn open_measurement(
+        &mut self,
+        handles: &[u64],
+        now: u64,
+        window_ms: u32,
+        max: usize,
+    ) -> Option<u64> {
+        let end = now + u64::from(window_ms.min(MAX_MEASURE_WINDOW_MS)) * 1_000_000;
         let (keys, at) = &mut self.measuring;
         let moved = keys.is_empty() || end > *at;
         if moved {

@@ -419,63 +419,53 @@ impl Driver {
 
     /// Sends drained grants, batched per agent, on the right incarnation's stream, then
     /// the lease extensions (after the grants they may cover; either order is safe),
-    /// then the measure requests.
+    /// then the measure requests (as the simulator, which replays this order).
     fn route(&mut self) {
         self.route_grants();
-        self.route_measures();
-        if self.core.pending_extensions() == 0 {
-            return;
-        }
-        for x in self.core.drain_extensions() {
-            let Some(r) = self.routes.get(&x.agent) else {
-                self.counters.extensions_dropped += 1;
-                continue;
-            };
-            if r.incarnation != x.incarnation {
-                self.counters.extensions_dropped += 1;
-                continue;
+        if self.core.pending_extensions() > 0 {
+            for x in self.core.drain_extensions() {
+                let msg = pb::allocator_message::Msg::LeaseExtension(pb::LeaseExtension {
+                    epoch: x.epoch,
+                    through_seq: x.through_seq,
+                    lease_expires_at_ns: x.lease_expires_at_ns,
+                });
+                if self.send_on_stream(&x.agent, x.incarnation, msg) {
+                    self.counters.extensions_sent += 1;
+                } else {
+                    self.counters.extensions_dropped += 1;
+                }
             }
-            let msg = pb::AllocatorMessage {
-                msg: Some(pb::allocator_message::Msg::LeaseExtension(
-                    pb::LeaseExtension {
-                        epoch: x.epoch,
-                        through_seq: x.through_seq,
-                        lease_expires_at_ns: x.lease_expires_at_ns,
-                    },
-                )),
-            };
-            match r.tx.try_send(Ok(msg)) {
-                Ok(()) => self.counters.extensions_sent += 1,
-                Err(_) => self.counters.extensions_dropped += 1,
+        }
+        if self.core.pending_measure_requests() > 0 {
+            for m in self.core.drain_measure_requests() {
+                let n = m.key_handles.len() as u64;
+                let msg = pb::allocator_message::Msg::MeasureRequest(pb::MeasureRequest {
+                    key_handles: m.key_handles,
+                    window_ms: m.window_ms,
+                });
+                if self.send_on_stream(&m.agent, m.incarnation, msg) {
+                    self.counters.measures_sent += n;
+                } else {
+                    self.counters.measures_dropped += n;
+                }
             }
         }
     }
 
-    fn route_measures(&mut self) {
-        if self.core.pending_measure_requests() == 0 {
-            return;
-        }
-        for m in self.core.drain_measure_requests() {
-            let n = m.key_handles.len() as u64;
-            let r = match self.routes.get(&m.agent) {
-                Some(r) if r.incarnation == m.incarnation => r,
-                _ => {
-                    self.counters.measures_dropped += n;
-                    continue;
-                }
-            };
-            let msg = pb::AllocatorMessage {
-                msg: Some(pb::allocator_message::Msg::MeasureRequest(
-                    pb::MeasureRequest {
-                        key_handles: m.key_handles,
-                        window_ms: m.window_ms,
-                    },
-                )),
-            };
-            match r.tx.try_send(Ok(msg)) {
-                Ok(()) => self.counters.measures_sent += n,
-                Err(_) => self.counters.measures_dropped += n,
+    /// Queues one message on the stream of `agent`'s incarnation `incarnation`: false
+    /// if that incarnation has no stream or its queue is full.
+    fn send_on_stream(
+        &self,
+        agent: &str,
+        incarnation: u64,
+        msg: pb::allocator_message::Msg,
+    ) -> bool {
+        match self.routes.get(agent) {
+            Some(r) if r.incarnation == incarnation => {
+                r.tx.try_send(Ok(pb::AllocatorMessage { msg: Some(msg) }))
+                    .is_ok()
             }
+            _ => false,
         }
     }
 

@@ -61,9 +61,6 @@ use crate::engine::KeyDemand;
 use crate::sync_core::{Ack, Applied, Held, Line, SyncTracks, TrackedKey};
 use crate::{Engine, SliceError, SliceExtension, SliceUpdate};
 
-/// Longest measurement window honoured (the allocator's own bound).
-const MAX_MEASURE_WINDOW_MS: u32 = 10_000;
-
 /// Settings of the sync client. Durations are plain `Duration`s; defaults in
 /// [`SyncConfig::new`].
 #[derive(Clone, Debug)]
@@ -622,9 +619,10 @@ impl Client {
                             if !self.send_reports(&tx, ms) {
                                 return End::Lost("stream closed".into());
                             }
-                            let window = u64::from(m.window_ms.min(MAX_MEASURE_WINDOW_MS)) * 1_000_000;
-                            let end = since_base() + window;
-                            if let Some(at) = self.tracks.open_measurement(&handles, end, max_keys) {
+                            let opened = self.tracks.open_measurement(
+                                &handles, since_base(), m.window_ms, max_keys,
+                            );
+                            if let Some(at) = opened {
                                 measure_end.as_mut().reset(base + Duration::from_nanos(at));
                             }
                         }
@@ -687,7 +685,7 @@ fn key_id(d: &KeyDemand) -> Option<TrackedKey> {
     Some(TrackedKey::of(d))
 }
 
-/// A tracked key as the protocol names it.
+/// One report line as the protocol sends it.
 fn key_report_pb(l: Line<'_, TrackedKey>) -> pb::KeyReport {
     pb::KeyReport {
         key: (l.key_handle == 0).then(|| key_pb(l.key)),
@@ -700,6 +698,7 @@ fn key_report_pb(l: Line<'_, TrackedKey>) -> pb::KeyReport {
     }
 }
 
+/// A tracked key as the protocol names it.
 fn key_pb(k: &TrackedKey) -> pb::Key {
     pb::Key {
         rule: k.rule().to_string(),
