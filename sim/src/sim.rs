@@ -454,6 +454,14 @@ pub struct Sim {
     samples: u64,
 }
 
+/// An agent's sync bookkeeping from `now`, told the allocator's lease as its welcome
+/// tells the client's.
+fn tracks(now: u64, acfg: &AllocatorConfig) -> SyncTracks<u32> {
+    let mut t = SyncTracks::new(now);
+    t.set_rebase_after(acfg.lease_ms * MS / 2);
+    t
+}
+
 impl Sim {
     /// Builds the fleet for a scenario and seed under a policy ([`POLICIES`]).
     pub fn new(sc: &Scenario, seed: u64, policy: &str) -> Result<Sim, SimError> {
@@ -499,7 +507,7 @@ impl Sim {
                         0.0
                     },
                     last_ts: 0,
-                    sync: SyncTracks::new(0),
+                    sync: tracks(0, &acfg),
                     poll_pending: false,
                     next_request: 0,
                     phase: r.below(report_ns),
@@ -876,7 +884,7 @@ impl Sim {
             Ev::AgentCrash(i) => {
                 let a = &mut self.agents[i as usize];
                 a.engine = None;
-                a.sync = SyncTracks::new(0);
+                a.sync = tracks(0, &self.acfg);
                 a.hits.clear();
                 a.poll_pending = false;
             }
@@ -884,7 +892,7 @@ impl Sim {
                 let a = &mut self.agents[i as usize];
                 a.incarnation += 1;
                 a.engine = Some(Engine::new(self.config.clone(), Arc::new(DiscardSink)));
-                a.sync = SyncTracks::new(a.clock(self.now));
+                a.sync = tracks(a.clock(self.now), &self.acfg);
                 let inc = a.incarnation;
                 let phase = a.phase;
                 let report_ns = self.sc.allocator.report_interval_ms * MS;

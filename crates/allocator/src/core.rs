@@ -653,6 +653,10 @@ struct Key {
     /// No remembered grant of this key expires before this (a lower bound, kept by
     /// [`Key::edit`] and made exact by the sweep): the sweep skips the key until then.
     sweep_after_ns: u64,
+    /// When a report line last named the key (allocator time): a key named by no
+    /// line for a lease is recomputed by the sweep, which forgets its quiet entries
+    /// (agents name only keys that change, and holders: see `idle_entry`).
+    named_ns: u64,
     last_full_ns: u64,
     /// When the key's holders were last asked to measure (0: never).
     measured_at_ns: u64,
@@ -1392,6 +1396,7 @@ impl Allocator {
             keep_floor: 0.0,
             last_full_ns: 0,
             sweep_after_ns: u64::MAX,
+            named_ns: 0,
             measured_at_ns: 0,
             measured_for_holder: false,
             rare_entries: 0,
@@ -2049,6 +2054,7 @@ impl Allocator {
                 Some(p) => p,
                 None => self.create_entry(a, k),
             };
+            self.key_mut(k).named_ns = now;
             let (changed, jumped_up) =
                 self.sample(k, pos, kr, report.agent_time_ns, frequent, report.measure);
             if jumped_up {
@@ -2619,10 +2625,19 @@ impl Allocator {
 
     fn sweep(&mut self, now: u64) {
         let term = self.term;
+        let quiet = self.lease_ns() + self.lease_ns() / 8;
         for k in 0..self.keys.len() as u32 {
             let Some(key) = self.keys[k as usize].as_mut() else {
                 continue;
             };
+            if now.saturating_sub(key.named_ns) >= quiet {
+                // Named by nobody for a lease: a recomputation forgets the entries
+                // gone quiet (and the key, if that is all of them). Again after
+                // another lease if some stay (held grants, an agent cut off).
+                key.named_ns = now;
+                self.mark_dirty(k, now);
+            }
+            let key = self.keys[k as usize].as_mut().expect("live key");
             if key.sweep_after_ns > now {
                 continue;
             }
@@ -2794,15 +2809,20 @@ impl Allocator {
         e.rejecting_used = e.rejecting;
     }
 
-    /// An entry that can be forgotten: no demand, nothing granted or remembered, and
-    /// the agent has not reported the key for a lease (its full reports name every key
-    /// its engine holds), or is gone. An entry forgotten while the agent still counts
-    /// the key would come back with its cumulative counters read as one new sample:
-    /// seconds of past demand as if current (found by the simulator's `shift`, once
-    /// demand could drop to zero at once).
-    fn idle_entry(&self, e: &Entry, cap: u64, lease: u64) -> bool {
-        e.demand * 1e6 < cap as f64
-            && e.commitment().is_zero()
+    /// An entry that can be forgotten: nothing granted or remembered, and the agent
+    /// has had no sample of the key for a lease, or is gone. An agent names a key
+    /// whenever its counts change, and in full reports while it holds a grant and
+    /// once after it changed, so a lease without a sample means the key went quiet
+    /// there (an estimate left from its last sample is stale). The agent rebases a
+    /// line after half a lease unnamed (`SyncTracks::set_rebase_after`): an entry
+    /// revived then reads counts since the agent last named the key, not the
+    /// cumulative counters of everything since it first did (seconds of past demand
+    /// as if current, found by the simulator's `shift`). Entries were kept until their
+    /// demand decayed to nothing, named every 2 s by full reports that named every key
+    /// an agent held: at fleet scale an entry per key and gateway, for as long as the
+    /// gateway kept the key.
+    fn idle_entry(&self, e: &Entry, lease: u64) -> bool {
+        e.commitment().is_zero()
             && e.current().is_zero()
             && e.rare.is_none()
             && e.in_flight == 0
@@ -2833,7 +2853,7 @@ impl Allocator {
             sc.reachable.clear();
             let mut idle = false;
             for e in &key.entries {
-                idle |= self.idle_entry(e, cap, lease);
+                idle |= self.idle_entry(e, lease);
                 let (reachable, weight) = match &self.agents[e.agent as usize] {
                     Some(ag) => (
                         ag.connected && ag.report_recv_ns.saturating_add(lease) > now,
@@ -2859,7 +2879,7 @@ impl Allocator {
                 break;
             }
             for pos in (0..key.entries.len()).rev() {
-                if self.idle_entry(&self.key(k).entries[pos], cap, lease) {
+                if self.idle_entry(&self.key(k).entries[pos], lease) {
                     self.remove_entry(k, pos as u32);
                 }
             }
@@ -3449,6 +3469,82 @@ mod tests {
             &report(agent, 1, 20, vec![line(key("rps", org), 0, 1, None)]),
         )
         .unwrap();
+    }
+
+    #[test]
+    fn an_entry_without_a_sample_for_a_lease_is_forgotten_whatever_its_estimate() {
+        // Agents name a key only when it changes (and in full reports while they hold
+        // a grant, or once after a change): a lease without a sample means the key went
+        // quiet there. `a` takes the whole limit and does not acknowledge the shrink
+        // that `b`'s demand asks for, so `b` has an estimate and no grant.
+        let now = 5 * SEC;
+        let mut a = warm_allocator(1, now);
+        a.handle_hello(now, &hello("a", 1, 1)).unwrap();
+        a.handle_hello(now, &hello("b", 1, 1)).unwrap();
+        let x = key("rps", "x");
+        let mut t = now;
+        let mut ts = 10 * MS;
+        a.handle_report(t, &report("a", 1, ts, vec![line(x.clone(), 0, 900, None)]))
+            .unwrap();
+        let g = last_for(&settle(&mut a, t + 10 * MS), "a");
+        a.handle_ack(t + 20 * MS, &ack(&g, 1, 0)).unwrap();
+        t += 250 * MS;
+        ts += 250 * MS;
+        a.handle_report(t, &report("b", 1, ts, vec![line(x.clone(), 0, 3, None)]))
+            .unwrap();
+        settle(&mut a, t + 10 * MS);
+        let b_of = |a: &Allocator| {
+            a.key_status(&x)
+                .unwrap()
+                .agents
+                .into_iter()
+                .find(|s| &*s.agent == "b")
+        };
+        let b = b_of(&a).expect("b has an entry");
+        assert!(b.demand > 0.0 && b.granted.is_zero(), "{b:?}");
+        // `a` keeps naming the key (busy, holding); `b` reports, naming nothing.
+        let held = Some(HeldGrant {
+            epoch: g.epoch,
+            seq: g.seq,
+            rate: g.rate,
+            burst: g.burst,
+        });
+        let mut admitted = 0;
+        for _ in 0..6 {
+            t += 250 * MS;
+            ts += 250 * MS;
+            admitted += 200;
+            a.handle_report(
+                t,
+                &report("a", 1, ts, vec![line(x.clone(), admitted, 900, held)]),
+            )
+            .unwrap();
+            a.handle_report(t, &report("b", 1, ts + 1, vec![])).unwrap();
+            settle(&mut a, t + 10 * MS);
+        }
+        assert!(b_of(&a).is_none(), "forgotten after a lease unnamed");
+        assert!(a.key_status(&x).is_some(), "a's entry stays");
+    }
+
+    #[test]
+    fn a_key_no_agent_names_for_a_lease_is_forgotten_by_the_sweep() {
+        let now = 5 * SEC;
+        let mut a = warm_allocator(1, now);
+        a.handle_hello(now, &hello("a", 1, 1)).unwrap();
+        let y = key("rps", "y");
+        a.handle_report(now, &report("a", 1, 10, vec![line(y.clone(), 0, 0, None)]))
+            .unwrap();
+        settle(&mut a, now + 10 * MS);
+        assert!(a.key_status(&y).is_some());
+        // Reports that name nothing: no line marks the key for recomputation.
+        let mut t = now;
+        for i in 1..=3 {
+            t += 400 * MS;
+            a.handle_report(t, &report("a", 1, 10 + i * 400 * MS, vec![]))
+                .unwrap();
+            settle(&mut a, t);
+        }
+        assert!(a.key_status(&y).is_none(), "gone {} ms on", (t - now) / MS);
     }
 
     #[test]

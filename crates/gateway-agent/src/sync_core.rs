@@ -22,6 +22,11 @@ use crate::{Engine, SliceError, SliceUpdate};
 /// (`AllocatorConfig::measure_window_ms` is bounded by it).
 pub const MAX_MEASURE_WINDOW_MS: u32 = 10_000;
 
+/// How long a key may go unnamed before its next line counts from the last time it
+/// was named (see [`SyncTracks::set_rebase_after`]) until the allocator's lease is
+/// known: half the allocator's default lease (10 s).
+pub const DEFAULT_REBASE_AFTER_NS: u64 = 5_000_000_000;
+
 /// A key as the agent's sync client tracks it (its `K`): ordered and compared by the
 /// engine's 128-bit identity of the key (two integers, where names were compared
 /// string by string in every search of the tracks), and named by the rule's name and
@@ -152,8 +157,11 @@ pub enum Applied<K> {
 }
 
 struct Track {
-    /// Cumulative since `since_ns`, across slot replacements.
+    /// Cumulative since the key was first read, across slot replacements.
     totals: KeyTotals,
+    /// Counted out of `totals` (admitted, rejected) by rebases: lines carry
+    /// `totals - base`, counted since `since_ns`.
+    base: (u64, u64),
     since_ns: u64,
     in_flight: u64,
     held: Option<Held>,
@@ -166,14 +174,20 @@ struct Track {
     handle: u64,
     /// In [`SyncTracks`]'s dirty list: the line may differ from what was sent.
     dirty: bool,
+    /// When the current stream was last sent a line for the key (the read time of
+    /// that report, in the counters' clock).
+    named_at: u64,
+    /// Sent a changed line since the last full report: the next full report names it
+    /// even unchanged (the allocator's one sample of it having gone quiet).
+    active: bool,
 }
 
 impl Track {
     /// What a report line would carry now, to compare with `sent`.
     fn line_values(&self) -> (u64, u64, u64, Option<Held>) {
         (
-            self.totals.admitted(),
-            self.totals.rejected(),
+            self.totals.admitted() - self.base.0,
+            self.totals.rejected() - self.base.1,
             self.in_flight,
             self.held,
         )
@@ -183,6 +197,15 @@ impl Track {
     fn unsent(&self) -> bool {
         self.sent != Some(self.line_values())
     }
+}
+
+/// Which report a line is for ([`SyncTracks::line`]).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Named {
+    /// A delta report (with `only_new`, only keys the stream has not heard of).
+    Delta { only_new: bool },
+    /// A full report.
+    Full,
 }
 
 struct PendingAck<K> {
@@ -209,6 +232,8 @@ pub struct SyncTracks<K> {
     gone_cursor: u64,
     /// Scratch for the evicted keys of one walk.
     gone: Vec<KeyDemand>,
+    /// See [`SyncTracks::set_rebase_after`].
+    rebase_after_ns: u64,
     /// Keys whose line may differ from what the stream was last sent (each with its
     /// track's `dirty` flag set; may repeat, or name keys since dropped): a delta
     /// report reads these, not every track.
@@ -228,8 +253,20 @@ impl<K: Ord + Clone> SyncTracks<K> {
             measuring: (Vec::new(), 0),
             gone_cursor: 0,
             gone: Vec::new(),
+            rebase_after_ns: DEFAULT_REBASE_AFTER_NS,
             dirty: Vec::new(),
         }
+    }
+
+    /// A key not named for `ns` (in the counters' clock) is counted, in its next line,
+    /// from the last time it was named instead of from when it was first read, and named
+    /// by name: the allocator forgets an entry that had no sample for a lease (and a
+    /// key left with none), and would read counters that include everything since the
+    /// key was first read as one sample, seconds of past demand as if current. For an
+    /// allocator that still holds the entry the line means the same: its base is the
+    /// last line. Give it half the allocator's lease (its welcome says it).
+    pub fn set_rebase_after(&mut self, ns: u64) {
+        self.rebase_after_ns = ns.max(1);
     }
 
     /// Whether `key` is tracked.
@@ -361,6 +398,7 @@ impl<K: Ord + Clone> SyncTracks<K> {
                     k,
                     Track {
                         totals: KeyTotals::new(d.counters),
+                        base: (0, 0),
                         since_ns: since,
                         in_flight: d.in_flight,
                         held,
@@ -368,6 +406,8 @@ impl<K: Ord + Clone> SyncTracks<K> {
                         seen: generation,
                         handle: 0,
                         dirty: true,
+                        named_at: 0,
+                        active: false,
                     },
                 );
             }
@@ -381,6 +421,7 @@ impl<K: Ord + Clone> SyncTracks<K> {
         for (k, t) in self.tracks.iter_mut() {
             t.sent = None;
             t.handle = 0;
+            t.active = false;
             t.dirty = true;
             self.dirty.push(k.clone());
         }
@@ -400,12 +441,14 @@ impl<K: Ord + Clone> SyncTracks<K> {
         self.reports.is_multiple_of(every.max(1))
     }
 
-    /// The lines of one report, each marked sent: `full` names every key, by name;
-    /// otherwise keys whose counters, in-flight count or held grant changed since the
-    /// stream last heard of them, by handle where a grant gave one, or with `only_new`
-    /// only the keys the stream has not heard of yet.
+    /// The lines of one report, each marked sent: keys whose counters, in-flight count
+    /// or held grant changed since the stream last heard of them, by handle where a
+    /// grant gave one; with `only_new` only the keys the stream has not heard of yet;
+    /// `full` adds, by name, every key that holds a grant and every key that changed
+    /// since the last full report, changed or not now (see [`SyncTracks::line`]).
     pub fn report(&mut self, full: bool, only_new: bool, mut f: impl FnMut(Line<'_, K>)) {
         let mut dirty = std::mem::take(&mut self.dirty);
+        let (now, rebase_after) = (self.last_poll_ns, self.rebase_after_ns);
         // Few keys to look at: only those (in key order, as the walk below). Otherwise,
         // or for a full report, every track.
         if !full && dirty.len() * 4 <= self.tracks.len() {
@@ -415,15 +458,20 @@ impl<K: Ord + Clone> SyncTracks<K> {
                 let Some(t) = self.tracks.get_mut(&k) else {
                     continue;
                 };
-                Self::line(&k, t, false, only_new, &mut f);
+                Self::line(&k, t, Named::Delta { only_new }, now, rebase_after, &mut f);
                 t.dirty = t.unsent();
                 if t.dirty {
                     self.dirty.push(k);
                 }
             }
         } else {
+            let how = if full {
+                Named::Full
+            } else {
+                Named::Delta { only_new }
+            };
             for (k, t) in self.tracks.iter_mut() {
-                Self::line(k, t, full, only_new, &mut f);
+                Self::line(k, t, how, now, rebase_after, &mut f);
                 t.dirty = t.unsent();
                 if t.dirty {
                     self.dirty.push(k.clone());
@@ -438,23 +486,60 @@ impl<K: Ord + Clone> SyncTracks<K> {
         }
     }
 
-    /// One track's line of a report, if it has one; marks it sent.
-    fn line(k: &K, t: &mut Track, full: bool, only_new: bool, f: &mut impl FnMut(Line<'_, K>)) {
-        let now_vals = t.line_values();
-        let include = match t.sent {
-            None => true,
-            Some(_) if only_new => false,
-            Some(s) => full || s != now_vals,
+    /// One track's line of a report read at `now`, if it has one; marks it sent.
+    ///
+    /// What full reports are for: an unchanged line is the allocator's sample of a key
+    /// gone quiet (a holder's grant then shrinks, an estimate decays), and a line by
+    /// name corrects a handle the allocator no longer knows. They named every key the
+    /// engine held, which kept every entry alive (the allocator forgot one only after a
+    /// lease unnamed): at fleet scale most report lines were full reports' unchanged
+    /// keys, and the allocator kept an entry per key and gateway for as long as the
+    /// gateway kept the key (`key_idle_ms`). Now a full report names holders (each
+    /// unchanged line still shrinks a grant no longer used) and keys that changed
+    /// since the last one (their quiet sample, once); an entry with nothing granted
+    /// and no sample for a lease is forgotten, and the line that revives it is
+    /// rebased (see [`SyncTracks::set_rebase_after`]).
+    fn line(
+        k: &K,
+        t: &mut Track,
+        how: Named,
+        now: u64,
+        rebase_after: u64,
+        f: &mut impl FnMut(Line<'_, K>),
+    ) {
+        let changed = t.unsent();
+        let include = match (t.sent, how) {
+            (None, _) => true,
+            (Some(_), Named::Delta { only_new: true }) => false,
+            (Some(_), Named::Delta { only_new: false }) => changed,
+            // A grant shrunk to nothing is not held: its entry may be forgotten.
+            (Some(_), Named::Full) => {
+                changed || t.active || t.held.is_some_and(|h| h.rate > 0 || h.burst > 0)
+            }
         };
         if !include {
             return;
         }
+        t.active = match how {
+            Named::Full => changed,
+            Named::Delta { .. } => t.active || changed,
+        };
+        if let Some(s) = t.sent
+            && now.saturating_sub(t.named_at) >= rebase_after
+        {
+            t.base.0 += s.0;
+            t.base.1 += s.1;
+            t.since_ns = t.named_at;
+            t.handle = 0;
+        }
+        let now_vals = t.line_values();
         t.sent = Some(now_vals);
-        // Full reports name every key (a handle the allocator has forgotten makes it
+        t.named_at = now;
+        // Full reports name keys by name (a handle the allocator has forgotten makes it
         // ignore the line).
         f(Line {
             key: k,
-            key_handle: if full { 0 } else { t.handle },
+            key_handle: if how == Named::Full { 0 } else { t.handle },
             admitted: now_vals.0,
             rejected: now_vals.1,
             counting_since_ns: t.since_ns,
@@ -515,8 +600,11 @@ impl<K: Ord + Clone> SyncTracks<K> {
                 continue;
             }
             t.totals.reread();
-            let (admitted, rejected) = (t.totals.admitted(), t.totals.rejected());
-            t.sent = Some((admitted, rejected, t.in_flight, t.held));
+            let vals = t.line_values();
+            t.active |= t.sent != Some(vals);
+            t.sent = Some(vals);
+            t.named_at = self.last_poll_ns;
+            let (admitted, rejected) = (vals.0, vals.1);
             f(Line {
                 key: k,
                 key_handle: t.handle,

@@ -75,11 +75,24 @@ fn reports_name_changed_keys_by_handle_and_every_key_by_name_when_full() {
     // Its held grant changed: reported by handle; `b` did not change.
     t.refresh(&e, SEC / 2, &mut buf, key_of);
     assert_eq!(lines(&mut t, false), [("org-rps/a".into(), 42)]);
-    // A full report names every key, by name.
+    // A full report names, by name, the holder and every key that changed since the
+    // last full report (both: `b` was new), changed now or not.
     assert_eq!(
         lines(&mut t, true),
         [("org-rps/a".into(), 0), ("org-rps/b".into(), 0)]
     );
+    // The next names the holder only: `b` had its quiet line.
+    t.refresh(&e, 3 * SEC / 4, &mut buf, key_of);
+    assert_eq!(lines(&mut t, true), [("org-rps/a".into(), 0)]);
+    // Until it changes again: then it is in the next full report too, once more.
+    touch(&e, 3 * SEC / 4, "r4", &[("org", "b")]);
+    t.refresh(&e, 7 * SEC / 8, &mut buf, key_of);
+    assert_eq!(lines(&mut t, false), [("org-rps/b".into(), 0)]);
+    assert_eq!(
+        lines(&mut t, true),
+        [("org-rps/a".into(), 0), ("org-rps/b".into(), 0)]
+    );
+    assert_eq!(lines(&mut t, true), [("org-rps/a".into(), 0)]);
     // A new stream: everything again, and the old stream's handles are gone.
     t.new_stream();
     touch(&e, SEC, "r3", &[("org", "a")]);
@@ -92,6 +105,62 @@ fn reports_name_changed_keys_by_handle_and_every_key_by_name_when_full() {
     // One report in eight is full.
     let fulls = (0..16).filter(|_| t.next_report_is_full(8)).count();
     assert_eq!(fulls, 2);
+}
+
+/// `(key, admitted + rejected, counting since, by handle)` of each line of one report.
+fn counted(t: &mut SyncTracks<String>, full: bool) -> Vec<(String, u64, u64, u64)> {
+    let mut out = Vec::new();
+    t.report(full, false, |l| {
+        out.push((
+            l.key.clone(),
+            l.admitted + l.rejected,
+            l.counting_since_ns,
+            l.key_handle,
+        ))
+    });
+    out
+}
+
+#[test]
+fn a_key_unnamed_for_half_a_lease_counts_from_when_it_was_last_named() {
+    let e = engine(RULES);
+    let mut buf = Vec::new();
+    let mut t: SyncTracks<String> = SyncTracks::new(0);
+    // The allocator's lease is 2 s: rebase after 1 s unnamed.
+    t.set_rebase_after(SEC);
+    let a = "org-rps/a".to_string();
+    touch(&e, 0, "r1", &[("org", "a")]);
+    t.refresh(&e, 0, &mut buf, key_of);
+    assert_eq!(counted(&mut t, false), [(a.clone(), 1, 0, 0)]);
+    // A handle from a grant; the line that reports it goes by handle.
+    t.apply(
+        &e,
+        SEC / 10,
+        vec![grant("org-rps", "a", 10, 1)],
+        vec![a.clone()],
+        &[42],
+    );
+    touch(&e, SEC / 10, "r2", &[("org", "a")]);
+    t.refresh(&e, SEC / 4, &mut buf, key_of);
+    assert_eq!(counted(&mut t, false), [(a.clone(), 2, 0, 42)]);
+    // Named again within the second: still cumulative, by handle.
+    touch(&e, SEC / 2, "r3", &[("org", "a")]);
+    t.refresh(&e, SEC, &mut buf, key_of);
+    assert_eq!(counted(&mut t, false), [(a.clone(), 3, 0, 42)]);
+    // Unnamed for 1.5 s, then two more: counted from the last line (1 s), by name
+    // (the allocator may have forgotten the key, and with it the handle).
+    touch(&e, 2 * SEC, "r4", &[("org", "a")]);
+    touch(&e, 2 * SEC, "r5", &[("org", "a")]);
+    t.refresh(&e, 5 * SEC / 2, &mut buf, key_of);
+    assert_eq!(counted(&mut t, false), [(a.clone(), 2, SEC, 0)]);
+    // From there it is cumulative again, from the new start.
+    touch(&e, 5 * SEC / 2, "r6", &[("org", "a")]);
+    t.refresh(&e, 11 * SEC / 4, &mut buf, key_of);
+    assert_eq!(counted(&mut t, false), [(a.clone(), 3, SEC, 0)]);
+    // A new stream names every key from where its counters started, as always.
+    t.new_stream();
+    t.refresh(&e, 3 * SEC, &mut buf, key_of);
+    assert_eq!(counted(&mut t, false), [(a, 3, SEC, 0)]);
 }
 
 #[test]

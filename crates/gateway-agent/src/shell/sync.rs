@@ -9,8 +9,12 @@
 //!   `new_key_poll` (default 20 ms) when the engine has a key the allocator has not
 //!   heard of (a cold key waits for its first grant). Per key: admitted and rejected
 //!   cost (cumulative since `counting_since_ns`), the applied grant (epoch, seq, rate,
-//!   burst), in-flight slots. Delta-encoded: unchanged keys go only in every
-//!   `full_report_every`-th report. Every report, even an empty one, renews leases:
+//!   burst), in-flight slots. Delta-encoded: a key goes in a report when its line
+//!   changed; every `full_report_every`-th report also names, by name, the keys that
+//!   hold a grant and those that changed since the last full one (their quiet line, once).
+//!   A key unnamed for half the allocator's lease is counted, in its next line, from
+//!   when it was last named ([`SyncTracks::set_rebase_after`]): the allocator forgets
+//!   an entry with no sample for a lease. Every report, even an empty one, renews leases:
 //!   the allocator answers with a **lease extension** when its grants near half their
 //!   lease (one message for every grant of its term up to a seq,
 //!   [`Engine::extend_slices`]), not a grant per key.
@@ -77,7 +81,9 @@ pub struct SyncConfig {
     /// Report period. Default 250 ms. Shorter moves slices sooner and costs the
     /// allocator more reports.
     pub report_interval: Duration,
-    /// Every n-th report names every key (the others only changed keys). Default 8.
+    /// Every n-th report also names the keys that hold a grant and those that changed
+    /// since the last full one, unchanged or not (the others name changed keys only).
+    /// Default 8.
     pub full_report_every: u32,
     /// How often the engine is checked for new keys, to report them at once. Default
     /// 20 ms (a key-count read).
@@ -558,6 +564,12 @@ impl Client {
             );
         }
         let max_keys = (welcome.max_keys_per_message as usize).clamp(1, pb::MAX_KEYS_PER_MESSAGE);
+        // The allocator forgets an entry after a lease without a sample: lines of keys
+        // unnamed for half of one count from when they were last named.
+        if welcome.lease_ms > 0 {
+            self.tracks
+                .set_rebase_after(welcome.lease_ms.saturating_mul(1_000_000) / 2);
+        }
         self.status.term.store(welcome.term, Ordering::Relaxed);
         self.status.connects.fetch_add(1, Ordering::Relaxed);
         self.status.connected.store(true, Ordering::Relaxed);
