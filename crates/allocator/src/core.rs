@@ -2821,14 +2821,19 @@ impl Allocator {
     /// demand decayed to nothing, named every 2 s by full reports that named every key
     /// an agent held: at fleet scale an entry per key and gateway, for as long as the
     /// gateway kept the key.
+    ///
+    /// Tested in the order of the entry's cache lines (`recompute` calls this for every
+    /// entry): the current grant and in-flight count on the first, the sample's time on
+    /// the second, the commitment and rare parts on the fourth (tested first, the
+    /// commitment's load was a fifth of `recompute`'s time at fleet scale).
     fn idle_entry(&self, e: &Entry, lease: u64) -> bool {
-        e.commitment().is_zero()
-            && e.current().is_zero()
-            && e.rare.is_none()
+        e.current().is_zero()
             && e.in_flight == 0
             && self.agents[e.agent as usize]
                 .as_ref()
                 .is_none_or(|ag| ag.report_ts.saturating_sub(e.base_ts) >= lease)
+            && e.rare.is_none()
+            && e.commitment().is_zero()
     }
 
     /// Allocates one key: targets by water-filling, hysteresis, then shrinks at once and
