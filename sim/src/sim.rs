@@ -1661,7 +1661,7 @@ impl Sim {
         for (g, outcome) in grants.iter().zip(outcomes) {
             match outcome {
                 Applied::Ack(x) => slices.push(slice_ack(x, || (*g.key).clone())),
-                Applied::Draining => {}
+                Applied::Draining | Applied::Held => {}
                 Applied::Refused(_) => self.counters.grants_refused += 1,
             }
         }

@@ -149,6 +149,12 @@ pub struct Ack<K> {
 pub enum Applied<K> {
     /// Applied; acknowledge now.
     Ack(Ack<K>),
+    /// Applied, and neither its rate nor its burst is below the slice it replaced (a
+    /// grant that grew, a renewal, a key's first): nothing waits on it, so no ack
+    /// message; the key's next report line names it as held, which tells the allocator
+    /// the same (at fleet scale acks were half the messages to the allocator, and each
+    /// one recomputed its key).
+    Held,
     /// A concurrency shrink applied while more work is in flight than it allows:
     /// acknowledged by [`SyncTracks::drained_acks`] once that work fits.
     Draining,
@@ -174,6 +180,8 @@ struct Track {
     handle: u64,
     /// In [`SyncTracks`]'s dirty list: the line may differ from what was sent.
     dirty: bool,
+    /// The slice (rate, burst) in force as last seen: read by a refresh, or applied.
+    slice: Option<(u64, u64)>,
     /// When the current stream was last sent a line for the key (the read time of
     /// that report, in the counters' clock).
     named_at: u64,
@@ -386,6 +394,7 @@ impl<K: Ord + Clone> SyncTracks<K> {
                 t.totals.observe(d.counters);
                 t.in_flight = d.in_flight;
                 t.held = held;
+                t.slice = held.map(|h| (h.rate, h.burst));
                 t.seen = generation;
                 if !t.dirty && t.line_values() != before {
                     t.dirty = true;
@@ -406,6 +415,7 @@ impl<K: Ord + Clone> SyncTracks<K> {
                         seen: generation,
                         handle: 0,
                         dirty: true,
+                        slice: held.map(|h| (h.rate, h.burst)),
                         named_at: 0,
                         active: false,
                     },
@@ -631,10 +641,19 @@ impl<K: Ord + Clone> SyncTracks<K> {
         handles: &[u64],
     ) -> Vec<Applied<K>> {
         let results = engine.apply_slices(now, &updates);
-        for ((k, r), &handle) in keys.iter().zip(&results).zip(handles) {
+        // Whether each grant left rate and burst at least where they were.
+        let mut grew = vec![false; updates.len()];
+        for (i, ((k, r), &handle)) in keys.iter().zip(&results).zip(handles).enumerate() {
             let Some(t) = self.tracks.get_mut(k) else {
                 continue;
             };
+            if r.is_ok() {
+                let u = &updates[i];
+                grew[i] = t
+                    .slice
+                    .is_none_or(|(rate, burst)| u.rate >= rate && u.burst >= burst);
+                t.slice = Some((u.rate, u.burst));
+            }
             if handle != 0 {
                 t.handle = handle;
             }
@@ -652,7 +671,13 @@ impl<K: Ord + Clone> SyncTracks<K> {
             }
         }
         let mut out = Vec::with_capacity(updates.len());
-        for (((u, k), r), &key_handle) in updates.into_iter().zip(keys).zip(results).zip(handles) {
+        for ((((u, k), r), &key_handle), grew) in updates
+            .into_iter()
+            .zip(keys)
+            .zip(results)
+            .zip(handles)
+            .zip(grew)
+        {
             let applied = match r {
                 Ok(a) => a,
                 Err(e) => {
@@ -676,6 +701,10 @@ impl<K: Ord + Clone> SyncTracks<K> {
                     released: applied.released_tokens,
                 });
                 out.push(Applied::Draining);
+                continue;
+            }
+            if !concurrency && grew && applied.released_tokens == 0 {
+                out.push(Applied::Held);
                 continue;
             }
             out.push(Applied::Ack(Ack {

@@ -211,20 +211,27 @@ async fn a_new_key_is_reported_at_once_and_its_grant_is_applied_and_acknowledged
         "new key reported after {waited:?}"
     );
 
-    // A grant is applied to the engine and acknowledged.
+    // A grant is applied to the engine. It lowers nothing (the key had no slice), so
+    // no ack: the key's next report line carries it as held.
     let lease_end = conn.hello.agent_time_ns + 30_000_000_000;
     conn.to_agent
         .send(Ok(grant("org-rps", "acme", 100, 10, 1, lease_end)))
         .await
         .unwrap();
-    let ack = next_where(&mut conn, 2, |m| match &m.msg {
-        Some(Msg::Ack(a)) => Some(a.slices[0].clone()),
+    let first = next_where(&mut conn, 2, |m| match &m.msg {
+        Some(Msg::Ack(_)) => Some(None),
+        Some(Msg::Report(r)) => r
+            .keys
+            .iter()
+            .find_map(|k| k.held.filter(|h| h.seq == 1))
+            .map(Some),
         _ => None,
     })
     .await;
-    assert_eq!((ack.epoch, ack.seq), (5, 1));
-    // Named by the handle the grant carried, not by rule and values.
-    assert_eq!((ack.key, ack.key_handle), (None, 8));
+    assert!(
+        first.is_some(),
+        "a growth was acknowledged by an ack message"
+    );
     // The slice starts empty (invariant 2) and refills at 100/s.
     tokio::time::sleep(Duration::from_millis(60)).await;
     assert!(admit(&state, "r1", &[("org", "acme")]));
@@ -304,6 +311,20 @@ async fn a_new_key_is_reported_at_once_and_its_grant_is_applied_and_acknowledged
         demand[0].slice.map(|s| s.lease_expires_at_ns),
         Some(extended)
     );
+
+    // A shrink is acknowledged at once, naming the key by the handle the grant
+    // carried, not by rule and values.
+    conn.to_agent
+        .send(Ok(grant("org-rps", "acme", 50, 5, 2, lease_end)))
+        .await
+        .unwrap();
+    let ack = next_where(&mut conn, 2, |m| match &m.msg {
+        Some(Msg::Ack(a)) => Some(a.slices[0].clone()),
+        _ => None,
+    })
+    .await;
+    assert_eq!((ack.epoch, ack.seq), (5, 2));
+    assert_eq!((ack.key, ack.key_handle), (None, 8));
 
     // A stale grant (lower seq) is ignored and not acknowledged.
     conn.to_agent
@@ -430,8 +451,9 @@ async fn a_measure_request_is_answered_with_a_start_at_once_and_an_end_after_its
         .send(Ok(grant("org-rps", "acme", 1_000, 100, 1, lease_end)))
         .await
         .unwrap();
+    // A first grant is acknowledged by the key's next report line (its held grant).
     next_where(&mut conn, 2, |m| match &m.msg {
-        Some(Msg::Ack(_)) => Some(()),
+        Some(Msg::Report(r)) => r.keys.iter().find(|k| k.held.is_some()).map(|_| ()),
         _ => None,
     })
     .await;

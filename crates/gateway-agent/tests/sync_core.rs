@@ -71,7 +71,8 @@ fn reports_name_changed_keys_by_handle_and_every_key_by_name_when_full() {
         vec!["org-rps/a".into()],
         &[42],
     );
-    assert!(matches!(&out[..], [Applied::Ack(a)] if a.key == "org-rps/a" && a.seq == 1));
+    // A key's first grant shrinks nothing: the next report's held line says it.
+    assert!(matches!(&out[..], [Applied::Held]));
     // Its held grant changed: reported by handle; `b` did not change.
     t.refresh(&e, SEC / 2, &mut buf, key_of);
     assert_eq!(lines(&mut t, false), [("org-rps/a".into(), 42)]);
@@ -161,6 +162,46 @@ fn a_key_unnamed_for_half_a_lease_counts_from_when_it_was_last_named() {
     t.new_stream();
     t.refresh(&e, 3 * SEC, &mut buf, key_of);
     assert_eq!(counted(&mut t, false), [(a, 3, SEC, 0)]);
+}
+
+#[test]
+fn a_grant_that_shrinks_is_acknowledged_and_one_that_does_not_is_reported_as_held() {
+    let e = engine(RULES);
+    let mut buf = Vec::new();
+    let mut t: SyncTracks<String> = SyncTracks::new(0);
+    let a = "org-rps/a".to_string();
+    touch(&e, 0, "r1", &[("org", "a")]);
+    t.refresh(&e, 0, &mut buf, key_of);
+    lines(&mut t, false);
+    let apply = |t: &mut SyncTracks<String>, rate: u64, burst: u64, seq: u64| {
+        let mut g = grant("org-rps", "a", burst, seq);
+        g.rate = rate;
+        let out = t.apply(&e, seq * SEC / 8, vec![g], vec![a.clone()], &[42]);
+        assert_eq!(out.len(), 1);
+        match out.into_iter().next().unwrap() {
+            Applied::Ack(x) => Some((x.seq, x.released_tokens)),
+            Applied::Held => None,
+            other => panic!("{other:?}"),
+        }
+    };
+    // From nothing, then larger, then the same (a renewal): held, no ack.
+    assert_eq!(apply(&mut t, 100, 10, 1), None);
+    assert_eq!(apply(&mut t, 200, 20, 2), None);
+    assert_eq!(apply(&mut t, 200, 20, 3), None);
+    // A smaller burst: acknowledged, with the tokens it gave up (the bucket had
+    // refilled to 20; the shrink to 5 gives up 15).
+    assert_eq!(apply(&mut t, 200, 5, 4), Some((4, 15)));
+    // A higher rate with a smaller burst shrinks too.
+    assert_eq!(apply(&mut t, 300, 4, 5), Some((5, 1)));
+    // A lower rate with the same burst.
+    assert_eq!(apply(&mut t, 250, 4, 6), Some((6, 0)));
+    // The held grant is in the key's next line.
+    t.refresh(&e, SEC, &mut buf, key_of);
+    let mut held = Vec::new();
+    t.report(false, false, |l| {
+        held.push(l.held.map(|h| (h.seq, h.rate, h.burst)))
+    });
+    assert_eq!(held, [Some((6, 250, 4))]);
 }
 
 #[test]
@@ -260,7 +301,7 @@ fn a_measurement_reports_only_known_handles_with_counts_from_the_live_slot() {
             vec!["org-rps/a".into()],
             &[42],
         );
-        assert!(matches!(&out[..], [Applied::Ack(_)]));
+        assert!(matches!(&out[..], [Applied::Held]));
     }
     let measure = |t: &mut SyncTracks<String>| {
         let mut out = Vec::new();

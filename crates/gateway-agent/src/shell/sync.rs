@@ -19,9 +19,10 @@
 //!   lease (one message for every grant of its term up to a seq,
 //!   [`Engine::extend_slices`]), not a grant per key.
 //! - **Grants** are applied with [`Engine::apply_slices`] (fenced by epoch and seq in
-//!   the engine) and **acknowledged** with the tokens the shrink gave up; a
-//!   concurrency shrink is acknowledged only once in-flight work fits the new slot
-//!   count (in-flight work drains, it is never revoked).
+//!   the engine); one that lowers the rate or the burst is **acknowledged** with the
+//!   tokens the shrink gave up, and one that lowers neither by the key's next report
+//!   line (its held grant); a concurrency shrink is acknowledged only once in-flight
+//!   work fits the new slot count (in-flight work drains, it is never revoked).
 //! - **Measure requests**: when one agent's demand for a key jumps and nothing is free,
 //!   the allocator asks the key's other holders to report it at once (a measurement's
 //!   start) and again `window_ms` later (its end, read as it is): a holder whose demand
@@ -456,7 +457,7 @@ impl Client {
                     self.status.grants_applied.fetch_add(1, Ordering::Relaxed);
                     acks.push(ack_pb(a));
                 }
-                Applied::Draining => {
+                Applied::Draining | Applied::Held => {
                     self.status.grants_applied.fetch_add(1, Ordering::Relaxed);
                 }
                 Applied::Refused(e) => {
