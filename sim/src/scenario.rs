@@ -147,7 +147,8 @@ pub struct AllocatorSpec {
     pub overdraft_permille: u32,
     /// How often each agent reports (the agent's `report_interval`).
     pub report_interval_ms: u64,
-    /// Every this many reports is a full one (the agent's `full_report_every`).
+    /// Every this many reports is a full one (the agent's `full_report_every`): it
+    /// also names the keys holding a grant and those changed since the last full one.
     pub full_report_every: u32,
     /// How soon an agent reports a key it has just seen (the agent's `new_key_poll`).
     pub new_key_poll_ms: u64,
