@@ -22,6 +22,7 @@ FIELDS = [
     ("realloc_p95_ms", "realloc", "{}"),
     ("violations", "viol", "{}"),
     ("control_messages_per_agent_per_s", "msgs", "{:.1f}"),
+    ("control_bytes_per_agent_per_s", "bytes", "{:.0f}"),
 ]
 
 

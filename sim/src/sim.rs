@@ -18,7 +18,7 @@ use bursar_agent::{
 };
 use bursar_allocator::{
     Ack, Allocator, AllocatorConfig, Grant, HeldGrant, HeldSlice, Hello, KeyName, KeyReport,
-    LeaseExtension, Measure, MeasureRequest, Report as AllocReport, SliceAck,
+    LeaseExtension, Measure, MeasureRequest, Report as AllocReport, SliceAck, UnknownHandles,
 };
 use serde::Serialize;
 
@@ -357,6 +357,7 @@ enum Ev {
     ToAgentExt(u32, Box<LeaseExtension>),
     /// One measure request (boxed: rare).
     ToAgentMeasure(u32, Box<MeasureRequest>),
+    ToAgentUnknown(u32, Box<UnknownHandles>),
     /// Agent `.0` (incarnation `.1`) ends its open measurement, if it is still due now.
     MeasureEnd(u32, u64),
     Report(u32, u64),
@@ -752,6 +753,7 @@ impl Sim {
             Ev::ToAgent(i, g) => self.deliver_to_agent(i, g),
             Ev::ToAgentExt(i, x) => self.deliver_extension(i, &x),
             Ev::ToAgentMeasure(i, m) => self.deliver_measure(i, *m),
+            Ev::ToAgentUnknown(i, u) => self.deliver_unknown(i, &u),
             Ev::MeasureEnd(i, inc) => {
                 if self.live(i, inc) {
                     // An earlier end that a later request moved finds nothing ended.
@@ -1247,9 +1249,14 @@ impl Sim {
         let grants: Vec<Grant> = alloc.drain_grants().collect();
         let extensions = alloc.drain_extensions();
         let measures = alloc.drain_measure_requests();
+        let unknown = alloc.drain_unknown_handles();
         self.send_grants(grants);
         self.send_extensions(extensions);
         self.send_measures(measures);
+        for u in unknown {
+            let (agent, bytes) = (Arc::clone(&u.agent), wire::unknown_keys_bytes(&u));
+            self.send_one(&agent, bytes, |i| Ev::ToAgentUnknown(i, Box::new(u)));
+        }
         self.schedule_wake();
     }
 
@@ -1291,6 +1298,22 @@ impl Sim {
                 self.counters.measure_requests += 1;
             }
         }
+    }
+
+    /// An unknown-handle notice reaches agent `i` (as `sync.rs`): those keys are named
+    /// by name again, counting from when they were last named.
+    fn deliver_unknown(&mut self, i: u32, u: &UnknownHandles) {
+        let iu = i as usize;
+        if self.cut(iu, self.now) {
+            self.counters.lost += 1;
+            return;
+        }
+        let a = &mut self.agents[iu];
+        if a.engine.is_none() || a.incarnation != u.incarnation {
+            self.counters.lost += 1;
+            return;
+        }
+        a.sync.forget_handles(&u.key_handles);
     }
 
     /// A measure request reaches agent `i` (as `sync.rs`): the keys' start report at

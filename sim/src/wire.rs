@@ -14,7 +14,7 @@
 
 use bursar_allocator::{
     Ack, Grant, HeldGrant, Hello, KeyName, KeyReport, LeaseExtension, Measure, MeasureRequest,
-    Report,
+    Report, UnknownHandles,
 };
 
 /// gRPC's per-message prefix: one compression byte and a 4-byte length.
@@ -156,6 +156,13 @@ pub fn measure_request_bytes(m: &MeasureRequest) -> u64 {
     GRPC_PREFIX_BYTES + delimited(handles + uint(u64::from(m.window_ms)))
 }
 
+/// An `AllocatorMessage { unknown_keys = 7 }` (handles packed).
+pub fn unknown_keys_bytes(u: &UnknownHandles) -> u64 {
+    let packed: u64 = u.key_handles.iter().map(|&h| varint_len(h)).sum();
+    let handles = if packed == 0 { 0 } else { delimited(packed) };
+    GRPC_PREFIX_BYTES + delimited(handles)
+}
+
 /// A Gubernator-like hit batch: one `KeyReport { key, admitted = hits }` per key.
 pub fn hits_bytes<'a>(hits: impl Iterator<Item = (&'a KeyName, u64)>) -> u64 {
     let keys: u64 = hits
@@ -220,6 +227,18 @@ mod tests {
         // LeaseExtension = 08 01 10 ac 02 (5 bytes); AllocatorMessage = 2a 05 <ext>
         // = 7 bytes; plus gRPC's 5. Agent and incarnation name the stream only.
         assert_eq!(extension_bytes(&x), 7 + GRPC_PREFIX_BYTES);
+    }
+
+    #[test]
+    fn an_unknown_keys_notice_is_sized_as_protobuf_would_encode_it() {
+        let u = UnknownHandles {
+            agent: "gw-0".into(),
+            incarnation: 1,
+            key_handles: vec![1, 300],
+        };
+        // key_handles packed = 0a 03 01 ac 02 (5 bytes); AllocatorMessage = 3a 05
+        // <notice> = 7 bytes; plus gRPC's 5.
+        assert_eq!(unknown_keys_bytes(&u), 7 + GRPC_PREFIX_BYTES);
     }
 
     #[test]

@@ -61,7 +61,7 @@ use crate::config::{AllocatorConfig, MAX_AGENT_ID_BYTES};
 use crate::error::AllocError;
 use crate::msg::{
     Ack, Grant, GrantRef, HeldGrant, Hello, KeyName, KeyReport, LeaseExtension, Measure,
-    MeasureRequest, Report,
+    MeasureRequest, Report, UnknownHandles,
 };
 use crate::waterfill::{Claim, Fill, to_units, water_fill};
 use smallvec::SmallVec;
@@ -76,6 +76,9 @@ const MAX_SENT: usize = 6;
 const MEASURE_MAX_HOLDERS: usize = 64;
 /// Most measure requests (agent, key) queued before the shell drains them.
 const MAX_MEASURES_QUEUED: usize = 65_536;
+
+/// Most unknown key handles queued for agents between two drains.
+const MAX_UNKNOWN_QUEUED: usize = 65_536;
 /// Typical requests a holder should expect in a measurement window: an empty window
 /// then happens by chance about once in 150 (Poisson).
 const MEASURE_MIN_REQUESTS: f64 = 5.0;
@@ -816,6 +819,12 @@ pub struct Allocator {
     measures: Vec<Measuring>,
     /// Measure requests not queued because the queue was full.
     measures_dropped: u64,
+    /// Handles of accepted reports' lines this allocator did not know, per report (at
+    /// most `MAX_UNKNOWN_QUEUED` handles; see [`UnknownHandles`]).
+    unknown: Vec<UnknownHandles>,
+    unknown_queued: usize,
+    /// Unknown handles not queued because the queue was full.
+    unknown_dropped: u64,
     /// Names of agents and keys removed while the outbox held grants for them (a
     /// pending grant still names them), and their indices, which are not reused until
     /// the outbox is drained.
@@ -948,6 +957,8 @@ struct ReportScratch {
     ids: HashSet<(u64, u64), FixedState>,
     /// Lines whose demand jumped up: (key, entry).
     surged: Vec<(u32, u32)>,
+    /// Handles of lines naming a key this allocator does not know.
+    unknown: Vec<u64>,
 }
 
 impl Allocator {
@@ -992,6 +1003,9 @@ impl Allocator {
             extensions: Vec::new(),
             measures: Vec::new(),
             measures_dropped: 0,
+            unknown: Vec::new(),
+            unknown_queued: 0,
+            unknown_dropped: 0,
             graves: Graves::default(),
             alpha_memo: (0, 0.0, 0.0),
             hasher: FixedState::with_seed(cfg.hash_seed),
@@ -1156,6 +1170,25 @@ impl Allocator {
             }
         }
         out
+    }
+
+    /// Takes the unknown-handle notices queued so far, one per report that named keys
+    /// by handles this allocator does not know (see [`UnknownHandles`]). The shell sends
+    /// each on its agent's stream, only to the incarnation it names; one lost only
+    /// leaves those lines ignored until the agent's next full report names the keys.
+    pub fn drain_unknown_handles(&mut self) -> Vec<UnknownHandles> {
+        self.unknown_queued = 0;
+        std::mem::take(&mut self.unknown)
+    }
+
+    /// Unknown-handle notices waiting to be drained.
+    pub fn pending_unknown_handles(&self) -> usize {
+        self.unknown.len()
+    }
+
+    /// Unknown handles not queued because `MAX_UNKNOWN_QUEUED` were waiting.
+    pub fn unknown_handles_dropped(&self) -> u64 {
+        self.unknown_dropped
     }
 
     /// Measure requests (agent, key) waiting to be drained.
@@ -1934,8 +1967,10 @@ impl Allocator {
             positions,
             ids,
             surged,
+            unknown,
         } = rs;
         resolved.clear();
+        unknown.clear();
         let mut new_keys = 0usize;
         let mut new_entries = 0usize;
         // Lookups in phases, each a tight loop over the report, so that the cache misses
@@ -1970,9 +2005,10 @@ impl Allocator {
         std::hint::black_box(warm);
         for (i, kr) in report.keys.iter().enumerate() {
             if kr.key_handle != 0 && found[i].is_none() {
-                // A handle this allocator no longer knows: nothing to count it against
-                // (the agent's next full report names the key).
+                // A handle this allocator no longer knows: nothing to count it against.
+                // The agent is told, and names the key by name from then on.
                 resolved.push(None);
+                unknown.push(kr.key_handle);
                 continue;
             }
             let name = self.line_name(kr);
@@ -2082,6 +2118,18 @@ impl Allocator {
         // then current): keys where this agent now wants more than is free.
         for &(k, pos) in surged.iter() {
             self.request_measures(now, k, pos);
+        }
+        if !unknown.is_empty() {
+            if self.unknown_queued + unknown.len() > MAX_UNKNOWN_QUEUED {
+                self.unknown_dropped += unknown.len() as u64;
+            } else {
+                self.unknown_queued += unknown.len();
+                self.unknown.push(UnknownHandles {
+                    agent: Arc::from(report.agent.as_str()),
+                    incarnation: report.incarnation,
+                    key_handles: unknown.clone(),
+                });
+            }
         }
         self.renew(now, a);
         Ok(())
@@ -5144,9 +5192,18 @@ mod tests {
         let mut stale = by_handle.clone();
         stale.key_handle = g.key_handle + (1 << 32);
         stale.rejected = 100_000;
-        a.handle_report(t, &report("a", 1, t, vec![stale])).unwrap();
+        assert_eq!(a.pending_unknown_handles(), 0);
+        a.handle_report(t, &report("a", 1, t, vec![stale.clone()]))
+            .unwrap();
         assert_eq!(a.ignored_lines(), 1);
         assert_eq!(a.key_status(&k).unwrap().agents[0].demand, before);
+        // The agent is told which handles it used that this allocator does not know,
+        // on its own incarnation's stream.
+        let told = a.drain_unknown_handles();
+        assert_eq!(told.len(), 1);
+        assert_eq!((&*told[0].agent, told[0].incarnation), ("a", 1));
+        assert_eq!(told[0].key_handles, vec![stale.key_handle]);
+        assert_eq!(a.pending_unknown_handles(), 0);
         // Bad input by handle gets the key's name in its error.
         let t = t + 250 * MS;
         let mut bad = by_handle;

@@ -113,5 +113,5 @@ pub use core::{
 pub use error::AllocError;
 pub use msg::{
     Ack, Grant, GrantRef, HeldGrant, HeldSlice, Hello, KeyName, KeyReport, LeaseExtension, Measure,
-    MeasureRequest, Report, SliceAck,
+    MeasureRequest, Report, SliceAck, UnknownHandles,
 };

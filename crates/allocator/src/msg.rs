@@ -295,6 +295,21 @@ pub struct MeasureRequest {
     pub window_ms: u32,
 }
 
+/// Tells one agent that report lines of its named keys by handles this allocator does
+/// not know (the key was forgotten, or a reload replaced its rule): they were ignored.
+/// The agent names those keys by name from then on, counting from when it last named
+/// them (the entry is gone with the key). Like a grant, it goes only to the incarnation
+/// it names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnknownHandles {
+    /// The agent it is for.
+    pub agent: Arc<str>,
+    /// The incarnation it is for.
+    pub incarnation: u64,
+    /// The handles, as the agent's lines carried them.
+    pub key_handles: Vec<u64>,
+}
+
 /// A grant borrowed from the allocator's outbox ([`crate::Allocator::for_each_grant`]):
 /// the same fields as [`Grant`], with the agent and key names borrowed instead of
 /// counted. The core queues grants by table index and names them only here, so that a

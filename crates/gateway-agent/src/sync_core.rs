@@ -438,6 +438,36 @@ impl<K: Ord + Clone> SyncTracks<K> {
         self.measuring = (Vec::new(), 0);
     }
 
+    /// The allocator did not know these handles (its `UnknownKeys`): it ignored the
+    /// lines that named keys by them and holds no entry for those keys (forgotten, or
+    /// its rule replaced by a reload). Each such key is named in the next report, by
+    /// name from then on (until a grant gives it a handle again), counting from when
+    /// it was last named: not everything since it was first read, which the allocator
+    /// would take as one sample. Handles this stream does not hold are ignored.
+    pub fn forget_handles(&mut self, handles: &[u64]) {
+        if handles.is_empty() {
+            return;
+        }
+        let mut wanted = handles.to_vec();
+        wanted.sort_unstable();
+        wanted.dedup();
+        for (k, t) in self.tracks.iter_mut() {
+            if t.handle == 0 || wanted.binary_search(&t.handle).is_err() {
+                continue;
+            }
+            t.handle = 0;
+            if let Some(s) = t.sent.take() {
+                t.base.0 += s.0;
+                t.base.1 += s.1;
+                t.since_ns = t.named_at;
+            }
+            if !t.dirty {
+                t.dirty = true;
+                self.dirty.push(k.clone());
+            }
+        }
+    }
+
     /// Every held grant, for the hello.
     pub fn held(&self) -> impl Iterator<Item = (&K, Held)> {
         self.tracks
@@ -454,7 +484,7 @@ impl<K: Ord + Clone> SyncTracks<K> {
     /// The lines of one report, each marked sent: keys whose counters, in-flight count
     /// or held grant changed since the stream last heard of them, by handle where a
     /// grant gave one; with `only_new` only the keys the stream has not heard of yet;
-    /// `full` adds, by name, every key that holds a grant and every key that changed
+    /// `full` adds every key that holds a grant and every key that changed
     /// since the last full report, changed or not now (see [`SyncTracks::line`]).
     pub fn report(&mut self, full: bool, only_new: bool, mut f: impl FnMut(Line<'_, K>)) {
         let mut dirty = std::mem::take(&mut self.dirty);
@@ -499,8 +529,9 @@ impl<K: Ord + Clone> SyncTracks<K> {
     /// One track's line of a report read at `now`, if it has one; marks it sent.
     ///
     /// What full reports are for: an unchanged line is the allocator's sample of a key
-    /// gone quiet (a holder's grant then shrinks, an estimate decays), and a line by
-    /// name corrects a handle the allocator no longer knows. They named every key the
+    /// gone quiet (a holder's grant then shrinks, an estimate decays). They named every
+    /// key by name (which also corrected a handle the allocator no longer knew; it now
+    /// says so, [`SyncTracks::forget_handles`]), and they named every key the
     /// engine held, which kept every entry alive (the allocator forgot one only after a
     /// lease unnamed): at fleet scale most report lines were full reports' unchanged
     /// keys, and the allocator kept an entry per key and gateway for as long as the
@@ -545,11 +576,11 @@ impl<K: Ord + Clone> SyncTracks<K> {
         let now_vals = t.line_values();
         t.sent = Some(now_vals);
         t.named_at = now;
-        // Full reports name keys by name (a handle the allocator has forgotten makes it
-        // ignore the line).
+        // By handle where a grant gave one, full reports too: a handle the allocator no
+        // longer knows makes it ignore the line and say so (`forget_handles`).
         f(Line {
             key: k,
-            key_handle: if how == Named::Full { 0 } else { t.handle },
+            key_handle: t.handle,
             admitted: now_vals.0,
             rejected: now_vals.1,
             counting_since_ns: t.since_ns,

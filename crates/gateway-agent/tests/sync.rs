@@ -338,6 +338,33 @@ async fn a_new_key_is_reported_at_once_and_its_grant_is_applied_and_acknowledged
             .load(std::sync::atomic::Ordering::Relaxed),
         1
     );
+
+    // The allocator says it does not know handle 8 (it forgot the key): the next
+    // report names the key by name, although nothing changed.
+    conn.to_agent
+        .send(Ok(pb::AllocatorMessage {
+            msg: Some(pb::allocator_message::Msg::UnknownKeys(pb::UnknownKeys {
+                key_handles: vec![8],
+            })),
+        }))
+        .await
+        .unwrap();
+    let kr = next_where(&mut conn, 2, |m| match &m.msg {
+        Some(Msg::Report(r)) => r
+            .keys
+            .iter()
+            .find(|k| k.key == key("org-rps", "acme"))
+            .cloned(),
+        _ => None,
+    })
+    .await;
+    assert_eq!(kr.key_handle, 0);
+    assert_eq!(
+        status
+            .unknown_handles
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
 }
 
 #[tokio::test]

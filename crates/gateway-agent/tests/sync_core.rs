@@ -50,7 +50,7 @@ fn lines(t: &mut SyncTracks<String>, full: bool) -> Vec<(String, u64)> {
 }
 
 #[test]
-fn reports_name_changed_keys_by_handle_and_every_key_by_name_when_full() {
+fn reports_name_changed_keys_and_full_reports_add_holders_and_recent_changes() {
     let e = engine(RULES);
     let mut buf = Vec::new();
     let mut t: SyncTracks<String> = SyncTracks::new(0);
@@ -76,24 +76,24 @@ fn reports_name_changed_keys_by_handle_and_every_key_by_name_when_full() {
     // Its held grant changed: reported by handle; `b` did not change.
     t.refresh(&e, SEC / 2, &mut buf, key_of);
     assert_eq!(lines(&mut t, false), [("org-rps/a".into(), 42)]);
-    // A full report names, by name, the holder and every key that changed since the
-    // last full report (both: `b` was new), changed now or not.
+    // A full report names the holder and every key that changed since the last full
+    // report (both: `b` was new), changed now or not; by handle where one is known.
     assert_eq!(
         lines(&mut t, true),
-        [("org-rps/a".into(), 0), ("org-rps/b".into(), 0)]
+        [("org-rps/a".into(), 42), ("org-rps/b".into(), 0)]
     );
     // The next names the holder only: `b` had its quiet line.
     t.refresh(&e, 3 * SEC / 4, &mut buf, key_of);
-    assert_eq!(lines(&mut t, true), [("org-rps/a".into(), 0)]);
+    assert_eq!(lines(&mut t, true), [("org-rps/a".into(), 42)]);
     // Until it changes again: then it is in the next full report too, once more.
     touch(&e, 3 * SEC / 4, "r4", &[("org", "b")]);
     t.refresh(&e, 7 * SEC / 8, &mut buf, key_of);
     assert_eq!(lines(&mut t, false), [("org-rps/b".into(), 0)]);
     assert_eq!(
         lines(&mut t, true),
-        [("org-rps/a".into(), 0), ("org-rps/b".into(), 0)]
+        [("org-rps/a".into(), 42), ("org-rps/b".into(), 0)]
     );
-    assert_eq!(lines(&mut t, true), [("org-rps/a".into(), 0)]);
+    assert_eq!(lines(&mut t, true), [("org-rps/a".into(), 42)]);
     // A new stream: everything again, and the old stream's handles are gone.
     t.new_stream();
     touch(&e, SEC, "r3", &[("org", "a")]);
@@ -202,6 +202,50 @@ fn a_grant_that_shrinks_is_acknowledged_and_one_that_does_not_is_reported_as_hel
         held.push(l.held.map(|h| (h.seq, h.rate, h.burst)))
     });
     assert_eq!(held, [Some((6, 250, 4))]);
+}
+
+#[test]
+fn a_handle_the_allocator_does_not_know_is_dropped_and_the_key_named_afresh() {
+    let e = engine(RULES);
+    let mut buf = Vec::new();
+    let mut t: SyncTracks<String> = SyncTracks::new(0);
+    let a = "org-rps/a".to_string();
+    for id in ["r1", "r2", "r3"] {
+        touch(&e, 0, id, &[("org", "a")]);
+    }
+    touch(&e, 0, "r4", &[("org", "b")]);
+    t.refresh(&e, 0, &mut buf, key_of);
+    counted(&mut t, false);
+    t.apply(
+        &e,
+        SEC / 8,
+        vec![grant("org-rps", "a", 10, 1)],
+        vec![a.clone()],
+        &[42],
+    );
+    t.refresh(&e, SEC / 4, &mut buf, key_of);
+    assert_eq!(counted(&mut t, false), [(a.clone(), 3, 0, 42)]);
+    // The allocator forgot the key: it ignored that line, and says so. Handles this
+    // stream does not hold change nothing.
+    t.forget_handles(&[99, 42]);
+    // Named in the next report although nothing changed, by name, counting from the
+    // ignored line (nothing since).
+    t.refresh(&e, SEC / 2, &mut buf, key_of);
+    assert_eq!(counted(&mut t, false), [(a.clone(), 0, SEC / 4, 0)]);
+    // Then as any key: by name until a grant gives a handle again.
+    touch(&e, SEC / 2, "r5", &[("org", "a")]);
+    t.refresh(&e, 3 * SEC / 4, &mut buf, key_of);
+    assert_eq!(counted(&mut t, false), [(a.clone(), 1, SEC / 4, 0)]);
+    t.apply(
+        &e,
+        SEC,
+        vec![grant("org-rps", "a", 10, 2)],
+        vec![a.clone()],
+        &[43],
+    );
+    touch(&e, SEC, "r6", &[("org", "a")]);
+    t.refresh(&e, SEC, &mut buf, key_of);
+    assert_eq!(counted(&mut t, false), [(a, 2, SEC / 4, 43)]);
 }
 
 #[test]

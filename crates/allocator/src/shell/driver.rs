@@ -419,7 +419,8 @@ impl Driver {
 
     /// Sends drained grants, batched per agent, on the right incarnation's stream, then
     /// the lease extensions (after the grants they may cover; either order is safe),
-    /// then the measure requests (as the simulator, which replays this order).
+    /// then the measure requests and unknown-handle notices (as the simulator, which
+    /// replays this order).
     fn route(&mut self) {
         self.route_grants();
         if self.core.pending_extensions() > 0 {
@@ -448,6 +449,16 @@ impl Driver {
                 } else {
                     self.counters.measures_dropped += n;
                 }
+            }
+        }
+        if self.core.pending_unknown_handles() > 0 {
+            for u in self.core.drain_unknown_handles() {
+                let msg = pb::allocator_message::Msg::UnknownKeys(pb::UnknownKeys {
+                    key_handles: u.key_handles,
+                });
+                // A lost notice leaves the lines ignored until the agent's next full
+                // report names the keys: nothing to count.
+                self.send_on_stream(&u.agent, u.incarnation, msg);
             }
         }
     }

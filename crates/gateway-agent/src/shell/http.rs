@@ -462,6 +462,7 @@ async fn metrics(State(state): State<Arc<AgentState>>) -> Response {
             ("extension_refused", &sync.extensions_refused),
             ("report_sent", &sync.reports_sent),
             ("ack_sent", &sync.acks_sent),
+            ("unknown_handle", &sync.unknown_handles),
             ("dropped", &sync.dropped),
         ] {
             out.push_str(&format!(

@@ -10,7 +10,7 @@
 //!   heard of (a cold key waits for its first grant). Per key: admitted and rejected
 //!   cost (cumulative since `counting_since_ns`), the applied grant (epoch, seq, rate,
 //!   burst), in-flight slots. Delta-encoded: a key goes in a report when its line
-//!   changed; every `full_report_every`-th report also names, by name, the keys that
+//!   changed; every `full_report_every`-th report also names the keys that
 //!   hold a grant and those that changed since the last full one (their quiet line, once).
 //!   A key unnamed for half the allocator's lease is counted, in its next line, from
 //!   when it was last named ([`SyncTracks::set_rebase_after`]): the allocator forgets
@@ -175,6 +175,9 @@ pub struct SyncStatus {
     pub reports_sent: AtomicU64,
     /// Acks sent (slices).
     pub acks_sent: AtomicU64,
+    /// Key handles the allocator said it did not know (`UnknownKeys`): those keys are
+    /// named by name again.
+    pub unknown_handles: AtomicU64,
     /// Reports or acks dropped on a full queue.
     pub dropped: AtomicU64,
 }
@@ -638,6 +641,13 @@ impl Client {
                             if let Some(at) = opened {
                                 measure_end.as_mut().reset(base + Duration::from_nanos(at));
                             }
+                        }
+                        Some(In::UnknownKeys(u)) => {
+                            self.tracks.forget_handles(&u.key_handles);
+                            self.status.unknown_handles.fetch_add(
+                                u.key_handles.len() as u64,
+                                Ordering::Relaxed,
+                            );
                         }
                         Some(In::Redirect(r)) => return End::Redirect(r.leader),
                         Some(In::ConfigVersion(v)) => {
