@@ -129,6 +129,8 @@ fn status_json(s: &Snapshot) -> Value {
             "extensions_dropped": c.extensions_dropped,
             "measures_sent": c.measures_sent,
             "measures_dropped": c.measures_dropped,
+            "unknown_handles_sent": c.unknown_handles_sent,
+            "unknown_handles_dropped": c.unknown_handles_dropped,
         },
         "last_error": s.last_error,
         "config": {

@@ -124,6 +124,12 @@ pub struct ShellCounters {
     /// Measure requests dropped (not queued in the core, no stream for that
     /// incarnation, or its queue was full; safe: the holders' regular reports follow).
     pub measures_dropped: u64,
+    /// Unknown key handles told to their agents (`UnknownKeys`).
+    pub unknown_handles_sent: u64,
+    /// Unknown key handles not told (not queued in the core, no stream for that
+    /// incarnation, or its queue was full; the agent's lines by them stay ignored
+    /// until it next names the keys by name).
+    pub unknown_handles_dropped: u64,
 }
 
 /// What the admin endpoint shows.
@@ -407,6 +413,8 @@ impl Driver {
             counters: ShellCounters {
                 // Also those the core could not queue (its queue was full).
                 measures_dropped: self.counters.measures_dropped + self.core.measures_dropped(),
+                unknown_handles_dropped: self.counters.unknown_handles_dropped
+                    + self.core.unknown_handles_dropped(),
                 ..self.counters
             },
             last_error: self.last_error.clone(),
@@ -453,12 +461,15 @@ impl Driver {
         }
         if self.core.pending_unknown_handles() > 0 {
             for u in self.core.drain_unknown_handles() {
+                let n = u.key_handles.len() as u64;
                 let msg = pb::allocator_message::Msg::UnknownKeys(pb::UnknownKeys {
                     key_handles: u.key_handles,
                 });
-                // A lost notice leaves the lines ignored until the agent's next full
-                // report names the keys: nothing to count.
-                self.send_on_stream(&u.agent, u.incarnation, msg);
+                if self.send_on_stream(&u.agent, u.incarnation, msg) {
+                    self.counters.unknown_handles_sent += n;
+                } else {
+                    self.counters.unknown_handles_dropped += n;
+                }
             }
         }
     }
