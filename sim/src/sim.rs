@@ -1303,30 +1303,28 @@ impl Sim {
     /// An unknown-handle notice reaches agent `i` (as `sync.rs`): those keys are named
     /// by name again, counting from when they were last named.
     fn deliver_unknown(&mut self, i: u32, u: &UnknownHandles) {
-        let iu = i as usize;
-        if self.cut(iu, self.now) {
-            self.counters.lost += 1;
-            return;
+        if self.reaches(i as usize, u.incarnation) {
+            self.agents[i as usize].sync.forget_handles(&u.key_handles);
         }
-        let a = &mut self.agents[iu];
-        if a.engine.is_none() || a.incarnation != u.incarnation {
+    }
+
+    /// Whether a message to agent `iu`'s incarnation `incarnation` arrives now: its
+    /// link is not cut, it is running, and it is that incarnation (the shells send only
+    /// on the stream of the incarnation a message names). Counted as lost if not.
+    fn reaches(&mut self, iu: usize, incarnation: u64) -> bool {
+        let a = &self.agents[iu];
+        let ok = !self.cut(iu, self.now) && a.engine.is_some() && a.incarnation == incarnation;
+        if !ok {
             self.counters.lost += 1;
-            return;
         }
-        a.sync.forget_handles(&u.key_handles);
+        ok
     }
 
     /// A measure request reaches agent `i` (as `sync.rs`): the keys' start report at
     /// once, their end when the window closes.
     fn deliver_measure(&mut self, i: u32, m: MeasureRequest) {
         let iu = i as usize;
-        if self.cut(iu, self.now) {
-            self.counters.lost += 1;
-            return;
-        }
-        let a = &self.agents[iu];
-        if a.engine.is_none() || a.incarnation != m.incarnation {
-            self.counters.lost += 1;
+        if !self.reaches(iu, m.incarnation) {
             return;
         }
         let max = self.acfg.max_keys_per_message.max(1);
@@ -1646,24 +1644,18 @@ impl Sim {
     /// acknowledged in one ack, as the agent's sync client does (`apply`).
     fn deliver_to_agent(&mut self, i: u32, grants: Vec<Grant>) {
         let iu = i as usize;
-        if self.cut(iu, self.now) {
-            self.counters.lost += 1;
+        // A batch is one stream's: its first grant names the incarnation.
+        let incarnation = grants
+            .first()
+            .map_or(self.agents[iu].incarnation, |g| g.incarnation);
+        if !self.reaches(iu, incarnation) {
             return;
         }
         let nkeys = self.keys.len();
         let a = &mut self.agents[iu];
         let Some(engine) = &a.engine else {
-            self.counters.lost += 1;
             return;
         };
-        // The shell sends grants only on their incarnation's stream.
-        if grants
-            .first()
-            .is_some_and(|g| g.incarnation != a.incarnation)
-        {
-            self.counters.lost += 1;
-            return;
-        }
         let at = a.clock(self.now);
         let updates: Vec<_> = grants.iter().map(Grant::to_slice_update).collect();
         let keys: Vec<u32> = grants
@@ -1703,19 +1695,13 @@ impl Sim {
     /// answer).
     fn deliver_extension(&mut self, i: u32, x: &LeaseExtension) {
         let iu = i as usize;
-        if self.cut(iu, self.now) {
-            self.counters.lost += 1;
+        if !self.reaches(iu, x.incarnation) {
             return;
         }
         let a = &self.agents[iu];
         let Some(engine) = &a.engine else {
-            self.counters.lost += 1;
             return;
         };
-        if x.incarnation != a.incarnation {
-            self.counters.lost += 1;
-            return;
-        }
         let ext = SliceExtension {
             epoch: x.epoch,
             through_seq: x.through_seq,

@@ -3530,19 +3530,9 @@ mod tests {
         // a grant, or once after a change): a lease without a sample means the key went
         // quiet there. `a` takes the whole limit and does not acknowledge the shrink
         // that `b`'s demand asks for, so `b` has an estimate and no grant.
-        let now = 5 * SEC;
-        let mut a = warm_allocator(1, now);
-        a.handle_hello(now, &hello("a", 1, 1)).unwrap();
-        a.handle_hello(now, &hello("b", 1, 1)).unwrap();
         let x = key("rps", "x");
-        let mut t = now;
+        let (mut a, mut t, g) = granted_to_a(&rules(), quick_config(), &x, 900);
         let mut ts = 10 * MS;
-        a.handle_report(t, &report("a", 1, ts, vec![line(x.clone(), 0, 900, None)]))
-            .unwrap();
-        let g = last_for(&settle(&mut a, t + 10 * MS), "a");
-        a.handle_ack(t + 20 * MS, &ack(&g, 1, 0)).unwrap();
-        t += 250 * MS;
-        ts += 250 * MS;
         a.handle_report(t, &report("b", 1, ts, vec![line(x.clone(), 0, 3, None)]))
             .unwrap();
         settle(&mut a, t + 10 * MS);
@@ -3555,27 +3545,31 @@ mod tests {
         };
         let b = b_of(&a).expect("b has an entry");
         assert!(b.demand > 0.0 && b.granted.is_zero(), "{b:?}");
-        // `a` keeps naming the key (busy, holding); `b` reports, naming nothing.
-        let held = Some(HeldGrant {
-            epoch: g.epoch,
-            seq: g.seq,
-            rate: g.rate,
-            burst: g.burst,
-        });
+        // `a` keeps naming the key (busy, holding, its demand moving, so the key is
+        // recomputed: that is when entries are forgotten); `b` reports, naming nothing.
         let mut admitted = 0;
-        for _ in 0..6 {
+        for i in 0..6 {
             t += 250 * MS;
             ts += 250 * MS;
-            admitted += 200;
+            admitted += if i % 2 == 0 { 100 } else { 300 };
             a.handle_report(
                 t,
-                &report("a", 1, ts, vec![line(x.clone(), admitted, 900, held)]),
+                &report(
+                    "a",
+                    1,
+                    ts,
+                    vec![line(x.clone(), admitted, 900, Some(g.held()))],
+                ),
             )
             .unwrap();
             a.handle_report(t, &report("b", 1, ts + 1, vec![])).unwrap();
             settle(&mut a, t + 10 * MS);
         }
-        assert!(b_of(&a).is_none(), "forgotten after a lease unnamed");
+        assert!(
+            b_of(&a).is_none(),
+            "forgotten after a lease unnamed: {:?}",
+            b_of(&a)
+        );
         assert!(a.key_status(&x).is_some(), "a's entry stays");
     }
 

@@ -181,6 +181,8 @@ struct Track {
     /// In [`SyncTracks`]'s dirty list: the line may differ from what was sent.
     dirty: bool,
     /// The slice (rate, burst) in force as last seen: read by a refresh, or applied.
+    /// Not `held`, which only a walk updates: of two grants applied between walks, the
+    /// second must be compared with the first ([`Applied::Held`]).
     slice: Option<(u64, u64)>,
     /// When the current stream was last sent a line for the key (the read time of
     /// that report, in the counters' clock).
@@ -204,6 +206,19 @@ impl Track {
     /// Whether a delta report would name the key.
     fn unsent(&self) -> bool {
         self.sent != Some(self.line_values())
+    }
+
+    /// Counts from the last line sent from now on (see
+    /// [`SyncTracks::set_rebase_after`]), and names the key by name: the allocator may
+    /// hold no entry for it, and so no base and no handle.
+    fn rebase(&mut self) {
+        if let Some(s) = self.sent {
+            self.base.0 += s.0;
+            self.base.1 += s.1;
+            self.since_ns = self.named_at;
+            self.sent = Some((0, 0, s.2, s.3));
+        }
+        self.handle = 0;
     }
 }
 
@@ -455,12 +470,9 @@ impl<K: Ord + Clone> SyncTracks<K> {
             if t.handle == 0 || wanted.binary_search(&t.handle).is_err() {
                 continue;
             }
-            t.handle = 0;
-            if let Some(s) = t.sent.take() {
-                t.base.0 += s.0;
-                t.base.1 += s.1;
-                t.since_ns = t.named_at;
-            }
+            t.rebase();
+            // Named in the next report, changed or not: as a key new to the stream.
+            t.sent = None;
             if !t.dirty {
                 t.dirty = true;
                 self.dirty.push(k.clone());
@@ -565,13 +577,8 @@ impl<K: Ord + Clone> SyncTracks<K> {
             Named::Full => changed,
             Named::Delta { .. } => t.active || changed,
         };
-        if let Some(s) = t.sent
-            && now.saturating_sub(t.named_at) >= rebase_after
-        {
-            t.base.0 += s.0;
-            t.base.1 += s.1;
-            t.since_ns = t.named_at;
-            t.handle = 0;
+        if t.sent.is_some() && now.saturating_sub(t.named_at) >= rebase_after {
+            t.rebase();
         }
         let now_vals = t.line_values();
         t.sent = Some(now_vals);

@@ -148,6 +148,16 @@ async fn next_where<T>(
     }
 }
 
+/// The next report line that names key `rule`/`v` by name, within 2 s.
+async fn next_line_named(conn: &mut Conn, rule: &str, v: &str) -> pb::KeyReport {
+    let want = key(rule, v);
+    next_where(conn, 2, |m| match &m.msg {
+        Some(Msg::Report(r)) => r.keys.iter().find(|k| k.key == want).cloned(),
+        _ => None,
+    })
+    .await
+}
+
 fn admit(state: &AgentState, id: &str, desc: &[(&str, &str)]) -> bool {
     let d = state
         .engine
@@ -194,15 +204,7 @@ async fn a_new_key_is_reported_at_once_and_its_grant_is_applied_and_acknowledged
     // A cold key rejects, and is reported out of band, well before the 250 ms timer.
     let t0 = Instant::now();
     assert!(!admit(&state, "r0", &[("org", "acme")]));
-    let kr = next_where(&mut conn, 2, |m| match &m.msg {
-        Some(Msg::Report(r)) => r
-            .keys
-            .iter()
-            .find(|k| k.key == key("org-rps", "acme"))
-            .cloned(),
-        _ => None,
-    })
-    .await;
+    let kr = next_line_named(&mut conn, "org-rps", "acme").await;
     let waited = t0.elapsed();
     assert_eq!(kr.rejected, 1);
     assert!(kr.held.is_none());
@@ -349,15 +351,7 @@ async fn a_new_key_is_reported_at_once_and_its_grant_is_applied_and_acknowledged
         }))
         .await
         .unwrap();
-    let kr = next_where(&mut conn, 2, |m| match &m.msg {
-        Some(Msg::Report(r)) => r
-            .keys
-            .iter()
-            .find(|k| k.key == key("org-rps", "acme"))
-            .cloned(),
-        _ => None,
-    })
-    .await;
+    let kr = next_line_named(&mut conn, "org-rps", "acme").await;
     assert_eq!(kr.key_handle, 0);
     assert_eq!(
         status

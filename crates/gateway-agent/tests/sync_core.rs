@@ -44,9 +44,10 @@ fn grant(rule: &str, v: &str, burst: u64, seq: u64) -> SliceUpdate {
 
 /// `(key, by handle)` of each line of one report.
 fn lines(t: &mut SyncTracks<String>, full: bool) -> Vec<(String, u64)> {
-    let mut out = Vec::new();
-    t.report(full, false, |l| out.push((l.key.clone(), l.key_handle)));
-    out
+    counted(t, full)
+        .into_iter()
+        .map(|(k, _, _, handle)| (k, handle))
+        .collect()
 }
 
 #[test]
