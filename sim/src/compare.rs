@@ -21,6 +21,11 @@ pub struct PolicyOutcome {
     pub utilization_min: f64,
     /// Largest utilization vs the ideal bucket over seeds.
     pub utilization_max: f64,
+    /// Smallest utilization over the second half of the run (the steady state) over
+    /// seeds.
+    pub utilization_second_half_min: f64,
+    /// Largest utilization over the second half of the run over seeds.
+    pub utilization_second_half_max: f64,
     /// Largest realloc p95 over seeds (shift workloads only).
     pub realloc_p95_ms_max: Option<f64>,
     /// Mean control messages per agent per virtual second.
@@ -43,6 +48,11 @@ pub struct Comparison {
     pub policies: Vec<PolicyOutcome>,
 }
 
+/// Smallest and largest of `values` (`(inf, 0)` when empty).
+pub fn span(values: impl Iterator<Item = f64>) -> (f64, f64) {
+    values.fold((f64::INFINITY, 0.0), |(lo, hi), v| (lo.min(v), hi.max(v)))
+}
+
 /// Runs `sc` under every policy for every seed.
 pub fn compare(sc: &Scenario, seeds: &[u64]) -> Result<Comparison, SimError> {
     let mut policies = Vec::with_capacity(POLICIES.len());
@@ -53,6 +63,8 @@ pub fn compare(sc: &Scenario, seeds: &[u64]) -> Result<Comparison, SimError> {
         }
         let su = || reports.iter().map(|r| &r.summary);
         let n = reports.len().max(1) as f64;
+        let whole = span(su().map(|s| s.utilization_vs_ideal));
+        let late = span(su().map(|s| s.utilization_second_half));
         policies.push(PolicyOutcome {
             policy: name.to_string(),
             overshoot_max_fraction_of_burst: su()
@@ -61,10 +73,10 @@ pub fn compare(sc: &Scenario, seeds: &[u64]) -> Result<Comparison, SimError> {
             bound_max_fraction_of_burst: su()
                 .map(|s| s.bound_fraction_of_burst)
                 .fold(0.0, f64::max),
-            utilization_min: su()
-                .map(|s| s.utilization_vs_ideal)
-                .fold(f64::INFINITY, f64::min),
-            utilization_max: su().map(|s| s.utilization_vs_ideal).fold(0.0, f64::max),
+            utilization_min: whole.0,
+            utilization_max: whole.1,
+            utilization_second_half_min: late.0,
+            utilization_second_half_max: late.1,
             realloc_p95_ms_max: su().filter_map(|s| s.realloc_p95_ms).reduce(f64::max),
             control_messages_per_agent_per_s: su()
                 .map(|s| s.control_messages_per_agent_per_s)

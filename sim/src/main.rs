@@ -178,11 +178,12 @@ fn real_main() -> Result<ExitCode> {
                 seed_list.len()
             );
             println!(
-                "{:<11} {:>12} {:>8} {:>13} {:>11} {:>12} {:>13} {:>10}",
+                "{:<11} {:>12} {:>8} {:>13} {:>13} {:>11} {:>12} {:>13} {:>10}",
                 "policy",
                 "overshoot/B",
                 "bound/B",
                 "utilization",
+                "second half",
                 "realloc ms",
                 "msgs/agent/s",
                 "bytes/agent/s",
@@ -191,11 +192,15 @@ fn real_main() -> Result<ExitCode> {
             let c = compare(&sc, &seed_list)?;
             for p in &c.policies {
                 println!(
-                    "{:<11} {:>12.4} {:>8.2} {:>13} {:>11} {:>12.1} {:>13.0} {:>10}",
+                    "{:<11} {:>12.4} {:>8.2} {:>13} {:>13} {:>11} {:>12.1} {:>13.0} {:>10}",
                     p.policy,
                     p.overshoot_max_fraction_of_burst,
                     p.bound_max_fraction_of_burst,
                     format!("{:.3}-{:.3}", p.utilization_min, p.utilization_max),
+                    format!(
+                        "{:.3}-{:.3}",
+                        p.utilization_second_half_min, p.utilization_second_half_max
+                    ),
                     opt(p.realloc_p95_ms_max, 0, ""),
                     p.control_messages_per_agent_per_s,
                     p.control_bytes_per_agent_per_s,
@@ -261,7 +266,7 @@ fn real_main() -> Result<ExitCode> {
                 seed_list.len()
             );
             println!(
-                "{:>9} {:>8} {:>8} {:>5} {:>12} {:>10} {:>13} {:>12} {:>13}  result",
+                "{:>9} {:>8} {:>8} {:>5} {:>12} {:>10} {:>13} {:>13} {:>12} {:>13}  result",
                 "report_ms",
                 "lease_ms",
                 "burst",
@@ -269,13 +274,14 @@ fn real_main() -> Result<ExitCode> {
                 "overshoot/B",
                 "bound/B",
                 "utilization",
+                "second half",
                 "msgs/agent/s",
                 "bytes/agent/s"
             );
             let started = Instant::now();
             let report = sweep(&scenario, &sc, &base, &spec, &seed_list, &policy, |p| {
                 println!(
-                    "{:>9} {:>8} {:>8} {:>5} {:>12.4} {:>10.4} {:>13} {:>12.1} {:>13.0}  {}",
+                    "{:>9} {:>8} {:>8} {:>5} {:>12.4} {:>10.4} {:>13} {:>13} {:>12.1} {:>13.0}  {}",
                     p.report_interval_ms,
                     p.lease_ms,
                     p.burst,
@@ -283,6 +289,10 @@ fn real_main() -> Result<ExitCode> {
                     p.overshoot_max_fraction_of_burst,
                     p.bound_fraction_of_burst,
                     format!("{:.3}-{:.3}", p.utilization_min, p.utilization_max),
+                    format!(
+                        "{:.3}-{:.3}",
+                        p.utilization_second_half_min, p.utilization_second_half_max
+                    ),
                     p.control_messages_per_agent_per_s,
                     p.control_bytes_per_agent_per_s,
                     if p.within { "within" } else { "ABOVE BOUND" }

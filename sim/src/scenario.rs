@@ -44,6 +44,10 @@ pub enum ScenarioError {
 pub const BUILT_INS: &[(&str, &str)] = &[
     ("steady", include_str!("../scenarios/steady.toml")),
     ("zipf", include_str!("../scenarios/zipf.toml")),
+    (
+        "zipf-default-burst",
+        include_str!("../scenarios/zipf-default-burst.toml"),
+    ),
     ("llm-zipf", include_str!("../scenarios/llm-zipf.toml")),
     ("whale", include_str!("../scenarios/whale.toml")),
     ("shift", include_str!("../scenarios/shift.toml")),

@@ -2118,6 +2118,20 @@ mod tests {
     }
 
     #[test]
+    fn zipf_at_the_default_burst_reaches_the_utilization_goal_in_steady_state() {
+        // The goal (>= 0.98 of one ideal bucket under steady Zipf skew), over
+        // the second half of a 20 s run: the fleet's slices start empty while the ideal
+        // bucket starts with B, so the whole run stays ~5 % behind.
+        let sc = Scenario::load("zipf-default-burst").unwrap();
+        assert_eq!(sc.limit.burst, sc.limit.rate_per_s);
+        let r = run(&sc, 1).unwrap();
+        assert_eq!(r.summary.violations, 0);
+        assert_eq!(r.summary.overshoot_max_fraction_of_burst, 0.0);
+        assert!(r.summary.utilization_second_half >= 0.98, "{:?}", r.summary);
+        assert!(r.summary.utilization_vs_ideal > 0.9, "{:?}", r.summary);
+    }
+
+    #[test]
     fn a_sparse_key_concentrated_on_its_busiest_gateways_admits_more_with_fewer_grants() {
         // Under one request per key per report on almost every gateway: every even
         // split gives slices too small for a request. With the rule's typical cost the

@@ -10,6 +10,7 @@
 
 use serde::Serialize;
 
+use crate::compare::span;
 use crate::scenario::{Overrides, Scenario, ScenarioError};
 use crate::sim::{Report, Sim, SimError, replay_command};
 
@@ -167,6 +168,11 @@ pub struct PointOutcome {
     pub utilization_min: f64,
     /// Largest utilization vs the ideal bucket over seeds.
     pub utilization_max: f64,
+    /// Smallest utilization over the second half of the run (the steady state: every
+    /// slice starts empty while the ideal bucket starts full) over seeds.
+    pub utilization_second_half_min: f64,
+    /// Largest utilization over the second half of the run over seeds.
+    pub utilization_second_half_max: f64,
     /// Mean control messages per agent per virtual second over seeds.
     pub control_messages_per_agent_per_s: f64,
     /// Mean control bytes per agent per virtual second over seeds.
@@ -255,6 +261,8 @@ pub fn sweep(
             .find(|r| failing(r))
             .map_or(seeds[0], |r| r.seed);
         let n = reports.len() as f64;
+        let whole = span(reports.iter().map(|r| r.summary.utilization_vs_ideal));
+        let late = span(reports.iter().map(|r| r.summary.utilization_second_half));
         let o = PointOutcome {
             report_interval_ms: sc.allocator.report_interval_ms,
             lease_ms: sc.allocator.lease_ms,
@@ -262,14 +270,10 @@ pub fn sweep(
             overdraft_permille: sc.allocator.overdraft_permille,
             overshoot_max_fraction_of_burst: worst.summary.overshoot_max_fraction_of_burst,
             bound_fraction_of_burst: worst.summary.bound_fraction_of_burst,
-            utilization_min: reports
-                .iter()
-                .map(|r| r.summary.utilization_vs_ideal)
-                .fold(f64::INFINITY, f64::min),
-            utilization_max: reports
-                .iter()
-                .map(|r| r.summary.utilization_vs_ideal)
-                .fold(0.0, f64::max),
+            utilization_min: whole.0,
+            utilization_max: whole.1,
+            utilization_second_half_min: late.0,
+            utilization_second_half_max: late.1,
             control_messages_per_agent_per_s: reports
                 .iter()
                 .map(|r| r.summary.control_messages_per_agent_per_s)

@@ -142,6 +142,11 @@ fn a_sweep_prints_bound_beside_measured_per_point_and_writes_json() {
         );
         assert!(m <= b, "{p}");
         assert!(p["utilization_max"].as_f64().unwrap() > 0.0);
+        let (lo, hi) = (
+            p["utilization_second_half_min"].as_f64().unwrap(),
+            p["utilization_second_half_max"].as_f64().unwrap(),
+        );
+        assert!(0.0 < lo && lo <= hi, "{p}");
     }
     // The overdraft point states a larger bound than the same point without it.
     let b0 = points[1]["bound_fraction_of_burst"].as_f64().unwrap();
@@ -376,6 +381,11 @@ fn compare_runs_every_policy_and_fails_only_on_the_real_allocator() {
     assert_eq!(names, ["bursar", "static", "doorman", "gubernator"]);
     assert_eq!(ps[0]["violations"], 0);
     assert!(ps[3]["violations"].as_u64().unwrap() > 0, "{out}");
+    for p in ps {
+        let late = p["utilization_second_half_max"].as_f64().unwrap();
+        assert!(late > 0.0 && late >= p["utilization_second_half_min"].as_f64().unwrap());
+    }
+    assert!(out.contains("second half"), "{out}");
     for n in names {
         assert!(out.lines().any(|l| l.starts_with(n)), "{out}");
     }
