@@ -35,6 +35,28 @@ struct FleetArgs {
     /// Override the virtual duration of traffic, seconds.
     #[arg(long)]
     duration_s: Option<f64>,
+    /// Override `network.latency_ms`: the base one-way latency of every
+    /// agent-allocator link, ms (e.g. 20-100 for an allocator in another region).
+    #[arg(long, allow_negative_numbers = true)]
+    latency_ms: Option<f64>,
+    /// Override `network.jitter_ms`: the mean of the exponential delay added to each
+    /// message, ms.
+    #[arg(long, allow_negative_numbers = true)]
+    jitter_ms: Option<f64>,
+}
+
+impl FleetArgs {
+    /// These overrides, the rest unset.
+    fn overrides(&self) -> Overrides {
+        Overrides {
+            gateways: self.gateways,
+            keys: self.keys,
+            duration_s: self.duration_s,
+            latency_ms: self.latency_ms,
+            jitter_ms: self.jitter_ms,
+            ..Overrides::default()
+        }
+    }
 }
 
 #[derive(Subcommand)]
@@ -161,13 +183,7 @@ fn real_main() -> Result<ExitCode> {
             json,
         } => {
             let mut sc = Scenario::load(&scenario)?;
-            Overrides {
-                gateways: fleet.gateways,
-                keys: fleet.keys,
-                duration_s: fleet.duration_s,
-                ..Overrides::default()
-            }
-            .apply(&mut sc)?;
+            fleet.overrides().apply(&mut sc)?;
             let seed_list: Vec<u64> = (1..=seeds.max(1)).collect();
             println!(
                 "compare {}: {} gateways x {} keys x {} virtual s, seeds 1..={}",
@@ -233,12 +249,7 @@ fn real_main() -> Result<ExitCode> {
             json,
         } => {
             let sc = Scenario::load(&scenario)?;
-            let base = Overrides {
-                gateways: fleet.gateways,
-                keys: fleet.keys,
-                duration_s: fleet.duration_s,
-                ..Overrides::default()
-            };
+            let base = fleet.overrides();
             let mut sized = sc.clone();
             base.apply(&mut sized)?;
             let defaults = SweepSpec::defaults_for(&sized);
@@ -332,15 +343,13 @@ fn real_main() -> Result<ExitCode> {
         } => {
             let mut sc = Scenario::load(&scenario)?;
             let overrides = Overrides {
-                gateways: fleet.gateways,
-                keys: fleet.keys,
-                duration_s: fleet.duration_s,
                 report_interval_ms,
                 lease_ms,
                 burst,
                 overdraft_permille,
                 hysteresis_permille,
                 measure_window_ms,
+                ..fleet.overrides()
             };
             let replay = replay_command(&scenario, seed, &overrides, &policy);
             overrides.apply(&mut sc)?;

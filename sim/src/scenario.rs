@@ -376,6 +376,10 @@ pub struct Overrides {
     pub keys: Option<usize>,
     /// `duration_s`.
     pub duration_s: Option<f64>,
+    /// `network.latency_ms` (every agent-allocator link, one way).
+    pub latency_ms: Option<f64>,
+    /// `network.jitter_ms`.
+    pub jitter_ms: Option<f64>,
     /// `allocator.report_interval_ms` (also the Gubernator-like policy's sync interval).
     pub report_interval_ms: Option<u64>,
     /// `allocator.lease_ms` (the grants' TTL).
@@ -401,6 +405,12 @@ impl Overrides {
         }
         if let Some(d) = self.duration_s {
             sc.duration_s = d;
+        }
+        if let Some(l) = self.latency_ms {
+            sc.network.latency_ms = l;
+        }
+        if let Some(j) = self.jitter_ms {
+            sc.network.jitter_ms = j;
         }
         if let Some(r) = self.report_interval_ms {
             sc.allocator.report_interval_ms = r;
@@ -434,6 +444,8 @@ impl Overrides {
         flag("gateways", self.gateways.map(|x| x.to_string()));
         flag("keys", self.keys.map(|x| x.to_string()));
         flag("duration-s", self.duration_s.map(|x| x.to_string()));
+        flag("latency-ms", self.latency_ms.map(|x| x.to_string()));
+        flag("jitter-ms", self.jitter_ms.map(|x| x.to_string()));
         flag(
             "report-interval-ms",
             self.report_interval_ms.map(|x| x.to_string()),

@@ -57,6 +57,42 @@ fn a_missing_file_and_an_unknown_field_are_clear_errors() {
     let (code, _, err) = sim(&["run", "steady", "--gateways", "0"]);
     assert_eq!(code, 2);
     assert!(err.contains("`gateways`"), "{err}");
+
+    for flag in ["--latency-ms", "--jitter-ms"] {
+        let (code, _, err) = sim(&["compare", "steady", "--seeds", "1", flag, "-5"]);
+        assert_eq!(code, 2, "{err}");
+        assert!(err.contains("must be a number >= 0"), "{err}");
+    }
+}
+
+#[test]
+fn slower_links_from_the_command_line_slow_a_new_keys_first_admission() {
+    let dir = scratch("latency");
+    let first_admit = |extra: &[&str]| {
+        let path = dir.path().join("l.json");
+        let mut args = vec![
+            "run",
+            "cold-keys",
+            "--gateways",
+            "4",
+            "--duration-s",
+            "1",
+            "--json",
+            path.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        let (code, out, err) = sim(&args);
+        assert_eq!(code, 0, "{out}{err}");
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(v["summary"]["violations"], 0);
+        v["summary"]["cold_first_admit_p95_ms"].as_f64().unwrap()
+    };
+    let near = first_admit(&[]);
+    // A new key waits for a report to reach the allocator and a grant to come back:
+    // two one-way trips of at least 100 ms each.
+    let far = first_admit(&["--latency-ms", "100", "--jitter-ms", "0"]);
+    assert!(far >= near + 150.0, "near {near} ms, far {far} ms");
 }
 
 #[test]
