@@ -51,6 +51,7 @@ pub const BUILT_INS: &[(&str, &str)] = &[
     ("llm-zipf", include_str!("../scenarios/llm-zipf.toml")),
     ("whale", include_str!("../scenarios/whale.toml")),
     ("shift", include_str!("../scenarios/shift.toml")),
+    ("remote-half", include_str!("../scenarios/remote-half.toml")),
     ("cold-keys", include_str!("../scenarios/cold-keys.toml")),
     ("sparse", include_str!("../scenarios/sparse.toml")),
     ("diurnal", include_str!("../scenarios/diurnal.toml")),
@@ -106,6 +107,11 @@ pub struct Scenario {
     /// The links between every agent and the allocator.
     #[serde(default)]
     pub network: NetworkSpec,
+    /// Links that differ from `network` (gateways in another region, a lossy
+    /// uplink): each names gateways and the fields it changes; a gateway named by two
+    /// takes the later one's.
+    #[serde(default, rename = "link")]
+    pub links: Vec<LinkSpec>,
     /// Offered load.
     pub workload: WorkloadSpec,
     /// Each agent's clock runs fast or slow by a uniform draw in `[-x, x]` parts per
@@ -220,6 +226,41 @@ impl Default for NetworkSpec {
             loss: 0.0,
             reorder: false,
         }
+    }
+}
+
+/// Some gateways' links to the allocator: the fields given replace `[network]`'s for
+/// them, the rest stay.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct LinkSpec {
+    /// Gateway indices (at least one).
+    pub agents: Vec<usize>,
+    /// Base one-way latency, ms (>= 0).
+    pub latency_ms: Option<f64>,
+    /// Mean of the exponential jitter added, ms (>= 0).
+    pub jitter_ms: Option<f64>,
+    /// Probability a message is lost, 0 to 1.
+    pub loss: Option<f64>,
+    /// Let messages on these links overtake each other.
+    pub reorder: Option<bool>,
+}
+
+impl Scenario {
+    /// Every gateway's link to the allocator: `[network]` with the `[[link]]` entries
+    /// that name it applied in order.
+    pub fn link_specs(&self) -> Vec<NetworkSpec> {
+        let mut out = vec![self.network.clone(); self.gateways];
+        for l in &self.links {
+            for &i in &l.agents {
+                let Some(n) = out.get_mut(i) else { continue };
+                n.latency_ms = l.latency_ms.unwrap_or(n.latency_ms);
+                n.jitter_ms = l.jitter_ms.unwrap_or(n.jitter_ms);
+                n.loss = l.loss.unwrap_or(n.loss);
+                n.reorder = l.reorder.unwrap_or(n.reorder);
+            }
+        }
+        out
     }
 }
 
@@ -559,6 +600,26 @@ impl Scenario {
         if !(0.0..=1.0).contains(&n.loss) {
             return bad("network.loss", "must be 0 to 1");
         }
+        for l in &self.links {
+            if l.agents.is_empty() {
+                return bad("link.agents", "a link names at least one gateway");
+            }
+            if let Some(&i) = l.agents.iter().find(|&&i| i >= self.gateways) {
+                return bad(
+                    "link.agents",
+                    &format!("names gateway {i}, but there are {}", self.gateways),
+                );
+            }
+            if l.latency_ms.is_some_and(|x| !finite_nonneg(x)) {
+                return bad("link.latency_ms", "must be a number >= 0");
+            }
+            if l.jitter_ms.is_some_and(|x| !finite_nonneg(x)) {
+                return bad("link.jitter_ms", "must be a number >= 0");
+            }
+            if l.loss.is_some_and(|x| !(0.0..=1.0).contains(&x)) {
+                return bad("link.loss", "must be 0 to 1");
+            }
+        }
         if !(finite_nonneg(self.clock_drift_ppm) && self.clock_drift_ppm <= 100_000.0) {
             return bad("clock_drift_ppm", "must be 0 to 100,000");
         }
@@ -693,6 +754,47 @@ mod tests {
         assert!(e.to_string().contains("limit.typical_cost"), "{e}");
         s.limit.typical_cost = s.limit.burst;
         s.validate().unwrap();
+    }
+
+    #[test]
+    fn links_override_the_network_for_the_gateways_they_name_later_ones_winning() {
+        let text = format!(
+            "{}\n[network]\nlatency_ms = 3.0\nloss = 0.01\n\n\
+             [[link]]\nagents = [1, 2]\nlatency_ms = 50.0\n\n\
+             [[link]]\nagents = [2]\nlatency_ms = 80.0\njitter_ms = 0.0\nreorder = true\n",
+            include_str!("../scenarios/steady.toml")
+        );
+        let s = Scenario::from_toml("x", &text).unwrap();
+        let l = s.link_specs();
+        assert_eq!(l.len(), s.gateways);
+        assert_eq!(l[0], s.network);
+        assert_eq!(
+            (l[1].latency_ms, l[1].jitter_ms, l[1].loss),
+            (50.0, 1.0, 0.01)
+        );
+        assert_eq!(
+            (l[2].latency_ms, l[2].jitter_ms, l[2].loss),
+            (80.0, 0.0, 0.01)
+        );
+        assert!(l[2].reorder && !l[1].reorder);
+        assert_eq!(l[3], s.network);
+    }
+
+    #[test]
+    fn a_bad_link_is_refused_with_the_field_name() {
+        let base = include_str!("../scenarios/steady.toml"); // 16 gateways
+        for (link, field) in [
+            ("agents = [16]", "link.agents"),
+            ("agents = []", "link.agents"),
+            ("agents = [0]\nlatency_ms = -1.0", "link.latency_ms"),
+            ("agents = [0]\njitter_ms = nan", "link.jitter_ms"),
+            ("agents = [0]\nloss = 1.5", "link.loss"),
+            ("agents = [0]\nlatency = 5.0", "unknown field `latency`"),
+        ] {
+            let text = format!("{base}\n[[link]]\n{link}\n");
+            let e = Scenario::from_toml("x", &text).unwrap_err();
+            assert!(e.to_string().contains(field), "{link}: {e}");
+        }
     }
 
     #[test]

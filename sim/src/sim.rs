@@ -24,7 +24,7 @@ use serde::Serialize;
 
 use crate::policy::{POLICIES, Policy, Proportional};
 use crate::rng::Rng;
-use crate::scenario::{FaultKind, Overrides, Scenario, WorkloadKind};
+use crate::scenario::{FaultKind, NetworkSpec, Overrides, Scenario, WorkloadKind};
 use crate::wire;
 
 const MS: u64 = 1_000_000;
@@ -442,6 +442,8 @@ impl Queue {
 /// One simulation: build it with [`Sim::new`], run it with [`Sim::run`].
 pub struct Sim {
     sc: Scenario,
+    /// Each gateway's link to the allocator (`[network]` with its `[[link]]`s).
+    links: Vec<NetworkSpec>,
     seed: u64,
     config: Config,
     acfg: AllocatorConfig,
@@ -611,6 +613,7 @@ impl Sim {
             agent_names,
             key_names,
             overdraft_rate: sc.limit.rate_per_s * sc.allocator.overdraft_permille as u64 / 1000,
+            links: sc.link_specs(),
             sc: sc.clone(),
             seed,
             config,
@@ -1168,7 +1171,7 @@ impl Sim {
 
     /// Delivery time on a link, or `None` if the message is lost.
     fn link_delay(&mut self, agent: usize, up: bool) -> Option<u64> {
-        let n = &self.sc.network;
+        let n = &self.links[agent];
         if self.cut(agent, self.now) || self.net_rng.chance(n.loss) {
             self.counters.lost += 1;
             return None;
@@ -1483,17 +1486,23 @@ impl Sim {
             }
             self.counters.peer += 1;
             self.counters.peer_bytes += bytes;
-            let n = &self.sc.network;
+            // A peer link is as slow and as lossy as the worse of its two ends.
+            let (a, b) = (&self.links[i as usize], &self.links[j]);
+            let (loss, latency_ms, jitter_ms) = (
+                a.loss.max(b.loss),
+                a.latency_ms.max(b.latency_ms),
+                a.jitter_ms.max(b.jitter_ms),
+            );
             if self.peer_cut(i as usize, self.now)
                 || self.peer_cut(j, self.now)
-                || self.net_rng.chance(n.loss)
+                || self.net_rng.chance(loss)
             {
                 self.counters.lost += 1;
                 continue;
             }
-            let ms = n.latency_ms
-                + if n.jitter_ms > 0.0 {
-                    self.net_rng.exp(n.jitter_ms)
+            let ms = latency_ms
+                + if jitter_ms > 0.0 {
+                    self.net_rng.exp(jitter_ms)
                 } else {
                     0.0
                 };
@@ -2091,6 +2100,39 @@ mod tests {
         );
         let c = run(&sc, 12).unwrap();
         assert_ne!(a.counters, c.counters, "another seed, another run");
+    }
+
+    #[test]
+    fn a_link_entry_is_the_network_for_the_gateways_it_names() {
+        use crate::scenario::LinkSpec;
+        let mut near = small("shift");
+        near.network.latency_ms = 2.0;
+        let mut far = near.clone();
+        far.network.latency_ms = 60.0;
+        // Every gateway named by a link of 60 ms: the same run as a 60 ms network.
+        let mut linked = near.clone();
+        linked.links.push(LinkSpec {
+            agents: (0..near.gateways).collect(),
+            latency_ms: Some(60.0),
+            jitter_ms: None,
+            loss: None,
+            reorder: None,
+        });
+        let (near_r, far_r) = (run(&near, 5).unwrap(), run(&far, 5).unwrap());
+        let linked_r = run(&linked, 5).unwrap();
+        assert_eq!(linked_r.summary, far_r.summary);
+        assert_eq!(linked_r.counters, far_r.counters);
+        assert_ne!(near_r.counters, far_r.counters);
+        // Half of them far: neither run.
+        let mut half = near.clone();
+        half.links.push(LinkSpec {
+            agents: (near.gateways / 2..near.gateways).collect(),
+            ..linked.links[0].clone()
+        });
+        let half_r = run(&half, 5).unwrap();
+        assert_eq!(half_r.summary.violations, 0);
+        assert_ne!(half_r.counters, near_r.counters);
+        assert_ne!(half_r.counters, far_r.counters);
     }
 
     #[test]
