@@ -813,7 +813,7 @@ impl KeyTable {
         &self,
         slots: Vec<(u64, Arc<Slot>)>,
     ) -> Result<KeyTable, Vec<(u64, Arc<Slot>)>> {
-        if (self.len + slots.len()) * 4 >= (self.mask + 1) * 3 {
+        if !self.fits(slots.len()) {
             return Err(slots);
         }
         let mut t = KeyTable {
@@ -825,6 +825,39 @@ impl KeyTable {
             t.insert(id, slot);
         }
         Ok(t)
+    }
+
+    /// `spare`, the table published before `current` (lacking `lag`, the updates that
+    /// made `current`), brought up to `current` plus `more` in place, or `None` if
+    /// something still holds it (a reader's guard, a worker's cache) or it is not of
+    /// `current`'s size (a rebuild came between). The same inserts in the same order
+    /// on the same cells as `current.with_updates(more)`, so the same table, without
+    /// cloning `current`'s chunk references.
+    fn caught_up(
+        mut spare: Arc<KeyTable>,
+        lag: TableUpdates,
+        more: &[(u64, Arc<Slot>)],
+        current: &KeyTable,
+    ) -> Option<Arc<KeyTable>> {
+        let t = Arc::get_mut(&mut spare).filter(|t| t.mask == current.mask)?;
+        for (id, s) in lag.into_iter().chain(more.iter().cloned()) {
+            t.insert(id, s);
+        }
+        debug_assert_eq!(
+            t.len(),
+            current.len()
+                + more
+                    .iter()
+                    .filter(|(id, _)| current.get(*id).is_none())
+                    .count(),
+            "caught up to a table of another length"
+        );
+        Some(spare)
+    }
+
+    /// True if `more` slots (all new keys, at worst) keep it under three quarters full.
+    fn fits(&self, more: usize) -> bool {
+        (self.len + more) * 4 < (self.mask + 1) * 3
     }
 
     #[inline]
@@ -934,12 +967,23 @@ fn lease_end(st: &SliceState, ext: Option<SliceExtension>) -> u64 {
     }
 }
 
+/// Slots to store in a key table, by key id, in order.
+type TableUpdates = Vec<(u64, Arc<Slot>)>;
+
 struct Slow {
     /// Slots newer than the published table (new keys and replacements).
     pending: HashMap<u64, Arc<Slot>, PassThroughState>,
     /// Slots sealed without a replacement since the table was last rebuilt whole
     /// (they stay in their cells until then; see [`KeyTable`]).
     table_garbage: usize,
+    /// The table published before the current one, and the updates it lacks (the last
+    /// publish's). The next publish applies those and its own to it in place and
+    /// publishes it, when no reader still holds it (a guard, a worker's cache):
+    /// copying the current table instead clones a reference to every chunk, and to
+    /// every slot of each chunk it changes (a few hundred reference counts a publish
+    /// at 10,000 keys, 6-9 % of a fleet-scale simulation). Same cells either way: the
+    /// same inserts, in the same order, on the same table.
+    spare: Option<(Arc<KeyTable>, TableUpdates)>,
     /// Allocator grants by key (rule, values).
     slices: HashMap<SliceKey, SliceState, PassThroughState>,
     /// Live keys (table + pending, not counting sealed slots).
@@ -1096,6 +1140,7 @@ impl Engine {
             slow: Mutex::new(Slow {
                 pending: HashMap::default(),
                 table_garbage: 0,
+                spare: None,
                 slices: HashMap::default(),
                 keys: 0,
                 retired,
@@ -1532,25 +1577,32 @@ impl Engine {
             .filter(|(_, s)| !s.is_sealed())
             .collect();
         let capacity = old.len() + pending.len();
-        // Few changes: copy only the chunks they touch (a replacement takes the cell of
-        // the slot it sealed). Past a quarter of evicted garbage, or full: rebuild.
-        let updated = if slow.table_garbage * 4 <= old.len() {
-            old.with_updates(pending)
-        } else {
-            Err(pending)
+        // Few changes: update the spare in place, or copy only the chunks they touch (a
+        // replacement takes the cell of the slot it sealed). Past a quarter of evicted
+        // garbage, or full: rebuild.
+        let fits = slow.table_garbage * 4 <= old.len() && old.fits(pending.len());
+        let caught_up = match slow.spare.take() {
+            Some((spare, lag)) if fits => KeyTable::caught_up(spare, lag, &pending, &old),
+            _ => None,
         };
-        let table = match updated {
-            Ok(t) => t,
-            Err(pending) => {
-                slow.table_garbage = 0;
-                let kept = old
-                    .iter()
-                    .filter(|(_, s)| !s.is_sealed())
-                    .map(|(id, s)| (id, Arc::clone(s)));
-                // Pending slots come last: a replacement wins over the slot it sealed.
-                KeyTable::build(capacity, kept.chain(pending))
-            }
+        let table = match caught_up {
+            Some(t) => Some(t),
+            None if fits => old.with_updates(pending.clone()).ok().map(Arc::new),
+            None => None,
         };
+        if let Some(t) = table {
+            drop(old);
+            slow.spare = Some((self.table.swap(t), pending));
+            return;
+        }
+        slow.table_garbage = 0;
+        slow.spare = None;
+        let kept = old
+            .iter()
+            .filter(|(_, s)| !s.is_sealed())
+            .map(|(id, s)| (id, Arc::clone(s)));
+        // Pending slots come last: a replacement wins over the slot it sealed.
+        let table = KeyTable::build(capacity, kept.chain(pending));
         self.table.store(Arc::new(table));
     }
 
@@ -2965,6 +3017,57 @@ mod key_table_tests {
                 }
                 prop_assert_eq!(contents(old), expected.clone());
             }
+        }
+    }
+
+    proptest! {
+        /// A spare caught up in place (as `publish_locked` does when nothing holds it)
+        /// is cell for cell the table a copy would give, publish after publish; one a
+        /// reader still holds is left alone.
+        #[test]
+        fn a_spare_caught_up_in_place_is_the_table_a_copy_gives(
+            batches in prop::collection::vec(
+                prop::collection::vec(0u64..400, 0..20), 1..30),
+        ) {
+            let cells = |t: &KeyTable| -> Vec<(u64, usize)> {
+                t.iter().map(|(id, s)| (id, Arc::as_ptr(s) as usize)).collect()
+            };
+            let mut current = Arc::new(KeyTable::build(1_024, std::iter::empty()));
+            let mut spare: Option<(Arc<KeyTable>, TableUpdates)> = None;
+            let (mut in_place, mut publishes) = (0, 0);
+            for ids in batches {
+                publishes += 1;
+                let mut seen = std::collections::HashSet::new();
+                let more: Vec<(u64, Arc<Slot>)> = ids
+                    .into_iter()
+                    .filter(|id| seen.insert(*id))
+                    .map(|id| (id, slot()))
+                    .collect();
+                prop_assert!(current.fits(more.len()));
+                let copy = current.with_updates(more.clone()).ok().unwrap();
+                let next = match spare.take() {
+                    Some((t, lag)) => KeyTable::caught_up(t, lag, &more, &current),
+                    None => None,
+                };
+                let next = match next {
+                    Some(t) => {
+                        in_place += 1;
+                        t
+                    }
+                    None => Arc::new(current.with_updates(more.clone()).ok().unwrap()),
+                };
+                prop_assert_eq!(cells(&next), cells(&copy));
+                prop_assert_eq!(next.len(), copy.len());
+                spare = Some((std::mem::replace(&mut current, next), more));
+            }
+            // From the second publish on, every one was made in place.
+            prop_assert_eq!(in_place, publishes - 1);
+            // A spare someone still holds is not touched.
+            let (held, lag) = spare.take().unwrap();
+            let reader = Arc::clone(&held);
+            let before = cells(&reader);
+            prop_assert!(KeyTable::caught_up(held, lag, &[(999, slot())], &current).is_none());
+            prop_assert_eq!(cells(&reader), before);
         }
     }
 
