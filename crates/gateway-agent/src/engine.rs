@@ -2473,6 +2473,15 @@ impl Engine {
     /// One slot of a walk: appended if live (and, for [`Walk::Changed`], changed).
     #[inline]
     fn slot_demand(&self, slow: &Slow, mode: Walk, s: &Arc<Slot>, out: &mut Vec<KeyDemand>) {
+        if mode == Walk::Changed && !s.marks_in_flight() {
+            // A rate bucket: its mark is its counts (the slot's second line). Unchanged,
+            // it is skipped without reading its state; sealed, its counts no longer
+            // move, so it is skipped too once its last change has been marked.
+            if s.walk_mark(0) && !s.load().sealed() {
+                out.push(self.demand_of(slow, s));
+            }
+            return;
+        }
         let state = s.load();
         if state.sealed() {
             return;
@@ -2517,10 +2526,10 @@ impl Engine {
         }
         let table = self.table.load();
         let mut values: Vec<&str> = Vec::with_capacity(MAX_DESCRIPTORS);
-        for (seq, key) in &slow.created {
-            if *seq <= from {
-                continue;
-            }
+        // Numbered in order: start after `from` (a poll every 20 ms walked up to
+        // `CREATED_MAX` read entries to find the few new ones).
+        let start = slow.created.partition_point(|(seq, _)| *seq <= from);
+        for (_, key) in slow.created.range(start..) {
             values.clear();
             values.extend(key.values());
             // The key's live slot: the one created, or the one a grant replaced it with.
