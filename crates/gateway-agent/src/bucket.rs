@@ -482,7 +482,8 @@ impl Slot {
                     };
                     match self.cas(cur, next) {
                         Ok(()) => {
-                            self.touched.store(now, Ordering::Relaxed);
+                            self.touched
+                                .store(now.min(NOT_SLOTS - 1), Ordering::Relaxed);
                             return Take::Taken {
                                 amount: 1,
                                 after: next,
@@ -720,6 +721,11 @@ mod tests {
         assert!(slots.marks_in_flight());
         assert!(matches!(slots.try_take(5, 1, false), Take::Taken { .. }));
         assert!(slots.marks_in_flight(), "a take's time is not the marker");
+        assert!(matches!(
+            slots.try_take(u64::MAX, 1, false),
+            Take::Taken { .. }
+        ));
+        assert!(slots.marks_in_flight(), "not even the last instant");
         let bucket = full(rate(10, 10), 0);
         assert!(!bucket.marks_in_flight());
         assert!(matches!(bucket.try_take(5, 3, true), Take::Taken { .. }));
