@@ -36,7 +36,8 @@ struct FleetArgs {
     #[arg(long)]
     duration_s: Option<f64>,
     /// Override `network.latency_ms`: the base one-way latency of every
-    /// agent-allocator link, ms (e.g. 20-100 for an allocator in another region).
+    /// agent-allocator link a `[[link]]` does not set, ms (e.g. 20-100 for an
+    /// allocator in another region).
     #[arg(long, allow_negative_numbers = true)]
     latency_ms: Option<f64>,
     /// Override `network.jitter_ms`: the mean of the exponential delay added to each
