@@ -590,16 +590,6 @@ impl Scenario {
                 "report_interval_ms, new_key_poll_ms and full_report_every must be at least 1",
             );
         }
-        let n = &self.network;
-        if !finite_nonneg(n.latency_ms) {
-            return bad("network.latency_ms", "must be a number >= 0");
-        }
-        if !finite_nonneg(n.jitter_ms) {
-            return bad("network.jitter_ms", "must be a number >= 0");
-        }
-        if !(0.0..=1.0).contains(&n.loss) {
-            return bad("network.loss", "must be 0 to 1");
-        }
         for l in &self.links {
             if l.agents.is_empty() {
                 return bad("link.agents", "a link names at least one gateway");
@@ -610,14 +600,20 @@ impl Scenario {
                     &format!("names gateway {i}, but there are {}", self.gateways),
                 );
             }
-            if l.latency_ms.is_some_and(|x| !finite_nonneg(x)) {
-                return bad("link.latency_ms", "must be a number >= 0");
+        }
+        // `[network]` first (every link starts from it), then each gateway's as its
+        // `[[link]]`s leave it (a value that is bad there came from a link).
+        let named = std::iter::once(("network", self.network.clone()))
+            .chain(self.link_specs().into_iter().map(|n| ("link", n)));
+        for (at, n) in named {
+            if !finite_nonneg(n.latency_ms) {
+                return bad(&format!("{at}.latency_ms"), "must be a number >= 0");
             }
-            if l.jitter_ms.is_some_and(|x| !finite_nonneg(x)) {
-                return bad("link.jitter_ms", "must be a number >= 0");
+            if !finite_nonneg(n.jitter_ms) {
+                return bad(&format!("{at}.jitter_ms"), "must be a number >= 0");
             }
-            if l.loss.is_some_and(|x| !(0.0..=1.0).contains(&x)) {
-                return bad("link.loss", "must be 0 to 1");
+            if !(0.0..=1.0).contains(&n.loss) {
+                return bad(&format!("{at}.loss"), "must be 0 to 1");
             }
         }
         if !(finite_nonneg(self.clock_drift_ppm) && self.clock_drift_ppm <= 100_000.0) {

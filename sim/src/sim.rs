@@ -439,6 +439,17 @@ impl Queue {
     }
 }
 
+/// One message's one-way delay on a link, ms: its base latency plus an exponential
+/// jitter (drawn only when there is some, so that jitter-free links draw nothing).
+fn delay_ms(n: &NetworkSpec, rng: &mut Rng) -> f64 {
+    n.latency_ms
+        + if n.jitter_ms > 0.0 {
+            rng.exp(n.jitter_ms)
+        } else {
+            0.0
+        }
+}
+
 /// One simulation: build it with [`Sim::new`], run it with [`Sim::run`].
 pub struct Sim {
     sc: Scenario,
@@ -1185,13 +1196,7 @@ impl Sim {
             self.counters.lost += 1;
             return None;
         }
-        let ms = n.latency_ms
-            + if n.jitter_ms > 0.0 {
-                self.net_rng.exp(n.jitter_ms)
-            } else {
-                0.0
-            };
-        let mut at = self.now + (ms * MS as f64) as u64;
+        let mut at = self.now + (delay_ms(n, &mut self.net_rng) * MS as f64) as u64;
         if !n.reorder {
             let a = &mut self.agents[agent];
             let free = if up {
@@ -1497,25 +1502,21 @@ impl Sim {
             self.counters.peer_bytes += bytes;
             // A peer link is as slow and as lossy as the worse of its two ends.
             let (a, b) = (&self.links[i as usize], &self.links[j]);
-            let (loss, latency_ms, jitter_ms) = (
-                a.loss.max(b.loss),
-                a.latency_ms.max(b.latency_ms),
-                a.jitter_ms.max(b.jitter_ms),
-            );
+            let n = NetworkSpec {
+                latency_ms: a.latency_ms.max(b.latency_ms),
+                jitter_ms: a.jitter_ms.max(b.jitter_ms),
+                loss: a.loss.max(b.loss),
+                // Peer batches are not held in order (each is its own message).
+                reorder: true,
+            };
             if self.peer_cut(i as usize, self.now)
                 || self.peer_cut(j, self.now)
-                || self.net_rng.chance(loss)
+                || self.net_rng.chance(n.loss)
             {
                 self.counters.lost += 1;
                 continue;
             }
-            let ms = latency_ms
-                + if jitter_ms > 0.0 {
-                    self.net_rng.exp(jitter_ms)
-                } else {
-                    0.0
-                };
-            let at = self.now + (ms * MS as f64) as u64;
+            let at = self.now + (delay_ms(&n, &mut self.net_rng) * MS as f64) as u64;
             self.push(at, Ev::Hits(j as u32, hits.clone()));
         }
     }

@@ -2125,7 +2125,7 @@ impl Allocator {
             } else {
                 self.unknown_queued += unknown.len();
                 self.unknown.push(UnknownHandles {
-                    agent: Arc::from(report.agent.as_str()),
+                    agent: Arc::clone(&self.agent(a).id),
                     incarnation: report.incarnation,
                     key_handles: unknown.clone(),
                 });

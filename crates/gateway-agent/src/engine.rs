@@ -2473,29 +2473,20 @@ impl Engine {
     /// One slot of a walk: appended if live (and, for [`Walk::Changed`], changed).
     #[inline]
     fn slot_demand(&self, slow: &Slow, mode: Walk, s: &Arc<Slot>, out: &mut Vec<KeyDemand>) {
-        if mode == Walk::Changed && !s.marks_in_flight() {
-            // A rate bucket: its mark is its counts (the slot's second line). Unchanged,
-            // it is skipped without reading its state; sealed, its counts no longer
-            // move, so it is skipped too once its last change has been marked.
-            if s.walk_mark(0) && !s.load().sealed() {
-                out.push(self.demand_of(slow, s));
-            }
-            return;
-        }
-        let state = s.load();
-        if state.sealed() {
-            return;
-        }
         if mode != Walk::Read {
-            let in_flight = match s.params {
-                Params::Slots(_) => state.tat,
-                _ => 0,
-            };
+            // The mark is the counts (the slot's second line) and, for concurrency
+            // slots only, the slots in flight (the state, its first line): an unchanged
+            // rate bucket is skipped without touching its first line. A sealed slot's
+            // counts no longer move, so it is skipped below once its last change is
+            // marked.
+            let in_flight = if s.marks_in_flight() { s.load().tat } else { 0 };
             if !s.walk_mark(in_flight) && mode == Walk::Changed {
                 return;
             }
         }
-        out.push(self.demand_of(slow, s));
+        if !s.load().sealed() {
+            out.push(self.demand_of(slow, s));
+        }
     }
 
     /// The number of the last key created (a cursor for [`Engine::new_key_demand`] that

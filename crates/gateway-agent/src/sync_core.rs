@@ -208,6 +208,11 @@ impl Track {
         self.sent != Some(self.line_values())
     }
 
+    /// Whether the allocator's `handles` ([`sorted_handles`]) name this key.
+    fn named_by(&self, handles: &[u64]) -> bool {
+        self.handle != 0 && handles.binary_search(&self.handle).is_ok()
+    }
+
     /// Counts from the last line sent from now on (see
     /// [`SyncTracks::set_rebase_after`]), and names the key by name: the allocator may
     /// hold no entry for it, and so no base and no handle.
@@ -220,6 +225,15 @@ impl Track {
         }
         self.handle = 0;
     }
+}
+
+/// Handles the allocator named (a measure request, an unknown-keys notice), sorted for
+/// [`Track::named_by`].
+fn sorted_handles(handles: &[u64]) -> Vec<u64> {
+    let mut h = handles.to_vec();
+    h.sort_unstable();
+    h.dedup();
+    h
 }
 
 /// Which report a line is for ([`SyncTracks::line`]).
@@ -463,11 +477,9 @@ impl<K: Ord + Clone> SyncTracks<K> {
         if handles.is_empty() {
             return;
         }
-        let mut wanted = handles.to_vec();
-        wanted.sort_unstable();
-        wanted.dedup();
+        let wanted = sorted_handles(handles);
         for (k, t) in self.tracks.iter_mut() {
-            if t.handle == 0 || wanted.binary_search(&t.handle).is_err() {
+            if !t.named_by(&wanted) {
                 continue;
             }
             t.rebase();
@@ -641,10 +653,9 @@ impl<K: Ord + Clone> SyncTracks<K> {
         if handles.is_empty() {
             return;
         }
-        let mut wanted = handles.to_vec();
-        wanted.sort_unstable();
+        let wanted = sorted_handles(handles);
         for (k, t) in self.tracks.iter_mut() {
-            if t.handle == 0 || wanted.binary_search(&t.handle).is_err() {
+            if !t.named_by(&wanted) {
                 continue;
             }
             t.totals.reread();
