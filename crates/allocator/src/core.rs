@@ -66,6 +66,7 @@ use crate::msg::{
 use crate::waterfill::{Claim, Fill, to_units, water_fill};
 use smallvec::SmallVec;
 
+mod pass;
 mod reload;
 pub use reload::{ReloadSummary, RuleStatus};
 
@@ -813,6 +814,10 @@ pub struct Allocator {
     next_sweep_ns: u64,
     /// Grants issued and not yet drained, by table index ([`Pending`]).
     outbox: Vec<Pending>,
+    /// Grants issued after `outbox`'s, when a batch ran on two threads: the second
+    /// thread's (it fills its own vector, so that neither copies the other's), and any
+    /// issued after them until the drain. Drained after `outbox`.
+    outbox_tail: Vec<Pending>,
     /// Agents with a lease extension to send (each at most once: `Agent::ext_queued`).
     extensions: Vec<u32>,
     /// Measure requests queued, at most `MAX_MEASURES_QUEUED`.
@@ -835,6 +840,11 @@ pub struct Allocator {
     check_hasher: FixedState,
     scratch: Scratch,
     report_scratch: ReportScratch,
+    /// Keys of the batch `recompute_dirty` is recomputing (kept between calls).
+    batch: Vec<u32>,
+    /// Batches of fewer entries run on the calling thread
+    /// (`pass::PARALLEL_MIN_ENTRIES`; tests lower it).
+    parallel_min_entries: usize,
 }
 
 /// One key of a queued measure request (batched per agent stream and window when
@@ -881,6 +891,12 @@ struct Graves {
     reincarnated: Vec<(u32, usize, u64)>,
     /// Transfer tokens of the records that carry any: record index, tokens.
     transfers: Vec<(u32, u64)>,
+    /// Records whose seq is not the one before plus one (a batch recomputed on two
+    /// threads: the second half's seqs start past the first half's entries): record
+    /// index, its seq. In order.
+    seq_jumps: Vec<(u32, u64)>,
+    /// The seqs those jumps skipped, in all.
+    seq_gap: u64,
 }
 
 impl Graves {
@@ -893,6 +909,22 @@ impl Graves {
             .find(|(j, _)| *j == i)
             .expect("a pending grant names a live or buried index")
             .1
+    }
+
+    /// The seq of each pending grant in turn, the first being `first`.
+    fn seqs(&self, first: u64) -> impl FnMut(usize) -> u64 + '_ {
+        let mut next = first;
+        let mut jumps = self.seq_jumps.iter().peekable();
+        move |i| {
+            if let Some(&&(j, seq)) = jumps.peek()
+                && j as usize == i
+            {
+                jumps.next();
+                next = seq;
+            }
+            next += 1;
+            next - 1
+        }
     }
 
     /// The incarnation of the `i`-th pending grant, for agent `agent`, if the agent
@@ -1000,6 +1032,7 @@ impl Allocator {
             dirty: BinaryHeap::new(),
             recompute_at_ns: None,
             outbox: Vec::new(),
+            outbox_tail: Vec::new(),
             extensions: Vec::new(),
             measures: Vec::new(),
             measures_dropped: 0,
@@ -1012,6 +1045,8 @@ impl Allocator {
             check_hasher: FixedState::with_seed(cfg.hash_seed ^ 0x9E37_79B9_7F4A_7C15),
             scratch: Scratch::default(),
             report_scratch: ReportScratch::default(),
+            batch: Vec::new(),
+            parallel_min_entries: pass::PARALLEL_MIN_ENTRIES,
             cfg,
         })
     }
@@ -1049,7 +1084,17 @@ impl Allocator {
 
     /// Grants waiting in the outbox.
     pub fn pending_grants(&self) -> usize {
-        self.outbox.len()
+        self.pending_len()
+    }
+
+    /// The seq of the first grant in the outbox (or of the next one, if it is empty).
+    fn first_pending_seq(&self) -> u64 {
+        self.next_seq - self.pending_len() as u64 - self.graves.seq_gap
+    }
+
+    /// Grants in the outbox, both parts.
+    fn pending_len(&self) -> usize {
+        self.outbox.len() + self.outbox_tail.len()
     }
 
     /// Takes every grant issued so far, oldest first, as owned [`Grant`]s. The shell
@@ -1057,7 +1102,7 @@ impl Allocator {
     /// dropped: it stays counted until its lease ends, which is safe).
     /// [`Allocator::for_each_grant`] does the same without taking reference counts.
     pub fn drain_grants(&mut self) -> std::vec::IntoIter<Grant> {
-        let mut out = Vec::with_capacity(self.outbox.len());
+        let mut out = Vec::with_capacity(self.pending_len());
         self.for_each_grant(|g| out.push(g.to_grant()));
         out.into_iter()
     }
@@ -1066,9 +1111,11 @@ impl Allocator {
     /// agent and key names borrowed (see [`GrantRef`]). Afterwards the outbox is empty
     /// and the indices of agents and keys removed meanwhile become reusable.
     pub fn for_each_grant(&mut self, mut f: impl FnMut(GrantRef<'_>)) {
-        let first_seq = self.next_seq - self.outbox.len() as u64;
+        let mut seqs = self.graves.seqs(self.first_pending_seq());
         let mut transfers = self.graves.transfers.iter().peekable();
-        for (i, p) in self.outbox.drain(..).enumerate() {
+        let drained = self.outbox.drain(..).chain(self.outbox_tail.drain(..));
+        for (i, p) in drained.enumerate() {
+            let seq = seqs(i);
             let (agent, latest) = match &self.agents[p.agent as usize] {
                 Some(ag) => (&ag.id, ag.incarnation),
                 None => {
@@ -1096,15 +1143,18 @@ impl Allocator {
                 rate: p.rate,
                 burst: p.burst,
                 epoch: self.term,
-                seq: first_seq + i as u64,
+                seq,
                 lease_expires_at_ns: p.lease_expires_at_ns,
                 fleet_size: p.fleet_size,
                 transfer_tokens,
                 key_handle,
             });
         }
+        drop(seqs);
         self.graves.transfers.clear();
         self.graves.reincarnated.clear();
+        self.graves.seq_jumps.clear();
+        self.graves.seq_gap = 0;
         self.free_agents
             .extend(self.graves.agents.drain(..).map(|(a, _)| a));
         self.free_keys
@@ -1481,7 +1531,7 @@ impl Allocator {
                 break;
             }
         }
-        if self.outbox.is_empty() {
+        if self.pending_len() == 0 {
             self.free_keys.push(id);
         } else {
             // A pending grant still names it: freed when the outbox is drained.
@@ -1802,10 +1852,10 @@ impl Allocator {
         let a = match existing {
             Some(a) if replace => {
                 self.release_agent(now, a);
-                if !self.outbox.is_empty() {
+                if self.pending_len() != 0 {
                     // Grants queued for the old incarnation keep it.
                     let old = self.agent(a).incarnation;
-                    self.graves.reincarnated.push((a, self.outbox.len(), old));
+                    self.graves.reincarnated.push((a, self.pending_len(), old));
                 }
                 let ag = self.agent_mut(a);
                 ag.incarnation = hello.incarnation;
@@ -1909,7 +1959,7 @@ impl Allocator {
         self.release_agent(now, a);
         let ag = self.agents[a as usize].take().expect("live agent");
         self.agent_index.remove(&ag.id);
-        if self.outbox.is_empty() {
+        if self.pending_len() == 0 {
             self.free_agents.push(a);
         } else {
             self.graves.agents.push((a, (ag.id, ag.incarnation)));
@@ -2419,7 +2469,7 @@ impl Allocator {
             if slice.is_zero() {
                 continue;
             }
-            if self.outbox.len() >= self.cfg.max_outbox {
+            if self.pending_len() >= self.cfg.max_outbox {
                 left = true;
                 break;
             }
@@ -2461,7 +2511,7 @@ impl Allocator {
         };
         let issued_after = expires_ns.saturating_sub(self.hold_ns());
         if issued_after.saturating_add(self.lease_ns() / 4) > now
-            || self.outbox.len() >= self.cfg.max_outbox
+            || self.pending_len() >= self.cfg.max_outbox
         {
             return;
         }
@@ -2471,44 +2521,18 @@ impl Allocator {
 
     /// Sends `slice` to the entry's agent: new seq, lease from its latest report.
     fn issue(&mut self, k: u32, pos: u32, slice: Slice, transfer: u64) {
-        let lease = self.lease_ns();
-        let drift = AllocatorConfig::ns(self.cfg.drift_margin_ms);
-        let hold = self.hold_ns();
-        let seq = self.next_seq;
-        self.next_seq += 1;
-        let term = self.term;
-        let key = self.keys[k as usize].as_mut().expect("live key");
-        let fleet = key.entries.len().max(1) as u32;
-        let agent = key.entries[pos as usize].agent;
-        let ag = self.agents[agent as usize].as_mut().expect("live agent");
-        let expires_ns = ag.report_recv_ns.saturating_add(hold);
-        ag.last_seq = seq;
-        ag.unext_min_expiry = ag.unext_min_expiry.min(expires_ns);
-        ag.renew_due_ns = ag.renew_due_ns.min(expires_ns.saturating_sub(hold / 2));
-        key.push_grant(
-            pos as usize,
-            Sent {
-                epoch: term,
-                seq,
-                slice,
-                fleet,
-                expires_ns,
-            },
-            ag.ext,
+        let (ctx, keys, agents, mut out, _) = self.pass_parts();
+        let key = keys[k as usize].as_mut().expect("live key");
+        pass::issue(
+            &ctx,
+            &mut agents[..],
+            &mut out,
+            k,
+            key,
+            pos,
+            slice,
+            transfer,
         );
-        if transfer > 0 {
-            self.graves
-                .transfers
-                .push((self.outbox.len() as u32, transfer));
-        }
-        self.outbox.push(Pending {
-            agent,
-            key: k,
-            rate: slice.rate,
-            burst: slice.burst,
-            lease_expires_at_ns: ag.report_ts.saturating_add(lease).saturating_sub(drift),
-            fleet_size: fleet,
-        });
     }
 
     /// Acknowledgements: the agent applied these grants. Older grants stop counting,
@@ -2637,13 +2661,36 @@ impl Allocator {
     /// Recomputes every key now, whatever its demand did (after a config change, and the
     /// full-pass benchmark).
     pub fn reallocate_all(&mut self, now: u64) {
-        self.outbox
-            .reserve(self.entry_count.min(self.cfg.max_outbox));
+        if self.entry_count < self.parallel_min_entries {
+            self.outbox
+                .reserve(self.entry_count.min(self.cfg.max_outbox));
+            for k in 0..self.keys.len() as u32 {
+                if self.keys[k as usize].is_some() {
+                    self.recompute_now(now, k);
+                }
+            }
+            return;
+        }
+        // Every key whose grants fit (counting one per entry), as one batch; the rest
+        // stay marked, due now.
+        let mut batch = Vec::with_capacity(self.live_keys);
+        let mut projected = self.pending_len();
         for k in 0..self.keys.len() as u32 {
-            if self.keys[k as usize].is_some() {
-                self.recompute_now(now, k);
+            let Some(key) = self.keys[k as usize].as_mut() else {
+                continue;
+            };
+            let n = key.entries.len();
+            if projected == 0 || projected + n <= self.cfg.max_outbox {
+                projected += n;
+                batch.push(k);
+            } else {
+                key.dirty = true;
+                key.due_ns = now;
+                self.dirty.push(Reverse((now, k)));
+                self.recompute_at_ns = Some(now);
             }
         }
+        self.recompute_batch(now, &batch);
     }
 
     /// Whether a key of `entries` entries may be recomputed before the shell drains: its
@@ -2651,7 +2698,8 @@ impl Allocator {
     /// than `max_outbox` would otherwise never be recomputed; the outbox then holds one
     /// key's grants past the bound).
     fn outbox_has_room(&self, entries: usize) -> bool {
-        self.outbox.is_empty() || self.outbox.len() + entries <= self.cfg.max_outbox
+        let n = self.pending_len();
+        n == 0 || n + entries <= self.cfg.max_outbox
     }
 
     /// Recomputes key `k` now, or, if the outbox has no room for its grants, leaves it
@@ -2735,25 +2783,49 @@ impl Allocator {
         }
     }
 
+    /// Recomputes the keys due by `now`, in batches: those whose grants fit in the
+    /// outbox counting one per entry (a batch of many entries runs on two threads:
+    /// `recompute_batch`), again until none is due or the first due does not fit.
     fn recompute_dirty(&mut self, now: u64) {
-        while let Some(&Reverse((due, k))) = self.dirty.peek() {
-            if due > now {
+        let mut batch = std::mem::take(&mut self.batch);
+        loop {
+            batch.clear();
+            let (mut projected, mut entries) = (self.pending_len(), 0usize);
+            while let Some(&Reverse((due, k))) = self.dirty.peek() {
+                if due > now {
+                    break;
+                }
+                let Some(key) = self.keys[k as usize].as_mut() else {
+                    self.dirty.pop();
+                    continue;
+                };
+                if !(key.dirty && key.due_ns == due) {
+                    self.dirty.pop();
+                    continue;
+                }
+                let n = key.entries.len();
+                if projected != 0 && projected + n > self.cfg.max_outbox {
+                    break; // the shell must drain first; stays due
+                }
+                self.dirty.pop();
+                key.dirty = false;
+                projected += n;
+                entries += n;
+                batch.push(k);
+            }
+            if batch.is_empty() {
                 break;
             }
-            let current = self.keys[k as usize]
-                .as_ref()
-                .is_some_and(|key| key.dirty && key.due_ns == due);
-            if !current {
-                self.dirty.pop();
-                continue;
+            if entries < self.parallel_min_entries {
+                for &k in &batch {
+                    self.recompute(now, k);
+                }
+            } else {
+                batch.sort_unstable();
+                self.recompute_batch(now, &batch);
             }
-            if !self.outbox_has_room(self.key(k).entries.len()) {
-                break; // the shell must drain first; stays due
-            }
-            self.dirty.pop();
-            self.key_mut(k).dirty = false;
-            self.recompute(now, k);
         }
+        self.batch = batch;
         self.recompute_at_ns = self.dirty.peek().map(|Reverse((due, _))| (*due).max(now));
     }
 
@@ -2780,44 +2852,9 @@ impl Allocator {
     /// anything within its commitment) at once, growth only out of what is free, with
     /// transfer tokens from the pool. Returns true if a grant was issued.
     fn grant_towards(&mut self, k: u32, pos: u32, desired: Slice) -> bool {
-        let rule = self.rules[self.key(k).rule as usize];
-        let free = self.free(k);
-        let key = self.key(k);
-        let e = &key.entries[pos as usize];
-        let commit = e.commitment();
-        let cur = e.current();
-        let new = if desired.le(commit) {
-            desired
-        } else {
-            Slice {
-                rate: desired.rate.min(commit.rate + free.rate),
-                burst: desired.burst.min(commit.burst + free.burst),
-            }
-        };
-        if new == cur {
-            return false;
-        }
-        if new != desired && cur.le(new) && !cur.is_zero() {
-            // Partial growth (the rest waits for shrinks to be applied): not worth a
-            // grant until it is more than the hysteresis band, or complete. Otherwise
-            // every acknowledgement of a shrink would send the grower another sliver.
-            let h = self.cfg.hysteresis_permille as u64;
-            let small = |n: u64, c: u64, d: u64| (n - c) * 1000 <= h * d;
-            if small(new.rate, cur.rate, desired.rate) && small(new.burst, cur.burst, desired.burst)
-            {
-                return false;
-            }
-        }
-        let grow_burst = new.burst.saturating_sub(commit.burst);
-        let transfer = if rule.concurrency {
-            0
-        } else {
-            key.pool.min(grow_burst)
-        };
-        self.key_mut(k).pool -= transfer;
-        self.issue(k, pos, new, transfer);
-        self.clamp_pool(k);
-        true
+        let (ctx, keys, agents, mut out, _) = self.pass_parts();
+        let key = keys[k as usize].as_mut().expect("live key");
+        pass::grant_towards(&ctx, &mut agents[..], &mut out, k, key, pos, desired)
     }
 
     /// One entry's demand changed on a large key: re-target just that entry with the
@@ -2875,174 +2912,29 @@ impl Allocator {
     /// the second, the commitment and rare parts on the fourth (tested first, the
     /// commitment's load was a fifth of `recompute`'s time at fleet scale).
     fn idle_entry(&self, e: &Entry, lease: u64) -> bool {
-        e.current().is_zero()
-            && e.in_flight == 0
-            && self.agents[e.agent as usize]
-                .as_ref()
-                .is_none_or(|ag| ag.report_ts.saturating_sub(e.base_ts) >= lease)
-            && e.rare.is_none()
-            && e.commitment().is_zero()
+        pass::idle_entry(&self.agents[..], e, lease)
     }
 
-    /// Allocates one key: targets by water-filling, hysteresis, then shrinks at once and
-    /// growth only out of what is free (revoke before grant), with transfer tokens.
+    /// Allocates one key (`pass::recompute`), forgetting its idle entries first (and
+    /// the key, if that is all of them).
     fn recompute(&mut self, now: u64, k: u32) {
-        let mut sc = std::mem::take(&mut self.scratch);
-        let reserve = self.cfg.spare_reserve_permille as f64 / 1000.0;
-        let key = self.keys[k as usize].as_ref().expect("live key");
-        let rule = self.rules[key.rule as usize];
-        let cap = rule.capacity();
-        let limit = rule.limit();
-        let lease = self.lease_ns();
-        let learning = self.learning;
-        let h = self.cfg.hysteresis_permille as u64;
-
-        // One pass over the entries: claims, and whether any entry is idle (no demand,
-        // nothing granted, nothing to remember); idle ones are dropped, then the pass
-        // is made again (rare).
         loop {
-            let key = self.keys[k as usize].as_ref().expect("live key");
-            sc.claims.clear();
-            sc.reachable.clear();
-            let mut idle = false;
-            for e in &key.entries {
-                idle |= self.idle_entry(e, lease);
-                let (reachable, weight) = match &self.agents[e.agent as usize] {
-                    Some(ag) => (
-                        ag.connected && ag.report_recv_ns.saturating_add(lease) > now,
-                        ag.weight,
-                    ),
-                    None => (false, 1.0),
-                };
-                sc.reachable.push(reachable);
-                sc.claims.push(Claim {
-                    // An agent not heard from for a lease gets no share: its grants
-                    // would carry leases already over, and its share would sit unused.
-                    demand: if e.demand.is_finite() && reachable {
-                        e.demand.max(0.0)
-                    } else {
-                        0.0
-                    },
-                    weight,
-                    rejecting: e.rejecting,
-                });
+            let (ctx, keys, agents, mut out, sc) = self.pass_parts();
+            let key = keys[k as usize].as_mut().expect("live key");
+            if pass::recompute(&ctx, &mut agents[..], &mut out, now, k, key, sc) {
+                return;
             }
-            // A key left with no entry (its agents forgotten or restarted) goes too.
-            if !idle && !key.entries.is_empty() {
-                break;
-            }
-            for pos in (0..key.entries.len()).rev() {
+            let lease = self.lease_ns();
+            for pos in (0..self.key(k).entries.len()).rev() {
                 if self.idle_entry(&self.key(k).entries[pos], lease) {
                     self.remove_entry(k, pos as u32);
                 }
             }
             if self.key(k).entries.is_empty() {
                 self.remove_key(k);
-                self.scratch = sc;
                 return;
             }
         }
-        // A sparse key (see `concentrate`) is split on slow demand among the entries
-        // with the most of it; any other on the demand as smoothed.
-        let key = self.keys[k as usize].as_ref().expect("live key");
-        let mut sparse = None;
-        // Sticky: a concentrated key goes back to the plain split only once every slice
-        // would hold two typical requests (no flapping at the edge).
-        let need = if key.sparse {
-            rule.typical.saturating_mul(2)
-        } else {
-            rule.typical
-        };
-        if rule.typical > 0 && !rule.concurrency && !any_split_fits(&rule, key.entries.len(), need)
-        {
-            sc.slow.clear();
-            for (i, e) in key.entries.iter().enumerate() {
-                let mut c = sc.claims[i];
-                c.demand = if sc.reachable[i] && e.demand_slow.is_finite() {
-                    e.demand_slow.max(0.0)
-                } else {
-                    0.0
-                };
-                sc.slow.push(c);
-            }
-            water_fill(cap as f64, &sc.slow, reserve, &mut sc.shares);
-            to_units(cap, &sc.shares, &mut sc.units);
-            if !bursts_fit(&rule, &sc.units, need) {
-                std::mem::swap(&mut sc.claims, &mut sc.slow);
-                sparse = Some(concentrate(&rule, &key.entries, &mut sc, reserve));
-            }
-        }
-        let fill = match sparse {
-            Some((fill, _)) => fill,
-            None => {
-                let fill = water_fill(cap as f64, &sc.claims, reserve, &mut sc.shares);
-                to_units(cap, &sc.shares, &mut sc.units);
-                fill
-            }
-        };
-        let split = burst_split(&rule, &sc.units, sparse.is_some());
-        let h = band(h, sparse.is_some());
-
-        // Targets with hysteresis; the demand they answer is now the demand used.
-        sc.desired.clear();
-        let (mut sum_r, mut sum_b) = (0u128, 0u128);
-        let key = self.keys[k as usize].as_mut().expect("live key");
-        for (i, e) in key.entries.iter_mut().enumerate() {
-            let target = target_of(&rule, learning, sc.units[i], e, sc.reachable[i], split);
-            let desired = with_hysteresis(&rule, h, target, e);
-            sum_r += desired.rate as u128;
-            sum_b += desired.burst as u128;
-            sc.desired.push(desired);
-            e.demand_used = e.demand;
-            e.rejecting_used = e.rejecting;
-        }
-        if !rule.concurrency {
-            let key = self.keys[k as usize].as_ref().expect("live key");
-            sum_r = absorb_band_residue(
-                &key.entries,
-                &sc.reachable,
-                h,
-                limit.rate,
-                sum_r,
-                &mut sc.desired,
-                &mut sc.room,
-            );
-        }
-        let key = self.keys[k as usize].as_mut().expect("live key");
-        if sum_r > limit.rate as u128 || sum_b > limit.burst as u128 {
-            // Shrinks held back by hysteresis would block growth: shrink exactly.
-            for (i, e) in key.entries.iter().enumerate() {
-                let target = target_of(&rule, learning, sc.units[i], e, sc.reachable[i], split);
-                let d = &mut sc.desired[i];
-                if target.le(*d) {
-                    *d = target;
-                }
-            }
-        }
-        key.fill = fill;
-        key.split = split;
-        key.sparse = sparse.is_some();
-        key.keep_floor = sparse.map_or(0.0, |(_, floor)| floor);
-        key.last_full_ns = now;
-        // Shrinks (and anything within a commitment) first, then rejecting growers, then
-        // the others.
-        sc.growers.clear();
-        for i in 0..sc.desired.len() {
-            let e = &self.key(k).entries[i];
-            if sc.desired[i] == e.current() {
-                continue;
-            }
-            if sc.desired[i].le(e.commitment()) {
-                self.grant_towards(k, i as u32, sc.desired[i]);
-            } else {
-                sc.growers.push((!e.rejecting, i as u32));
-            }
-        }
-        sc.growers.sort_unstable();
-        for &(_, i) in &sc.growers {
-            self.grant_towards(k, i, sc.desired[i as usize]);
-        }
-        self.scratch = sc;
     }
 
     /// The worst-case overshoot of one key now (DESIGN.md's posture table): 0 with no
@@ -3228,8 +3120,9 @@ impl Allocator {
         // is neither live nor free (it is reused only after the drain).
         let buried_agent = |i: u32| self.graves.agents.iter().any(|(j, _)| *j == i);
         let buried_key = |i: u32| self.graves.keys.iter().any(|(j, _)| *j == i);
-        let first_seq = self.next_seq - self.outbox.len() as u64;
-        for (i, p) in self.outbox.iter().enumerate() {
+        let mut seqs = self.graves.seqs(self.first_pending_seq());
+        for (i, p) in self.outbox.iter().chain(&self.outbox_tail).enumerate() {
+            let seq = seqs(i);
             let agent_ok = self
                 .agents
                 .get(p.agent as usize)
@@ -3238,10 +3131,7 @@ impl Allocator {
             let key_ok =
                 self.keys.get(p.key as usize).is_some_and(|k| k.is_some()) || buried_key(p.key);
             if !agent_ok || !key_ok {
-                return Err(format!(
-                    "pending grant seq {} names a freed index",
-                    first_seq + i as u64
-                ));
+                return Err(format!("pending grant seq {seq} names a freed index"));
             }
         }
         for &(i, _) in &self.graves.agents {
@@ -3256,8 +3146,10 @@ impl Allocator {
         }
         // What sits beside the outbox points into it: transfer tokens by record index,
         // in order; restarts at a length the outbox has reached.
-        let n = self.outbox.len();
+        let n = self.pending_len();
         if self.graves.transfers.windows(2).any(|w| w[0].0 >= w[1].0)
+            || self.graves.seq_jumps.windows(2).any(|w| w[0].0 >= w[1].0)
+            || self.graves.seq_jumps.iter().any(|&(j, _)| j as usize >= n)
             || self
                 .graves
                 .transfers

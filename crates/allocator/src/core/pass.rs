@@ -1,0 +1,674 @@
+//! One key's recomputation apart from the rest of the allocator: everything it reads
+//! besides the key ([`Ctx`], the agents), and everything it writes besides the key
+//! (grants: [`Out`], and what the agents remember of them: [`Agents::issued`]). The
+//! allocator's own calls ([`Allocator::recompute`], `grant_towards`, `issue`) go through
+//! these functions with the allocator's tables; a large batch of keys
+//! ([`Allocator::recompute_batch`]: a full pass, the end of a term's learning, a rules
+//! reload) runs them on two threads, each over its own half of the key table, with
+//! its own outbox and a record of what it issued to each agent, merged afterwards.
+//!
+//! The split is by key index at half the entries and the same on any machine (it does
+//! not depend on how many cores there are), so a run replays bit for bit: the second
+//! half's grants take their seqs from `first + entries of the first half` (each entry
+//! takes at most one grant per recomputation), and the gap that leaves in the outbox's
+//! seqs is recorded beside it (`Graves::seq_jumps`).
+
+use super::*;
+
+/// Batches with fewer entries than this run on the calling thread: below it, starting
+/// a thread costs more than half the batch.
+pub(super) const PARALLEL_MIN_ENTRIES: usize = 1 << 16;
+
+/// What a key's recomputation reads of the allocator (besides the agents).
+#[derive(Clone, Copy)]
+pub(super) struct Ctx<'a> {
+    pub rules: &'a [RuleInfo],
+    pub hysteresis_permille: u64,
+    pub reserve: f64,
+    pub learning: bool,
+    pub term: u64,
+    pub lease_ns: u64,
+    pub hold_ns: u64,
+    pub drift_ns: u64,
+}
+
+/// The agents, as a recomputation sees them: read, and told of each grant issued.
+pub(super) trait Agents {
+    fn agent(&self, a: u32) -> Option<&Agent>;
+    /// A grant with `seq` went to agent `a`, held (allocator side) until `expires_ns`.
+    fn issued(&mut self, a: u32, seq: u64, expires_ns: u64, hold_ns: u64);
+}
+
+impl Agents for [Option<Agent>] {
+    fn agent(&self, a: u32) -> Option<&Agent> {
+        self[a as usize].as_ref()
+    }
+
+    fn issued(&mut self, a: u32, seq: u64, expires_ns: u64, hold_ns: u64) {
+        let ag = self[a as usize].as_mut().expect("live agent");
+        ag.last_seq = seq;
+        ag.unext_min_expiry = ag.unext_min_expiry.min(expires_ns);
+        ag.renew_due_ns = ag.renew_due_ns.min(expires_ns.saturating_sub(hold_ns / 2));
+    }
+}
+
+/// The agents shared by the two threads of a batch: read-only, and what each thread
+/// issued to each agent kept apart (latest seq, earliest expiry), applied after the
+/// join ([`Issued::apply`]): the same as [`Agents::issued`] in seq order, since seqs
+/// only grow and the other two are minima.
+pub(super) struct Shared<'a> {
+    agents: &'a [Option<Agent>],
+    issued: Issued,
+}
+
+#[derive(Default)]
+pub(super) struct Issued {
+    /// Per agent index: (latest seq, earliest expiry); seq 0 for none.
+    by_agent: Vec<(u64, u64)>,
+}
+
+impl Issued {
+    fn new(agents: usize) -> Issued {
+        Issued {
+            by_agent: vec![(0, u64::MAX); agents],
+        }
+    }
+
+    fn apply(&self, agents: &mut [Option<Agent>], hold_ns: u64) {
+        for (a, &(seq, expires_ns)) in self.by_agent.iter().enumerate() {
+            if seq > 0 {
+                agents.issued(a as u32, seq, expires_ns, hold_ns);
+            }
+        }
+    }
+}
+
+impl Agents for Shared<'_> {
+    fn agent(&self, a: u32) -> Option<&Agent> {
+        self.agents[a as usize].as_ref()
+    }
+
+    fn issued(&mut self, a: u32, seq: u64, expires_ns: u64, _hold_ns: u64) {
+        let m = &mut self.issued.by_agent[a as usize];
+        m.0 = m.0.max(seq);
+        m.1 = m.1.min(expires_ns);
+    }
+}
+
+/// Where a recomputation's grants go: `outbox`, after `before` records in other
+/// vectors (transfer tokens are kept by record index over all of them).
+pub(super) struct Out<'a> {
+    pub next_seq: &'a mut u64,
+    pub outbox: &'a mut Vec<Pending>,
+    pub before: usize,
+    pub transfers: &'a mut Vec<(u32, u64)>,
+}
+
+/// Whether `e` can be forgotten: no grant, nothing in flight, nothing remembered, and
+/// its agent gone or silent about it for a lease.
+pub(super) fn idle_entry<A: Agents + ?Sized>(agents: &A, e: &Entry, lease: u64) -> bool {
+    e.current().is_zero()
+        && e.in_flight == 0
+        && agents
+            .agent(e.agent)
+            .is_none_or(|ag| ag.report_ts.saturating_sub(e.base_ts) >= lease)
+        && e.rare.is_none()
+        && e.commitment().is_zero()
+}
+
+/// What is free of key `key`'s limit.
+pub(super) fn free_of(key: &Key, rule: &RuleInfo) -> Slice {
+    let limit = rule.limit();
+    Slice {
+        rate: limit.rate.saturating_sub(key.committed.rate),
+        burst: limit.burst.saturating_sub(key.committed.burst),
+    }
+}
+
+/// Sends `slice` to entry `pos` of key `k`: new seq, lease from its agent's latest
+/// report.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn issue<A: Agents + ?Sized>(
+    ctx: &Ctx<'_>,
+    agents: &mut A,
+    out: &mut Out<'_>,
+    k: u32,
+    key: &mut Key,
+    pos: u32,
+    slice: Slice,
+    transfer: u64,
+) {
+    let seq = *out.next_seq;
+    *out.next_seq += 1;
+    let fleet = key.entries.len().max(1) as u32;
+    let agent = key.entries[pos as usize].agent;
+    let ag = agents.agent(agent).expect("live agent");
+    let expires_ns = ag.report_recv_ns.saturating_add(ctx.hold_ns);
+    let lease_expires_at_ns = ag
+        .report_ts
+        .saturating_add(ctx.lease_ns)
+        .saturating_sub(ctx.drift_ns);
+    let ext = ag.ext;
+    agents.issued(agent, seq, expires_ns, ctx.hold_ns);
+    key.push_grant(
+        pos as usize,
+        Sent {
+            epoch: ctx.term,
+            seq,
+            slice,
+            fleet,
+            expires_ns,
+        },
+        ext,
+    );
+    if transfer > 0 {
+        out.transfers
+            .push(((out.before + out.outbox.len()) as u32, transfer));
+    }
+    out.outbox.push(Pending {
+        agent,
+        key: k,
+        rate: slice.rate,
+        burst: slice.burst,
+        lease_expires_at_ns,
+        fleet_size: fleet,
+    });
+}
+
+/// Sends `desired` to entry `pos` as far as revoke-before-grant allows: a shrink (or
+/// anything within its commitment) at once, growth only out of what is free, with
+/// transfer tokens from the pool. Returns true if a grant was issued.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn grant_towards<A: Agents + ?Sized>(
+    ctx: &Ctx<'_>,
+    agents: &mut A,
+    out: &mut Out<'_>,
+    k: u32,
+    key: &mut Key,
+    pos: u32,
+    desired: Slice,
+) -> bool {
+    let rule = ctx.rules[key.rule as usize];
+    let free = free_of(key, &rule);
+    let e = &key.entries[pos as usize];
+    let commit = e.commitment();
+    let cur = e.current();
+    let new = if desired.le(commit) {
+        desired
+    } else {
+        Slice {
+            rate: desired.rate.min(commit.rate + free.rate),
+            burst: desired.burst.min(commit.burst + free.burst),
+        }
+    };
+    if new == cur {
+        return false;
+    }
+    if new != desired && cur.le(new) && !cur.is_zero() {
+        // Partial growth (the rest waits for shrinks to be applied): not worth a
+        // grant until it is more than the hysteresis band, or complete. Otherwise
+        // every acknowledgement of a shrink would send the grower another sliver.
+        let h = ctx.hysteresis_permille;
+        let small = |n: u64, c: u64, d: u64| (n - c) * 1000 <= h * d;
+        if small(new.rate, cur.rate, desired.rate) && small(new.burst, cur.burst, desired.burst) {
+            return false;
+        }
+    }
+    let grow_burst = new.burst.saturating_sub(commit.burst);
+    let transfer = if rule.concurrency {
+        0
+    } else {
+        key.pool.min(grow_burst)
+    };
+    key.pool -= transfer;
+    issue(ctx, agents, out, k, key, pos, new, transfer);
+    key.pool = key.pool.min(free_of(key, &rule).burst);
+    true
+}
+
+/// Allocates key `k`: targets by water-filling, hysteresis, then shrinks at once and
+/// growth only out of what is free (revoke before grant), with transfer tokens. False,
+/// having changed nothing, if some entry is idle: the caller forgets the idle entries
+/// (which the key table alone cannot do) and calls again.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn recompute<A: Agents + ?Sized>(
+    ctx: &Ctx<'_>,
+    agents: &mut A,
+    out: &mut Out<'_>,
+    now: u64,
+    k: u32,
+    key: &mut Key,
+    sc: &mut Scratch,
+) -> bool {
+    let rule = ctx.rules[key.rule as usize];
+    let cap = rule.capacity();
+    let limit = rule.limit();
+    let lease = ctx.lease_ns;
+    let reserve = ctx.reserve;
+
+    // One pass over the entries: claims, and whether any entry is idle.
+    sc.claims.clear();
+    sc.reachable.clear();
+    let mut idle = false;
+    for e in &key.entries {
+        idle |= idle_entry(agents, e, lease);
+        let (reachable, weight) = match agents.agent(e.agent) {
+            Some(ag) => (
+                ag.connected && ag.report_recv_ns.saturating_add(lease) > now,
+                ag.weight,
+            ),
+            None => (false, 1.0),
+        };
+        sc.reachable.push(reachable);
+        sc.claims.push(Claim {
+            // An agent not heard from for a lease gets no share: its grants would
+            // carry leases already over, and its share would sit unused.
+            demand: if e.demand.is_finite() && reachable {
+                e.demand.max(0.0)
+            } else {
+                0.0
+            },
+            weight,
+            rejecting: e.rejecting,
+        });
+    }
+    // A key left with no entry (its agents forgotten or restarted) goes too.
+    if idle || key.entries.is_empty() {
+        return false;
+    }
+    // A sparse key (see `concentrate`) is split on slow demand among the entries with
+    // the most of it; any other on the demand as smoothed.
+    let mut sparse = None;
+    // Sticky: a concentrated key goes back to the plain split only once every slice
+    // would hold two typical requests (no flapping at the edge).
+    let need = if key.sparse {
+        rule.typical.saturating_mul(2)
+    } else {
+        rule.typical
+    };
+    if rule.typical > 0 && !rule.concurrency && !any_split_fits(&rule, key.entries.len(), need) {
+        sc.slow.clear();
+        for (i, e) in key.entries.iter().enumerate() {
+            let mut c = sc.claims[i];
+            c.demand = if sc.reachable[i] && e.demand_slow.is_finite() {
+                e.demand_slow.max(0.0)
+            } else {
+                0.0
+            };
+            sc.slow.push(c);
+        }
+        water_fill(cap as f64, &sc.slow, reserve, &mut sc.shares);
+        to_units(cap, &sc.shares, &mut sc.units);
+        if !bursts_fit(&rule, &sc.units, need) {
+            std::mem::swap(&mut sc.claims, &mut sc.slow);
+            sparse = Some(concentrate(&rule, &key.entries, sc, reserve));
+        }
+    }
+    let fill = match sparse {
+        Some((fill, _)) => fill,
+        None => {
+            let fill = water_fill(cap as f64, &sc.claims, reserve, &mut sc.shares);
+            to_units(cap, &sc.shares, &mut sc.units);
+            fill
+        }
+    };
+    let split = burst_split(&rule, &sc.units, sparse.is_some());
+    let h = band(ctx.hysteresis_permille, sparse.is_some());
+
+    // Targets with hysteresis; the demand they answer is now the demand used.
+    sc.desired.clear();
+    let (mut sum_r, mut sum_b) = (0u128, 0u128);
+    for (i, e) in key.entries.iter_mut().enumerate() {
+        let target = target_of(&rule, ctx.learning, sc.units[i], e, sc.reachable[i], split);
+        let desired = with_hysteresis(&rule, h, target, e);
+        sum_r += desired.rate as u128;
+        sum_b += desired.burst as u128;
+        sc.desired.push(desired);
+        e.demand_used = e.demand;
+        e.rejecting_used = e.rejecting;
+    }
+    if !rule.concurrency {
+        sum_r = absorb_band_residue(
+            &key.entries,
+            &sc.reachable,
+            h,
+            limit.rate,
+            sum_r,
+            &mut sc.desired,
+            &mut sc.room,
+        );
+    }
+    if sum_r > limit.rate as u128 || sum_b > limit.burst as u128 {
+        // Shrinks held back by hysteresis would block growth: shrink exactly.
+        for (i, e) in key.entries.iter().enumerate() {
+            let target = target_of(&rule, ctx.learning, sc.units[i], e, sc.reachable[i], split);
+            let d = &mut sc.desired[i];
+            if target.le(*d) {
+                *d = target;
+            }
+        }
+    }
+    key.fill = fill;
+    key.split = split;
+    key.sparse = sparse.is_some();
+    key.keep_floor = sparse.map_or(0.0, |(_, floor)| floor);
+    key.last_full_ns = now;
+    // Shrinks (and anything within a commitment) first, then rejecting growers, then
+    // the others.
+    sc.growers.clear();
+    for i in 0..sc.desired.len() {
+        let e = &key.entries[i];
+        if sc.desired[i] == e.current() {
+            continue;
+        }
+        if sc.desired[i].le(e.commitment()) {
+            grant_towards(ctx, agents, out, k, key, i as u32, sc.desired[i]);
+        } else {
+            sc.growers.push((!e.rejecting, i as u32));
+        }
+    }
+    sc.growers.sort_unstable();
+    for &(_, i) in &sc.growers {
+        grant_towards(ctx, agents, out, k, key, i, sc.desired[i as usize]);
+    }
+    true
+}
+
+/// One thread's share of a batch: keys `ks` (ascending, each `>= base`) of the key
+/// table's part `keys` (index `base` onwards).
+pub(super) struct Half<'a> {
+    pub keys: &'a mut [Option<Key>],
+    pub base: u32,
+    pub ks: &'a [u32],
+}
+
+/// What a thread did with its half: its grants went to its outbox; keys with idle
+/// entries were left for the caller.
+pub(super) struct HalfDone {
+    pub idle: Vec<u32>,
+}
+
+/// Recomputes a half of a batch with `agents` shared read-only.
+pub(super) fn run_half(
+    ctx: &Ctx<'_>,
+    agents: &mut Shared<'_>,
+    out: &mut Out<'_>,
+    now: u64,
+    half: Half<'_>,
+    sc: &mut Scratch,
+) -> HalfDone {
+    let mut idle = Vec::new();
+    for &k in half.ks {
+        let Some(key) = half.keys[(k - half.base) as usize].as_mut() else {
+            continue;
+        };
+        key.dirty = false;
+        if !recompute(ctx, agents, out, now, k, key, sc) {
+            idle.push(k);
+        }
+    }
+    HalfDone { idle }
+}
+
+/// [`Allocator::pass_parts`]: the context, the key table, the agents, where grants go
+/// and the scratch buffers, borrowed apart.
+pub(super) type PassParts<'a> = (
+    Ctx<'a>,
+    &'a mut Vec<Option<Key>>,
+    &'a mut Vec<Option<Agent>>,
+    Out<'a>,
+    &'a mut Scratch,
+);
+
+impl Allocator {
+    /// The read-only context and the split borrows a recomputation needs.
+    pub(super) fn pass_parts(&mut self) -> PassParts<'_> {
+        let ctx = Ctx {
+            rules: &self.rules,
+            hysteresis_permille: self.cfg.hysteresis_permille as u64,
+            reserve: self.cfg.spare_reserve_permille as f64 / 1000.0,
+            learning: self.learning,
+            term: self.term,
+            lease_ns: AllocatorConfig::ns(self.cfg.lease_ms),
+            hold_ns: AllocatorConfig::ns(self.cfg.lease_ms + self.cfg.reclaim_margin_ms),
+            drift_ns: AllocatorConfig::ns(self.cfg.drift_margin_ms),
+        };
+        // Grants go after the tail's once it has any.
+        let (outbox, before) = if self.outbox_tail.is_empty() {
+            (&mut self.outbox, 0)
+        } else {
+            (&mut self.outbox_tail, self.outbox.len())
+        };
+        (
+            ctx,
+            &mut self.keys,
+            &mut self.agents,
+            Out {
+                next_seq: &mut self.next_seq,
+                outbox,
+                before,
+                transfers: &mut self.graves.transfers,
+            },
+            &mut self.scratch,
+        )
+    }
+
+    /// Recomputes keys `ks` (ascending key indices of live keys, whose grants fit in
+    /// the outbox) now: on two threads if they have at least
+    /// [`PARALLEL_MIN_ENTRIES`] entries, else in order on this one. Keys with idle
+    /// entries are recomputed last, on this thread, once those are forgotten.
+    pub(super) fn recompute_batch(&mut self, now: u64, ks: &[u32]) {
+        let entries: usize = ks.iter().map(|&k| self.key(k).entries.len()).sum();
+        if entries < self.parallel_min_entries {
+            for &k in ks {
+                self.key_mut(k).dirty = false;
+                self.recompute(now, k);
+            }
+            return;
+        }
+        // Split at half the entries: keys below `mid` (by index) on this thread.
+        let mut acc = 0usize;
+        let cut = ks
+            .iter()
+            .position(|&k| {
+                acc += self.key(k).entries.len();
+                acc * 2 >= entries
+            })
+            .map_or(ks.len(), |i| i + 1);
+        let (ks0, ks1) = ks.split_at(cut);
+        let first_entries: usize = ks0.iter().map(|&k| self.key(k).entries.len()).sum();
+        let mid = ks1.first().map_or(self.keys.len() as u32, |&k| k);
+        let n_agents = self.agents.len();
+        let first_seq = self.next_seq;
+        let second_seq = first_seq + first_entries as u64;
+        let mut seq1 = second_seq;
+        // This thread fills `outbox`, the other the tail (so neither copies the
+        // other's records, and each takes its own page faults): a tail left from an
+        // earlier batch joins `outbox` first.
+        let mut tail = std::mem::take(&mut self.outbox_tail);
+        self.outbox.append(&mut tail);
+        self.outbox.reserve(first_entries);
+        tail.reserve(entries - first_entries);
+        let mut transfers1 = Vec::new();
+        let mut sc1 = Scratch::default();
+        let (ctx, keys, agents, mut out0, sc0) = self.pass_parts();
+        let hold_ns = ctx.hold_ns;
+        let (keys0, keys1) = keys.split_at_mut(mid as usize);
+        let agents_ro: &[Option<Agent>] = agents;
+        let mut shared0 = Shared {
+            agents: agents_ro,
+            issued: Issued::new(n_agents),
+        };
+        let mut shared1 = Shared {
+            agents: agents_ro,
+            issued: Issued::new(n_agents),
+        };
+        let (done0, done1) = std::thread::scope(|s| {
+            let worker = s.spawn(|| {
+                let mut out1 = Out {
+                    next_seq: &mut seq1,
+                    outbox: &mut tail,
+                    before: 0,
+                    transfers: &mut transfers1,
+                };
+                let half = Half {
+                    keys: keys1,
+                    base: mid,
+                    ks: ks1,
+                };
+                run_half(&ctx, &mut shared1, &mut out1, now, half, &mut sc1)
+            });
+            let half = Half {
+                keys: keys0,
+                base: 0,
+                ks: ks0,
+            };
+            let done0 = run_half(&ctx, &mut shared0, &mut out0, now, half, sc0);
+            (done0, worker.join().expect("allocation thread panicked"))
+        });
+        let end0 = *out0.next_seq;
+        let (issued0, issued1) = (shared0.issued, shared1.issued);
+        issued0.apply(&mut self.agents, hold_ns);
+        issued1.apply(&mut self.agents, hold_ns);
+        // The second half's records follow the first's, their seqs from `second_seq`.
+        let at = self.outbox.len() as u32;
+        self.graves
+            .transfers
+            .extend(transfers1.into_iter().map(|(i, t)| (i + at, t)));
+        if !tail.is_empty() {
+            if second_seq != end0 {
+                self.graves.seq_jumps.push((at, second_seq));
+                self.graves.seq_gap += second_seq - end0;
+            }
+            self.next_seq = seq1;
+        }
+        self.outbox_tail = tail;
+        for k in done0.idle.into_iter().chain(done1.idle) {
+            self.recompute(now, k);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::*;
+
+    const AGENTS: usize = 30;
+    const KEYS: usize = 240;
+    const RULE_NAMES: [&str; 4] = ["rps", "strict-rps", "open-rps", "conc"];
+
+    fn held(seed: u64, agent: usize, k: usize) -> bool {
+        // Every agent on the first few keys, then thinner and thinner.
+        k < 4 || (agent as u64 * 7 + k as u64 * 13 + seed).is_multiple_of(k as u64 % 9 + 1)
+    }
+
+    fn name_of(k: usize) -> KeyName {
+        key(RULE_NAMES[k % 4], &format!("org-{k}"))
+    }
+
+    fn lines(seed: u64, agent: usize, round: u64) -> Vec<KeyReport> {
+        (0..KEYS)
+            .filter(|&k| held(seed, agent, k))
+            .map(|k| {
+                let x = (agent as u64 * 31 + k as u64 * 17 + seed * 5) % 40;
+                line(name_of(k), (round + 1) * (x + 1), round * (x % 3), None)
+            })
+            .collect()
+    }
+
+    /// The same fleet in two allocators, one whose batches all run on two threads
+    /// (batches of at least 50 entries) and one on a single thread; `learning`: the
+    /// reports arrive while the term is learning, and the whole fleet is recomputed
+    /// when it ends (`recompute_dirty`); otherwise after it (then `reallocate_all`).
+    /// Then a second round of reports from a few agents is handled before the drain
+    /// (small batches: grants after the two threads' tail). Returns the grants of
+    /// each, drained, and the allocators.
+    fn both(seed: u64, learning: bool) -> [(Vec<Grant>, Allocator); 2] {
+        [50, usize::MAX].map(|threshold| {
+            let now = 5 * SEC;
+            let mut a = if learning {
+                // Learning ends at `now + 50 ms` (a lease and margin of 1.1 s).
+                Allocator::new(&rules(), quick_config(), 1, now - 1_050 * MS).unwrap()
+            } else {
+                warm_allocator(1, now)
+            };
+            a.parallel_min_entries = threshold;
+            for i in 0..AGENTS {
+                let id = format!("agent-{i}");
+                a.handle_hello(now, &hello(&id, 1, 1)).unwrap();
+                a.handle_report(now, &report(&id, 1, 2, lines(seed, i, 0)))
+                    .unwrap();
+            }
+            let t = if learning {
+                a.handle_timeout(now + 60 * MS);
+                now + 60 * MS
+            } else {
+                a.reallocate_all(now + 20 * MS);
+                now + 20 * MS
+            };
+            a.check_invariants().unwrap();
+            if threshold == 50 {
+                assert!(
+                    !a.outbox_tail.is_empty(),
+                    "the batch ran on two threads (learning: {learning})"
+                );
+            }
+            for i in 0..AGENTS / 3 {
+                let id = format!("agent-{i}");
+                a.handle_report(t, &report(&id, 1, 2 + 250 * MS, lines(seed, i, 1)))
+                    .unwrap();
+            }
+            a.handle_timeout(t + 20 * MS);
+            a.check_invariants().unwrap();
+            let gs: Vec<Grant> = a.drain_grants().collect();
+            a.check_invariants().unwrap();
+            (gs, a)
+        })
+    }
+
+    #[test]
+    fn a_batch_on_two_threads_grants_what_one_thread_does_with_seqs_that_still_grow() {
+        for learning in [false, true] {
+            for seed in 0..3 {
+                let [(par, pa), (ser, sa)] = both(seed, learning);
+                assert!(pa.entry_count() >= 500, "{} entries", pa.entry_count());
+                assert!(par.len() >= pa.entry_count() / 2, "{} grants", par.len());
+                assert_eq!(par.len(), ser.len(), "seed {seed}, learning {learning}");
+                for gs in [&par, &ser] {
+                    assert!(gs.windows(2).all(|w| w[0].seq < w[1].seq), "seqs grow");
+                }
+                // The same grants in the same order (keys by index either way), only
+                // the seqs of the second thread's half differ.
+                let gap = par.iter().zip(&ser).filter(|(p, s)| p.seq != s.seq).count();
+                assert!(
+                    gap > 0,
+                    "the second half's seqs start past the first half's"
+                );
+                for (p, s) in par.iter().zip(&ser) {
+                    let p = Grant {
+                        seq: 0,
+                        ..p.clone()
+                    };
+                    let s = Grant {
+                        seq: 0,
+                        ..s.clone()
+                    };
+                    assert_eq!(p, s, "seed {seed}, learning {learning}");
+                }
+                for k in 0..KEYS {
+                    assert_eq!(pa.key_status(&name_of(k)), sa.key_status(&name_of(k)));
+                }
+                // What the agents remember of the grants: the same latest seq as the
+                // grants say, and the same lease bookkeeping.
+                for (x, y) in pa.agents.iter().zip(&sa.agents) {
+                    let (x, y) = (x.as_ref().unwrap(), y.as_ref().unwrap());
+                    let last = par.iter().filter(|g| g.agent == x.id).map(|g| g.seq).max();
+                    assert_eq!(last.unwrap_or(0).max(x.last_seq), x.last_seq);
+                    assert_eq!(x.unext_min_expiry, y.unext_min_expiry);
+                    assert_eq!(x.renew_due_ns, y.renew_due_ns);
+                }
+            }
+        }
+    }
+}
