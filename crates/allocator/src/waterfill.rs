@@ -156,6 +156,27 @@ pub fn water_fill(capacity: f64, claims: &[Claim], reserve: f64, out: &mut Vec<f
     }
 }
 
+/// 2^63 and 2^53 as `f64`.
+const TWO_63: f64 = 9_223_372_036_854_775_808.0;
+const TWO_53: u64 = 1 << 53;
+
+/// `(s as u64, whether s's fraction is at least one half)`, as
+/// `(s as u64, s.is_finite() && s - (s as u64) as f64 >= 0.5)` gives them, by signed
+/// conversions (`cvttsd2si`, `cvtsi2sd`) for `s` in [0, 2^63): `as u64` and `u64 as
+/// f64` compile to branchy or multi-instruction sequences on the default x86-64 target,
+/// which has no unsigned conversions, and this runs for every entry of a key at each
+/// recomputation.
+#[inline(always)]
+fn floor_half(s: f64) -> (u64, bool) {
+    if (0.0..TWO_63).contains(&s) {
+        let i = s as i64;
+        (i as u64, s - i as f64 >= 0.5)
+    } else {
+        let u = s as u64;
+        (u, s.is_finite() && s - u as f64 >= 0.5)
+    }
+}
+
 /// Rounds shares down to whole units summing to at most `capacity`, then hands the
 /// leftover units (at most one each) to claims with demand that rounded to nothing,
 /// then to the largest fractions.
@@ -168,13 +189,16 @@ pub fn to_units(capacity: u64, shares: &[f64], out: &mut Vec<u64>) {
     for &s in shares {
         // `as` truncates, which is the floor of a positive share (and no call to libm's
         // `floor`, which the default x86-64 target does not inline).
+        let (floor, half) = floor_half(s);
         let u = if s.is_finite() && s > 0.0 {
-            (s as u64).min(capacity)
+            floor.min(capacity)
         } else {
             0
         };
         zeros += (u == 0 && s > 0.0) as usize;
-        halves += (s.is_finite() && s - u as f64 >= 0.5) as usize;
+        // A share above `capacity` (float error) with a fraction under one half is not
+        // counted; the last pass would not round it up either.
+        halves += half as usize;
         sum = sum.saturating_add(u);
         out.push(u);
     }
@@ -215,7 +239,16 @@ pub fn to_units(capacity: u64, shares: &[f64], out: &mut Vec<u64>) {
         if left == 0 {
             return;
         }
-        let up = s.is_finite() & (s - (s as u64 as f64) >= 0.5) & ((*o as f64) < s);
+        // `*o < s`: `*o` is at most the floor (trimmed, or as rounded), or 1 for a
+        // share under 1; with a fraction of at least one half that is `*o <= floor`,
+        // exactly, where both are exact in an `f64`.
+        let (floor, half) = floor_half(s);
+        let below = if floor < TWO_53 {
+            *o <= floor
+        } else {
+            (*o as f64) < s
+        };
+        let up = half & below;
         *o += up as u64;
         left -= up as u64;
     }
@@ -231,6 +264,88 @@ mod tests {
             demand,
             weight: 1.0,
             rejecting: false,
+        }
+    }
+
+    /// `to_units` as it was written before `floor_half`, with `as` conversions: the
+    /// reference the property test holds it to.
+    fn to_units_by_as(capacity: u64, shares: &[f64]) -> Vec<u64> {
+        let mut out = Vec::new();
+        let mut sum: u64 = 0;
+        let (mut zeros, mut halves) = (0usize, 0usize);
+        for &s in shares {
+            let u = if s.is_finite() && s > 0.0 {
+                (s as u64).min(capacity)
+            } else {
+                0
+            };
+            zeros += (u == 0 && s > 0.0) as usize;
+            halves += (s.is_finite() && s - u as f64 >= 0.5) as usize;
+            sum = sum.saturating_add(u);
+            out.push(u);
+        }
+        while sum > capacity {
+            let (i, _) = out.iter().enumerate().max_by_key(|(_, u)| **u).unwrap();
+            let cut = (sum - capacity).min(out[i]);
+            out[i] -= cut;
+            sum -= cut;
+            (zeros, halves) = (usize::MAX, usize::MAX);
+        }
+        let mut left = capacity - sum;
+        if left == 0 {
+            return out;
+        }
+        if zeros > 0 {
+            for (o, &s) in out.iter_mut().zip(shares) {
+                if left == 0 {
+                    return out;
+                }
+                if *o == 0 && s > 0.0 {
+                    *o = 1;
+                    left -= 1;
+                }
+            }
+        }
+        if halves == 0 {
+            return out;
+        }
+        for (o, &s) in out.iter_mut().zip(shares) {
+            if left == 0 {
+                return out;
+            }
+            let up = s.is_finite() & (s - (s as u64 as f64) >= 0.5) & ((*o as f64) < s);
+            *o += up as u64;
+            left -= up as u64;
+        }
+        out
+    }
+
+    /// What `floor_half` stands for.
+    fn floor_half_by_as(s: f64) -> (u64, bool) {
+        (s as u64, s.is_finite() && s - (s as u64) as f64 >= 0.5)
+    }
+
+    #[test]
+    fn floor_half_gives_what_as_gives() {
+        let edge = [
+            0.0,
+            -0.0,
+            0.5,
+            0.499_999_999_999_999_94,
+            1.0 - f64::EPSILON,
+            2.5,
+            -1.5,
+            4_503_599_627_370_497.0,
+            9_223_372_036_854_774_784.0,
+            9_223_372_036_854_775_808.0,
+            18_446_744_073_709_551_615.0,
+            1e300,
+            f64::INFINITY,
+            f64::NEG_INFINITY,
+            f64::NAN,
+        ];
+        for s in edge {
+            assert_eq!(floor_half(s), floor_half_by_as(s), "{s}");
         }
     }
 
@@ -291,6 +406,22 @@ mod tests {
     }
 
     proptest! {
+        #[test]
+        fn floor_half_gives_what_as_gives_for_any_value(s in any::<f64>(), x in 0.0f64..1e7) {
+            prop_assert_eq!(floor_half(s), floor_half_by_as(s));
+            prop_assert_eq!(floor_half(x), floor_half_by_as(x));
+        }
+
+        #[test]
+        fn to_units_rounds_as_it_did_with_as_conversions(
+            shares in proptest::collection::vec(prop_oneof![0.0f64..5.0, 0.0f64..1e6, Just(0.5), Just(0.0)], 0..40),
+            cap in 0u64..2_000_000,
+        ) {
+            let mut out = Vec::new();
+            to_units(cap, &shares, &mut out);
+            prop_assert_eq!(out, to_units_by_as(cap, &shares));
+        }
+
         #[test]
         fn shares_never_exceed_capacity_and_are_max_min_fair(
             cs in claims(), cap in 1u64..2_000_000, reserve in 0.0f64..=1.0,
