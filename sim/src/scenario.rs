@@ -52,6 +52,10 @@ pub const BUILT_INS: &[(&str, &str)] = &[
     ("whale", include_str!("../scenarios/whale.toml")),
     ("shift", include_str!("../scenarios/shift.toml")),
     ("remote-half", include_str!("../scenarios/remote-half.toml")),
+    (
+        "shift-overload",
+        include_str!("../scenarios/shift-overload.toml"),
+    ),
     ("cold-keys", include_str!("../scenarios/cold-keys.toml")),
     ("sparse", include_str!("../scenarios/sparse.toml")),
     ("diurnal", include_str!("../scenarios/diurnal.toml")),
@@ -276,7 +280,7 @@ pub enum WorkloadKind {
     /// over every gateway at once; the others stay uniform.
     Whale,
     /// Demand alternates between the first and second half of the gateways every
-    /// `shift_every_s`.
+    /// `shift_every_s` (`shift_share` of it on the busy half, the rest on the other).
     Shift,
     /// Key `k` starts at `k * cold_stagger_ms`: new keys keep arriving.
     Cold,
@@ -311,6 +315,12 @@ pub struct WorkloadSpec {
     /// Period of the shift (`shift`).
     #[serde(default = "default_shift_every_s")]
     pub shift_every_s: f64,
+    /// Share of the requests the busy half gets (`shift`), 0.5 to 1: below 1 the quiet
+    /// half keeps some demand, and with `load` high enough both halves stay over their
+    /// shares while the shares move (what a policy without revoke-before-grant
+    /// overshoots on).
+    #[serde(default = "default_shift_share")]
+    pub shift_share: f64,
     /// Delay between two keys' first requests (`cold`).
     #[serde(default = "default_cold_stagger_ms")]
     pub cold_stagger_ms: f64,
@@ -365,6 +375,9 @@ fn default_zipf_s() -> f64 {
 }
 fn default_whale_load() -> f64 {
     3.0
+}
+fn default_shift_share() -> f64 {
+    1.0
 }
 fn default_shift_every_s() -> f64 {
     5.0
@@ -645,6 +658,9 @@ impl Scenario {
         if !(w.shift_every_s.is_finite() && w.shift_every_s > 0.0) {
             return bad("workload.shift_every_s", "must be above 0");
         }
+        if !(0.5..=1.0).contains(&w.shift_share) {
+            return bad("workload.shift_share", "must be 0.5 to 1");
+        }
         if !finite_nonneg(w.whale_at_s) || !finite_nonneg(w.cold_stagger_ms) {
             return bad("workload", "whale_at_s and cold_stagger_ms must be >= 0");
         }
@@ -790,6 +806,19 @@ mod tests {
             let text = format!("{base}\n[[link]]\n{link}\n");
             let e = Scenario::from_toml("x", &text).unwrap_err();
             assert!(e.to_string().contains(field), "{link}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_shift_share_outside_half_to_one_is_refused_with_the_field_name() {
+        let shift = BUILT_INS.iter().find(|b| b.0 == "shift").unwrap().1;
+        for v in ["0.4", "1.5", "nan"] {
+            let text = shift.replace(
+                "kind = \"shift\"",
+                &format!("kind = \"shift\"\nshift_share = {v}"),
+            );
+            let e = Scenario::from_toml("x", &text).unwrap_err();
+            assert!(e.to_string().contains("workload.shift_share"), "{v}: {e}");
         }
     }
 

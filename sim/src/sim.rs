@@ -1040,7 +1040,11 @@ impl Sim {
                 let every = (self.sc.workload.shift_every_s * SEC as f64) as u64;
                 let phase = (self.now - self.t0) / every.max(1);
                 let half = g / 2;
-                if phase.is_multiple_of(2) {
+                // Below 1, a request goes to the quiet half with the rest of the share
+                // (no draw at 1: the default replays as it did).
+                let share = self.sc.workload.shift_share;
+                let busy = share >= 1.0 || self.rng.unit() < share;
+                if phase.is_multiple_of(2) == busy {
                     self.rng.below(half as u64) as usize
                 } else {
                     half + self.rng.below((g - half) as u64) as usize
@@ -2184,6 +2188,46 @@ mod tests {
         let r = run(&big, 1).unwrap();
         assert_eq!(r.summary.overshoot_max_fraction_of_burst, 0.0);
         assert!(r.summary.utilization_second_half > 0.96, "{:?}", r.summary);
+    }
+
+    #[test]
+    fn growth_before_shrinks_land_overshoots_and_revoke_before_grant_does_not() {
+        // Every gateway over its share while the shares move, half of them 150 ms
+        // away: a Doorman-like allocator grows the near half before the far half's
+        // shrinks arrive, and the fleet admits more than one bucket would.
+        let sc = Scenario::load("shift-overload").unwrap();
+        assert!(sc.workload.shift_share < 1.0);
+        let ours = run(&sc, 1).unwrap();
+        assert_eq!(ours.summary.violations, 0);
+        assert_eq!(ours.summary.overshoot_max_fraction_of_burst, 0.0);
+        assert!(
+            ours.summary.utilization_vs_ideal > 0.9,
+            "{:?}",
+            ours.summary
+        );
+        let doorman = Sim::new(&sc, 1, "doorman").unwrap().run();
+        assert!(
+            doorman.summary.overshoot_max_fraction_of_burst > 0.1,
+            "{:?}",
+            doorman.summary
+        );
+    }
+
+    #[test]
+    fn a_shift_share_below_one_keeps_demand_on_the_quiet_half() {
+        let mut sc = Scenario::load("shift").unwrap();
+        sc.duration_s = 2.0;
+        let all = Sim::new(&sc, 1, "static").unwrap().run();
+        sc.workload.shift_share = 0.75;
+        let most = Sim::new(&sc, 1, "static").unwrap().run();
+        // Static slices of R/N: with every request on one half, half of the fleet's
+        // slices sit idle; with a quarter on the other, they admit too.
+        assert!(
+            most.summary.utilization_vs_ideal > all.summary.utilization_vs_ideal + 0.1,
+            "{} vs {}",
+            most.summary.utilization_vs_ideal,
+            all.summary.utilization_vs_ideal
+        );
     }
 
     #[test]
