@@ -2664,33 +2664,11 @@ impl Allocator {
         if self.entry_count < self.parallel_min_entries {
             self.outbox
                 .reserve(self.entry_count.min(self.cfg.max_outbox));
-            for k in 0..self.keys.len() as u32 {
-                if self.keys[k as usize].is_some() {
-                    self.recompute_now(now, k);
-                }
-            }
-            return;
         }
-        // Every key whose grants fit (counting one per entry), as one batch; the rest
-        // stay marked, due now.
-        let mut batch = Vec::with_capacity(self.live_keys);
-        let mut projected = self.pending_len();
-        for k in 0..self.keys.len() as u32 {
-            let Some(key) = self.keys[k as usize].as_mut() else {
-                continue;
-            };
-            let n = key.entries.len();
-            if projected == 0 || projected + n <= self.cfg.max_outbox {
-                projected += n;
-                batch.push(k);
-            } else {
-                key.dirty = true;
-                key.due_ns = now;
-                self.dirty.push(Reverse((now, k)));
-                self.recompute_at_ns = Some(now);
-            }
-        }
-        self.recompute_batch(now, &batch);
+        let live: Vec<u32> = (0..self.keys.len() as u32)
+            .filter(|&k| self.keys[k as usize].is_some())
+            .collect();
+        self.recompute_now_all(now, &live);
     }
 
     /// Whether a key of `entries` entries may be recomputed before the shell drains: its

@@ -457,6 +457,33 @@ impl Allocator {
         )
     }
 
+    /// Recomputes live keys `ks` (ascending) now, as `recompute_now` does one by one:
+    /// those whose grants fit in the outbox (counting one per entry, when they run on
+    /// two threads), the rest left marked, due now. Returns how many were recomputed.
+    pub(super) fn recompute_now_all(&mut self, now: u64, ks: &[u32]) -> usize {
+        let entries: usize = ks.iter().map(|&k| self.key(k).entries.len()).sum();
+        if entries < self.parallel_min_entries {
+            return ks.iter().filter(|&&k| self.recompute_now(now, k)).count();
+        }
+        let mut batch = Vec::with_capacity(ks.len());
+        let mut projected = self.pending_len();
+        for &k in ks {
+            let key = self.keys[k as usize].as_mut().expect("live key");
+            let n = key.entries.len();
+            if projected == 0 || projected + n <= self.cfg.max_outbox {
+                projected += n;
+                batch.push(k);
+            } else {
+                key.dirty = true;
+                key.due_ns = now;
+                self.dirty.push(Reverse((now, k)));
+                self.recompute_at_ns = Some(now);
+            }
+        }
+        self.recompute_batch(now, &batch);
+        batch.len()
+    }
+
     /// Recomputes keys `ks` (ascending key indices of live keys, whose grants fit in
     /// the outbox) now: on two threads if they have at least
     /// [`PARALLEL_MIN_ENTRIES`] entries, else in order on this one. Keys with idle
@@ -561,6 +588,7 @@ impl Allocator {
 mod tests {
     use super::*;
     use crate::testing::*;
+    use bursar_agent::Config;
 
     const AGENTS: usize = 30;
     const KEYS: usize = 240;
@@ -629,7 +657,19 @@ mod tests {
             }
             a.handle_timeout(t + 20 * MS);
             a.check_invariants().unwrap();
-            let gs: Vec<Grant> = a.drain_grants().collect();
+            let mut gs: Vec<Grant> = a.drain_grants().collect();
+            a.check_invariants().unwrap();
+            // A rules reload that changes `rps` and `conc`: their keys are recomputed
+            // at once (`recompute_now_all`).
+            let changed = RULES
+                .replace("burst = 1000\nposture", "burst = 1500\nposture")
+                .replace("max_in_flight = 10", "max_in_flight = 7");
+            let summary = a.reload(t + 40 * MS, &Config::from_toml(&changed).unwrap());
+            assert_eq!(summary.changed.len(), 2, "{summary:?}");
+            assert!(summary.keys_recomputed >= KEYS / 3, "{summary:?}");
+            assert_eq!(threshold == 50, !a.outbox_tail.is_empty(), "reload batch");
+            a.check_invariants().unwrap();
+            gs.extend(a.drain_grants());
             a.check_invariants().unwrap();
             (gs, a)
         })

@@ -221,7 +221,7 @@ impl Allocator {
 
         // New limits: grants already sent keep counting; what exceeds a shrunk limit
         // is inherited excess (nothing grows meanwhile, and it counts in the bound).
-        for k in changed_keys {
+        for &k in &changed_keys {
             let limit = self.rules[self.key(k).rule as usize].limit();
             let key = self.key_mut(k);
             let old = key.limit;
@@ -242,12 +242,11 @@ impl Allocator {
             key.pool = key
                 .pool
                 .min(limit.burst.saturating_sub(key.committed.burst));
-            if self.recompute_now(now, k) {
-                summary.keys_recomputed += 1;
-            } else {
-                summary.keys_deferred += 1;
-            }
         }
+        // Then recomputed (on two threads if they hold many entries).
+        let recomputed = self.recompute_now_all(now, &changed_keys);
+        summary.keys_recomputed += recomputed;
+        summary.keys_deferred += changed_keys.len() - recomputed;
         summary
     }
 
