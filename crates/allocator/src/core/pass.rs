@@ -7,8 +7,9 @@
 //! reload) runs them on two threads, each over its own half of the key table, with
 //! its own outbox and a record of what it issued to each agent, merged afterwards.
 //!
-//! The split is by key index at half the entries and the same on any machine (it does
-//! not depend on how many cores there are), so a run replays bit for bit: the second
+//! The split is by key index at half the work (entries, plus [`KEY_COST`] a key) and
+//! the same on any machine (it does not depend on how many cores there are, nor on
+//! timing), so a run replays bit for bit: the second
 //! half's grants take their seqs from `first + entries of the first half` (each entry
 //! takes at most one grant per recomputation), and the gap that leaves in the outbox's
 //! seqs is recorded beside it (`Graves::seq_jumps`).
@@ -19,8 +20,9 @@ use super::*;
 /// a thread costs more than half the batch.
 pub(super) const PARALLEL_MIN_ENTRIES: usize = 1 << 16;
 
-/// What a key costs besides its entries, in entries (measured at the benchmark's
-/// fleet: 1,000 agents, 100,000 keys, Zipf-spread; see `recompute_batch`).
+/// What a key costs besides its entries, in entries: each half of the benchmark's
+/// fleet (1,000 agents, 100,000 keys, Zipf-spread), timed alone, split by entries only
+/// and by entries plus 4 a key, put the balance between the two.
 const KEY_COST: usize = 2;
 
 /// What a key's recomputation reads of the allocator (besides the agents).
