@@ -728,10 +728,21 @@ impl Key {
         self.committed.rate = self.committed.rate - before.rate + after.rate;
         self.committed.burst = self.committed.burst - before.burst + after.burst;
         self.inherited = self.inherited.min(self.excess());
-        // Transferable tokens never exceed the free burst (they may only vanish).
-        self.pool = self
-            .pool
-            .min(self.limit.burst.saturating_sub(self.committed.burst));
+        // Transferable tokens may only vanish.
+        self.clamp_pool();
+    }
+
+    /// What is free of the limit.
+    fn free(&self) -> Slice {
+        Slice {
+            rate: self.limit.rate.saturating_sub(self.committed.rate),
+            burst: self.limit.burst.saturating_sub(self.committed.burst),
+        }
+    }
+
+    /// Transferable tokens never exceed the free burst.
+    fn clamp_pool(&mut self) {
+        self.pool = self.pool.min(self.free().burst);
     }
 
     /// How far the commitments exceed the limit (zero unless learned grants do).
@@ -1286,7 +1297,7 @@ impl Allocator {
             return;
         }
         let unmet = e.demand - e.cur.rate as f64;
-        let free = key.limit.rate.saturating_sub(key.committed.rate) as f64;
+        let free = key.free().rate as f64;
         if unmet <= free {
             return;
         }
@@ -2521,18 +2532,9 @@ impl Allocator {
 
     /// Sends `slice` to the entry's agent: new seq, lease from its latest report.
     fn issue(&mut self, k: u32, pos: u32, slice: Slice, transfer: u64) {
-        let (ctx, keys, agents, mut out, _) = self.pass_parts();
+        let (mut pass, keys, _) = self.serial_pass();
         let key = keys[k as usize].as_mut().expect("live key");
-        pass::issue(
-            &ctx,
-            &mut agents[..],
-            &mut out,
-            k,
-            key,
-            pos,
-            slice,
-            transfer,
-        );
+        pass.issue(k, key, pos, slice, transfer);
     }
 
     /// Acknowledgements: the agent applied these grants. Older grants stop counting,
@@ -2611,25 +2613,10 @@ impl Allocator {
             if grew_pool {
                 key.pool = key.pool.saturating_add(s.released_tokens);
             }
-            self.clamp_pool(k);
+            self.key_mut(k).clamp_pool();
             self.mark_dirty(k, now);
         }
         Ok(())
-    }
-
-    fn free(&self, k: u32) -> Slice {
-        let key = self.key(k);
-        let limit = self.rules[key.rule as usize].limit();
-        Slice {
-            rate: limit.rate.saturating_sub(key.committed.rate),
-            burst: limit.burst.saturating_sub(key.committed.burst),
-        }
-    }
-
-    fn clamp_pool(&mut self, k: u32) {
-        let free = self.free(k).burst;
-        let key = self.key_mut(k);
-        key.pool = key.pool.min(free);
     }
 
     /// Timers: ends the learning period, sweeps expired grants (reclaiming an
@@ -2676,19 +2663,29 @@ impl Allocator {
     /// than `max_outbox` would otherwise never be recomputed; the outbox then holds one
     /// key's grants past the bound).
     fn outbox_has_room(&self, entries: usize) -> bool {
-        let n = self.pending_len();
-        n == 0 || n + entries <= self.cfg.max_outbox
+        self.outbox_fits(self.pending_len(), entries)
+    }
+
+    /// Whether a key of `entries` entries fits after `pending` grants (see
+    /// [`Allocator::outbox_has_room`]).
+    fn outbox_fits(&self, pending: usize, entries: usize) -> bool {
+        pending == 0 || pending + entries <= self.cfg.max_outbox
+    }
+
+    /// Leaves key `k` marked, due now: its grants wait for the shell to drain.
+    fn defer(&mut self, now: u64, k: u32) {
+        let key = self.key_mut(k);
+        key.dirty = true;
+        key.due_ns = now;
+        self.dirty.push(Reverse((now, k)));
+        self.recompute_at_ns = Some(now);
     }
 
     /// Recomputes key `k` now, or, if the outbox has no room for its grants, leaves it
     /// marked, due now (the shell must drain first). True if it was recomputed.
     fn recompute_now(&mut self, now: u64, k: u32) -> bool {
         if !self.outbox_has_room(self.key(k).entries.len()) {
-            let key = self.keys[k as usize].as_mut().expect("live key");
-            key.dirty = true;
-            key.due_ns = now;
-            self.dirty.push(Reverse((now, k)));
-            self.recompute_at_ns = Some(now);
+            self.defer(now, k);
             return false;
         }
         // Any heap entry for it goes stale (its `dirty` is cleared).
@@ -2773,20 +2770,19 @@ impl Allocator {
                 if due > now {
                     break;
                 }
-                let Some(key) = self.keys[k as usize].as_mut() else {
-                    self.dirty.pop();
-                    continue;
-                };
-                if !(key.dirty && key.due_ns == due) {
+                let current = self.keys[k as usize]
+                    .as_ref()
+                    .is_some_and(|key| key.dirty && key.due_ns == due);
+                if !current {
                     self.dirty.pop();
                     continue;
                 }
-                let n = key.entries.len();
-                if projected != 0 && projected + n > self.cfg.max_outbox {
+                let n = self.key(k).entries.len();
+                if !self.outbox_fits(projected, n) {
                     break; // the shell must drain first; stays due
                 }
                 self.dirty.pop();
-                key.dirty = false;
+                self.key_mut(k).dirty = false;
                 projected += n;
                 entries += n;
                 batch.push(k);
@@ -2794,14 +2790,7 @@ impl Allocator {
             if batch.is_empty() {
                 break;
             }
-            if entries < self.parallel_min_entries {
-                for &k in &batch {
-                    self.recompute(now, k);
-                }
-            } else {
-                batch.sort_unstable();
-                self.recompute_batch(now, &batch);
-            }
+            self.recompute_batch(now, &mut batch, entries);
         }
         self.batch = batch;
         self.recompute_at_ns = self.dirty.peek().map(|Reverse((due, _))| (*due).max(now));
@@ -2830,9 +2819,9 @@ impl Allocator {
     /// anything within its commitment) at once, growth only out of what is free, with
     /// transfer tokens from the pool. Returns true if a grant was issued.
     fn grant_towards(&mut self, k: u32, pos: u32, desired: Slice) -> bool {
-        let (ctx, keys, agents, mut out, _) = self.pass_parts();
+        let (mut pass, keys, _) = self.serial_pass();
         let key = keys[k as usize].as_mut().expect("live key");
-        pass::grant_towards(&ctx, &mut agents[..], &mut out, k, key, pos, desired)
+        pass.grant_towards(k, key, pos, desired)
     }
 
     /// One entry's demand changed on a large key: re-target just that entry with the
@@ -2897,9 +2886,9 @@ impl Allocator {
     /// the key, if that is all of them).
     fn recompute(&mut self, now: u64, k: u32) {
         loop {
-            let (ctx, keys, agents, mut out, sc) = self.pass_parts();
+            let (mut pass, keys, sc) = self.serial_pass();
             let key = keys[k as usize].as_mut().expect("live key");
-            if pass::recompute(&ctx, &mut agents[..], &mut out, now, k, key, sc) {
+            if pass.recompute(now, k, key, sc) {
                 return;
             }
             let lease = self.lease_ns();
@@ -3022,6 +3011,9 @@ impl Allocator {
             live_keys += 1;
             let rule = &self.rules[key.rule as usize];
             let limit = rule.limit();
+            if key.limit != limit {
+                return Err(format!("{}: limit out of step with its rule", key.name));
+            }
             let (mut r, mut b) = (0u128, 0u128);
             for (pos, e) in key.entries.iter().enumerate() {
                 let Some(ag) = self.agents.get(e.agent as usize).and_then(|a| a.as_ref()) else {

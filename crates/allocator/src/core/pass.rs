@@ -122,262 +122,258 @@ pub(super) fn idle_entry<A: Agents + ?Sized>(agents: &A, e: &Entry, lease: u64) 
         && e.commitment().is_zero()
 }
 
-/// What is free of key `key`'s limit.
-pub(super) fn free_of(key: &Key, rule: &RuleInfo) -> Slice {
-    let limit = rule.limit();
-    Slice {
-        rate: limit.rate.saturating_sub(key.committed.rate),
-        burst: limit.burst.saturating_sub(key.committed.burst),
-    }
+/// One recomputation's surroundings: what it reads ([`Ctx`], the agents) and where its
+/// grants go ([`Out`]); one per thread in a batch.
+pub(super) struct Pass<'a, A: Agents + ?Sized> {
+    pub ctx: Ctx<'a>,
+    pub agents: &'a mut A,
+    pub out: Out<'a>,
 }
 
-/// Sends `slice` to entry `pos` of key `k`: new seq, lease from its agent's latest
-/// report.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn issue<A: Agents + ?Sized>(
-    ctx: &Ctx<'_>,
-    agents: &mut A,
-    out: &mut Out<'_>,
-    k: u32,
-    key: &mut Key,
-    pos: u32,
-    slice: Slice,
-    transfer: u64,
-) {
-    let seq = *out.next_seq;
-    *out.next_seq += 1;
-    let fleet = key.entries.len().max(1) as u32;
-    let agent = key.entries[pos as usize].agent;
-    let ag = agents.agent(agent).expect("live agent");
-    let expires_ns = ag.report_recv_ns.saturating_add(ctx.hold_ns);
-    let lease_expires_at_ns = ag
-        .report_ts
-        .saturating_add(ctx.lease_ns)
-        .saturating_sub(ctx.drift_ns);
-    let ext = ag.ext;
-    agents.issued(agent, seq, expires_ns, ctx.hold_ns);
-    key.push_grant(
-        pos as usize,
-        Sent {
-            epoch: ctx.term,
-            seq,
-            slice,
-            fleet,
-            expires_ns,
-        },
-        ext,
-    );
-    if transfer > 0 {
-        out.transfers
-            .push(((out.before + out.outbox.len()) as u32, transfer));
-    }
-    out.outbox.push(Pending {
-        agent,
-        key: k,
-        rate: slice.rate,
-        burst: slice.burst,
-        lease_expires_at_ns,
-        fleet_size: fleet,
-    });
-}
-
-/// Sends `desired` to entry `pos` as far as revoke-before-grant allows: a shrink (or
-/// anything within its commitment) at once, growth only out of what is free, with
-/// transfer tokens from the pool. Returns true if a grant was issued.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn grant_towards<A: Agents + ?Sized>(
-    ctx: &Ctx<'_>,
-    agents: &mut A,
-    out: &mut Out<'_>,
-    k: u32,
-    key: &mut Key,
-    pos: u32,
-    desired: Slice,
-) -> bool {
-    let rule = ctx.rules[key.rule as usize];
-    let free = free_of(key, &rule);
-    let e = &key.entries[pos as usize];
-    let commit = e.commitment();
-    let cur = e.current();
-    let new = if desired.le(commit) {
-        desired
-    } else {
-        Slice {
-            rate: desired.rate.min(commit.rate + free.rate),
-            burst: desired.burst.min(commit.burst + free.burst),
-        }
-    };
-    if new == cur {
-        return false;
-    }
-    if new != desired && cur.le(new) && !cur.is_zero() {
-        // Partial growth (the rest waits for shrinks to be applied): not worth a
-        // grant until it is more than the hysteresis band, or complete. Otherwise
-        // every acknowledgement of a shrink would send the grower another sliver.
-        let h = ctx.hysteresis_permille;
-        let small = |n: u64, c: u64, d: u64| (n - c) * 1000 <= h * d;
-        if small(new.rate, cur.rate, desired.rate) && small(new.burst, cur.burst, desired.burst) {
-            return false;
-        }
-    }
-    let grow_burst = new.burst.saturating_sub(commit.burst);
-    let transfer = if rule.concurrency {
-        0
-    } else {
-        key.pool.min(grow_burst)
-    };
-    key.pool -= transfer;
-    issue(ctx, agents, out, k, key, pos, new, transfer);
-    key.pool = key.pool.min(free_of(key, &rule).burst);
-    true
-}
-
-/// Allocates key `k`: targets by water-filling, hysteresis, then shrinks at once and
-/// growth only out of what is free (revoke before grant), with transfer tokens. False,
-/// having changed nothing, if some entry is idle: the caller forgets the idle entries
-/// (which the key table alone cannot do) and calls again.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn recompute<A: Agents + ?Sized>(
-    ctx: &Ctx<'_>,
-    agents: &mut A,
-    out: &mut Out<'_>,
-    now: u64,
-    k: u32,
-    key: &mut Key,
-    sc: &mut Scratch,
-) -> bool {
-    let rule = ctx.rules[key.rule as usize];
-    let cap = rule.capacity();
-    let limit = rule.limit();
-    let lease = ctx.lease_ns;
-    let reserve = ctx.reserve;
-
-    // One pass over the entries: claims, and whether any entry is idle.
-    sc.claims.clear();
-    sc.reachable.clear();
-    let mut idle = false;
-    for e in &key.entries {
-        idle |= idle_entry(agents, e, lease);
-        let (reachable, weight) = match agents.agent(e.agent) {
-            Some(ag) => (
-                ag.connected && ag.report_recv_ns.saturating_add(lease) > now,
-                ag.weight,
-            ),
-            None => (false, 1.0),
-        };
-        sc.reachable.push(reachable);
-        sc.claims.push(Claim {
-            // An agent not heard from for a lease gets no share: its grants would
-            // carry leases already over, and its share would sit unused.
-            demand: if e.demand.is_finite() && reachable {
-                e.demand.max(0.0)
-            } else {
-                0.0
+impl<A: Agents + ?Sized> Pass<'_, A> {
+    /// Sends `slice` to entry `pos` of key `k`: new seq, lease from its agent's latest
+    /// report.
+    pub(super) fn issue(&mut self, k: u32, key: &mut Key, pos: u32, slice: Slice, transfer: u64) {
+        let seq = *self.out.next_seq;
+        *self.out.next_seq += 1;
+        let fleet = key.entries.len().max(1) as u32;
+        let agent = key.entries[pos as usize].agent;
+        let ag = self.agents.agent(agent).expect("live agent");
+        let expires_ns = ag.report_recv_ns.saturating_add(self.ctx.hold_ns);
+        let lease_expires_at_ns = ag
+            .report_ts
+            .saturating_add(self.ctx.lease_ns)
+            .saturating_sub(self.ctx.drift_ns);
+        let ext = ag.ext;
+        self.agents.issued(agent, seq, expires_ns, self.ctx.hold_ns);
+        key.push_grant(
+            pos as usize,
+            Sent {
+                epoch: self.ctx.term,
+                seq,
+                slice,
+                fleet,
+                expires_ns,
             },
-            weight,
-            rejecting: e.rejecting,
+            ext,
+        );
+        if transfer > 0 {
+            self.out
+                .transfers
+                .push(((self.out.before + self.out.outbox.len()) as u32, transfer));
+        }
+        self.out.outbox.push(Pending {
+            agent,
+            key: k,
+            rate: slice.rate,
+            burst: slice.burst,
+            lease_expires_at_ns,
+            fleet_size: fleet,
         });
     }
-    // A key left with no entry (its agents forgotten or restarted) goes too.
-    if idle || key.entries.is_empty() {
-        return false;
-    }
-    // A sparse key (see `concentrate`) is split on slow demand among the entries with
-    // the most of it; any other on the demand as smoothed.
-    let mut sparse = None;
-    // Sticky: a concentrated key goes back to the plain split only once every slice
-    // would hold two typical requests (no flapping at the edge).
-    let need = if key.sparse {
-        rule.typical.saturating_mul(2)
-    } else {
-        rule.typical
-    };
-    if rule.typical > 0 && !rule.concurrency && !any_split_fits(&rule, key.entries.len(), need) {
-        sc.slow.clear();
-        for (i, e) in key.entries.iter().enumerate() {
-            let mut c = sc.claims[i];
-            c.demand = if sc.reachable[i] && e.demand_slow.is_finite() {
-                e.demand_slow.max(0.0)
-            } else {
-                0.0
-            };
-            sc.slow.push(c);
-        }
-        water_fill(cap as f64, &sc.slow, reserve, &mut sc.shares);
-        to_units(cap, &sc.shares, &mut sc.units);
-        if !bursts_fit(&rule, &sc.units, need) {
-            std::mem::swap(&mut sc.claims, &mut sc.slow);
-            sparse = Some(concentrate(&rule, &key.entries, sc, reserve));
-        }
-    }
-    let fill = match sparse {
-        Some((fill, _)) => fill,
-        None => {
-            let fill = water_fill(cap as f64, &sc.claims, reserve, &mut sc.shares);
-            to_units(cap, &sc.shares, &mut sc.units);
-            fill
-        }
-    };
-    let split = burst_split(&rule, &sc.units, sparse.is_some());
-    let h = band(ctx.hysteresis_permille, sparse.is_some());
 
-    // Targets with hysteresis; the demand they answer is now the demand used.
-    sc.desired.clear();
-    let (mut sum_r, mut sum_b) = (0u128, 0u128);
-    for (i, e) in key.entries.iter_mut().enumerate() {
-        let target = target_of(&rule, ctx.learning, sc.units[i], e, sc.reachable[i], split);
-        let desired = with_hysteresis(&rule, h, target, e);
-        sum_r += desired.rate as u128;
-        sum_b += desired.burst as u128;
-        sc.desired.push(desired);
-        e.demand_used = e.demand;
-        e.rejecting_used = e.rejecting;
-    }
-    if !rule.concurrency {
-        sum_r = absorb_band_residue(
-            &key.entries,
-            &sc.reachable,
-            h,
-            limit.rate,
-            sum_r,
-            &mut sc.desired,
-            &mut sc.room,
-        );
-    }
-    if sum_r > limit.rate as u128 || sum_b > limit.burst as u128 {
-        // Shrinks held back by hysteresis would block growth: shrink exactly.
-        for (i, e) in key.entries.iter().enumerate() {
-            let target = target_of(&rule, ctx.learning, sc.units[i], e, sc.reachable[i], split);
-            let d = &mut sc.desired[i];
-            if target.le(*d) {
-                *d = target;
+    /// Sends `desired` to entry `pos` as far as revoke-before-grant allows: a shrink (or
+    /// anything within its commitment) at once, growth only out of what is free, with
+    /// transfer tokens from the pool. Returns true if a grant was issued.
+    pub(super) fn grant_towards(
+        &mut self,
+        k: u32,
+        key: &mut Key,
+        pos: u32,
+        desired: Slice,
+    ) -> bool {
+        let rule = self.ctx.rules[key.rule as usize];
+        let free = key.free();
+        let e = &key.entries[pos as usize];
+        let commit = e.commitment();
+        let cur = e.current();
+        let new = if desired.le(commit) {
+            desired
+        } else {
+            Slice {
+                rate: desired.rate.min(commit.rate + free.rate),
+                burst: desired.burst.min(commit.burst + free.burst),
+            }
+        };
+        if new == cur {
+            return false;
+        }
+        if new != desired && cur.le(new) && !cur.is_zero() {
+            // Partial growth (the rest waits for shrinks to be applied): not worth a
+            // grant until it is more than the hysteresis band, or complete. Otherwise
+            // every acknowledgement of a shrink would send the grower another sliver.
+            let h = self.ctx.hysteresis_permille;
+            let small = |n: u64, c: u64, d: u64| (n - c) * 1000 <= h * d;
+            if small(new.rate, cur.rate, desired.rate) && small(new.burst, cur.burst, desired.burst)
+            {
+                return false;
             }
         }
-    }
-    key.fill = fill;
-    key.split = split;
-    key.sparse = sparse.is_some();
-    key.keep_floor = sparse.map_or(0.0, |(_, floor)| floor);
-    key.last_full_ns = now;
-    // Shrinks (and anything within a commitment) first, then rejecting growers, then
-    // the others.
-    sc.growers.clear();
-    for i in 0..sc.desired.len() {
-        let e = &key.entries[i];
-        if sc.desired[i] == e.current() {
-            continue;
-        }
-        if sc.desired[i].le(e.commitment()) {
-            grant_towards(ctx, agents, out, k, key, i as u32, sc.desired[i]);
+        let grow_burst = new.burst.saturating_sub(commit.burst);
+        let transfer = if rule.concurrency {
+            0
         } else {
-            sc.growers.push((!e.rejecting, i as u32));
+            key.pool.min(grow_burst)
+        };
+        key.pool -= transfer;
+        // The grant's commitment clamps the pool to what is left free (`Key::recommitted`).
+        self.issue(k, key, pos, new, transfer);
+        true
+    }
+
+    /// Allocates key `k`: targets by water-filling, hysteresis, then shrinks at once and
+    /// growth only out of what is free (revoke before grant), with transfer tokens. False,
+    /// having changed nothing, if some entry is idle: the caller forgets the idle entries
+    /// (which the key table alone cannot do) and calls again.
+    pub(super) fn recompute(&mut self, now: u64, k: u32, key: &mut Key, sc: &mut Scratch) -> bool {
+        let rule = self.ctx.rules[key.rule as usize];
+        let cap = rule.capacity();
+        let limit = rule.limit();
+        let lease = self.ctx.lease_ns;
+        let reserve = self.ctx.reserve;
+
+        // One pass over the entries: claims, and whether any entry is idle.
+        sc.claims.clear();
+        sc.reachable.clear();
+        let mut idle = false;
+        for e in &key.entries {
+            idle |= idle_entry(&*self.agents, e, lease);
+            let (reachable, weight) = match self.agents.agent(e.agent) {
+                Some(ag) => (
+                    ag.connected && ag.report_recv_ns.saturating_add(lease) > now,
+                    ag.weight,
+                ),
+                None => (false, 1.0),
+            };
+            sc.reachable.push(reachable);
+            sc.claims.push(Claim {
+                // An agent not heard from for a lease gets no share: its grants would
+                // carry leases already over, and its share would sit unused.
+                demand: if e.demand.is_finite() && reachable {
+                    e.demand.max(0.0)
+                } else {
+                    0.0
+                },
+                weight,
+                rejecting: e.rejecting,
+            });
         }
+        // A key left with no entry (its agents forgotten or restarted) goes too.
+        if idle || key.entries.is_empty() {
+            return false;
+        }
+        // A sparse key (see `concentrate`) is split on slow demand among the entries with
+        // the most of it; any other on the demand as smoothed.
+        let mut sparse = None;
+        // Sticky: a concentrated key goes back to the plain split only once every slice
+        // would hold two typical requests (no flapping at the edge).
+        let need = if key.sparse {
+            rule.typical.saturating_mul(2)
+        } else {
+            rule.typical
+        };
+        if rule.typical > 0 && !rule.concurrency && !any_split_fits(&rule, key.entries.len(), need)
+        {
+            sc.slow.clear();
+            for (i, e) in key.entries.iter().enumerate() {
+                let mut c = sc.claims[i];
+                c.demand = if sc.reachable[i] && e.demand_slow.is_finite() {
+                    e.demand_slow.max(0.0)
+                } else {
+                    0.0
+                };
+                sc.slow.push(c);
+            }
+            water_fill(cap as f64, &sc.slow, reserve, &mut sc.shares);
+            to_units(cap, &sc.shares, &mut sc.units);
+            if !bursts_fit(&rule, &sc.units, need) {
+                std::mem::swap(&mut sc.claims, &mut sc.slow);
+                sparse = Some(concentrate(&rule, &key.entries, sc, reserve));
+            }
+        }
+        let fill = match sparse {
+            Some((fill, _)) => fill,
+            None => {
+                let fill = water_fill(cap as f64, &sc.claims, reserve, &mut sc.shares);
+                to_units(cap, &sc.shares, &mut sc.units);
+                fill
+            }
+        };
+        let split = burst_split(&rule, &sc.units, sparse.is_some());
+        let h = band(self.ctx.hysteresis_permille, sparse.is_some());
+
+        // Targets with hysteresis; the demand they answer is now the demand used.
+        sc.desired.clear();
+        let (mut sum_r, mut sum_b) = (0u128, 0u128);
+        for (i, e) in key.entries.iter_mut().enumerate() {
+            let target = target_of(
+                &rule,
+                self.ctx.learning,
+                sc.units[i],
+                e,
+                sc.reachable[i],
+                split,
+            );
+            let desired = with_hysteresis(&rule, h, target, e);
+            sum_r += desired.rate as u128;
+            sum_b += desired.burst as u128;
+            sc.desired.push(desired);
+            e.demand_used = e.demand;
+            e.rejecting_used = e.rejecting;
+        }
+        if !rule.concurrency {
+            sum_r = absorb_band_residue(
+                &key.entries,
+                &sc.reachable,
+                h,
+                limit.rate,
+                sum_r,
+                &mut sc.desired,
+                &mut sc.room,
+            );
+        }
+        if sum_r > limit.rate as u128 || sum_b > limit.burst as u128 {
+            // Shrinks held back by hysteresis would block growth: shrink exactly.
+            for (i, e) in key.entries.iter().enumerate() {
+                let target = target_of(
+                    &rule,
+                    self.ctx.learning,
+                    sc.units[i],
+                    e,
+                    sc.reachable[i],
+                    split,
+                );
+                let d = &mut sc.desired[i];
+                if target.le(*d) {
+                    *d = target;
+                }
+            }
+        }
+        key.fill = fill;
+        key.split = split;
+        key.sparse = sparse.is_some();
+        key.keep_floor = sparse.map_or(0.0, |(_, floor)| floor);
+        key.last_full_ns = now;
+        // Shrinks (and anything within a commitment) first, then rejecting growers, then
+        // the others.
+        sc.growers.clear();
+        for i in 0..sc.desired.len() {
+            let e = &key.entries[i];
+            if sc.desired[i] == e.current() {
+                continue;
+            }
+            if sc.desired[i].le(e.commitment()) {
+                self.grant_towards(k, key, i as u32, sc.desired[i]);
+            } else {
+                sc.growers.push((!e.rejecting, i as u32));
+            }
+        }
+        sc.growers.sort_unstable();
+        for &(_, i) in &sc.growers {
+            self.grant_towards(k, key, i, sc.desired[i as usize]);
+        }
+        true
     }
-    sc.growers.sort_unstable();
-    for &(_, i) in &sc.growers {
-        grant_towards(ctx, agents, out, k, key, i, sc.desired[i as usize]);
-    }
-    true
 }
 
 /// One thread's share of a batch: keys `ks` (ascending, each `>= base`) of the key
@@ -394,11 +390,9 @@ pub(super) struct HalfDone {
     pub idle: Vec<u32>,
 }
 
-/// Recomputes a half of a batch with `agents` shared read-only.
-pub(super) fn run_half(
-    ctx: &Ctx<'_>,
-    agents: &mut Shared<'_>,
-    out: &mut Out<'_>,
+/// Recomputes a half of a batch, the agents shared read-only.
+fn run_half(
+    pass: &mut Pass<'_, Shared<'_>>,
     now: u64,
     half: Half<'_>,
     sc: &mut Scratch,
@@ -409,12 +403,20 @@ pub(super) fn run_half(
             continue;
         };
         key.dirty = false;
-        if !recompute(ctx, agents, out, now, k, key, sc) {
+        if !pass.recompute(now, k, key, sc) {
             idle.push(k);
         }
     }
     HalfDone { idle }
 }
+
+/// [`Allocator::serial_pass`]: a pass over the allocator's agents and outbox, the key
+/// table and the scratch buffers.
+pub(super) type SerialPass<'a> = (
+    Pass<'a, [Option<Agent>]>,
+    &'a mut Vec<Option<Key>>,
+    &'a mut Scratch,
+);
 
 /// [`Allocator::pass_parts`]: the context, the key table, the agents, where grants go
 /// and the scratch buffers, borrowed apart.
@@ -427,6 +429,18 @@ pub(super) type PassParts<'a> = (
 );
 
 impl Allocator {
+    /// A [`Pass`] over the allocator's own agents and outbox, the key table and the
+    /// scratch buffers beside it: what a recomputation on this thread needs.
+    pub(super) fn serial_pass(&mut self) -> SerialPass<'_> {
+        let (ctx, keys, agents, out, sc) = self.pass_parts();
+        let pass = Pass {
+            ctx,
+            agents: &mut agents[..],
+            out,
+        };
+        (pass, keys, sc)
+    }
+
     /// The read-only context and the split borrows a recomputation needs.
     pub(super) fn pass_parts(&mut self) -> PassParts<'_> {
         let ctx = Ctx {
@@ -468,52 +482,50 @@ impl Allocator {
             return ks.iter().filter(|&&k| self.recompute_now(now, k)).count();
         }
         let mut batch = Vec::with_capacity(ks.len());
-        let mut projected = self.pending_len();
+        let (mut projected, mut entries) = (self.pending_len(), 0);
         for &k in ks {
-            let key = self.keys[k as usize].as_mut().expect("live key");
-            let n = key.entries.len();
-            if projected == 0 || projected + n <= self.cfg.max_outbox {
+            let n = self.key(k).entries.len();
+            if self.outbox_fits(projected, n) {
                 projected += n;
+                entries += n;
                 batch.push(k);
             } else {
-                key.dirty = true;
-                key.due_ns = now;
-                self.dirty.push(Reverse((now, k)));
-                self.recompute_at_ns = Some(now);
+                self.defer(now, k);
             }
         }
-        self.recompute_batch(now, &batch);
+        self.recompute_batch(now, &mut batch, entries);
         batch.len()
     }
 
-    /// Recomputes keys `ks` (ascending key indices of live keys, whose grants fit in
-    /// the outbox) now: on two threads if they have at least
-    /// [`PARALLEL_MIN_ENTRIES`] entries, else in order on this one. Keys with idle
-    /// entries are recomputed last, on this thread, once those are forgotten.
-    pub(super) fn recompute_batch(&mut self, now: u64, ks: &[u32]) {
-        let entries: usize = ks.iter().map(|&k| self.key(k).entries.len()).sum();
+    /// Recomputes live keys `ks`, whose grants fit in the outbox and which hold
+    /// `entries` entries, now: in their order on this thread below
+    /// [`PARALLEL_MIN_ENTRIES`] entries, else sorted by index and split over two
+    /// threads. Keys with idle entries are recomputed last, on this thread, once those
+    /// are forgotten.
+    pub(super) fn recompute_batch(&mut self, now: u64, ks: &mut [u32], entries: usize) {
         if entries < self.parallel_min_entries {
-            for &k in ks {
+            for &k in ks.iter() {
                 self.key_mut(k).dirty = false;
                 self.recompute(now, k);
             }
             return;
         }
+        ks.sort_unstable();
+        let ks = &*ks;
         // Split at half the work: keys below `mid` (by index) on this thread. A key
         // costs about as much as `KEY_COST` entries besides its entries (its own lines
         // and the water-filling's set-up): split by entries alone, the half with the
         // long tail of one-agent keys finished last.
         let work = entries + ks.len() * KEY_COST;
-        let mut acc = 0usize;
-        let cut = ks
-            .iter()
-            .position(|&k| {
-                acc += self.key(k).entries.len() + KEY_COST;
-                acc * 2 >= work
-            })
-            .map_or(ks.len(), |i| i + 1);
+        let (mut cut, mut first_entries) = (ks.len(), 0);
+        for (i, &k) in ks.iter().enumerate() {
+            first_entries += self.key(k).entries.len();
+            if (first_entries + (i + 1) * KEY_COST) * 2 >= work {
+                cut = i + 1;
+                break;
+            }
+        }
         let (ks0, ks1) = ks.split_at(cut);
-        let first_entries: usize = ks0.iter().map(|&k| self.key(k).entries.len()).sum();
         let mid = ks1.first().map_or(self.keys.len() as u32, |&k| k);
         let n_agents = self.agents.len();
         let first_seq = self.next_seq;
@@ -528,7 +540,7 @@ impl Allocator {
         tail.reserve(entries - first_entries);
         let mut transfers1 = Vec::new();
         let mut sc1 = Scratch::default();
-        let (ctx, keys, agents, mut out0, sc0) = self.pass_parts();
+        let (ctx, keys, agents, out0, sc0) = self.pass_parts();
         let hold_ns = ctx.hold_ns;
         let (keys0, keys1) = keys.split_at_mut(mid as usize);
         let agents_ro: &[Option<Agent>] = agents;
@@ -540,30 +552,39 @@ impl Allocator {
             agents: agents_ro,
             issued: Issued::new(n_agents),
         };
+        let mut pass0 = Pass {
+            ctx,
+            agents: &mut shared0,
+            out: out0,
+        };
         let (done0, done1) = std::thread::scope(|s| {
             let worker = s.spawn(|| {
-                let mut out1 = Out {
-                    next_seq: &mut seq1,
-                    outbox: &mut tail,
-                    before: 0,
-                    transfers: &mut transfers1,
+                let mut pass1 = Pass {
+                    ctx,
+                    agents: &mut shared1,
+                    out: Out {
+                        next_seq: &mut seq1,
+                        outbox: &mut tail,
+                        before: 0,
+                        transfers: &mut transfers1,
+                    },
                 };
                 let half = Half {
                     keys: keys1,
                     base: mid,
                     ks: ks1,
                 };
-                run_half(&ctx, &mut shared1, &mut out1, now, half, &mut sc1)
+                run_half(&mut pass1, now, half, &mut sc1)
             });
             let half = Half {
                 keys: keys0,
                 base: 0,
                 ks: ks0,
             };
-            let done0 = run_half(&ctx, &mut shared0, &mut out0, now, half, sc0);
+            let done0 = run_half(&mut pass0, now, half, sc0);
             (done0, worker.join().expect("allocation thread panicked"))
         });
-        let end0 = *out0.next_seq;
+        let end0 = *pass0.out.next_seq;
         let (issued0, issued1) = (shared0.issued, shared1.issued);
         issued0.apply(&mut self.agents, hold_ns);
         issued1.apply(&mut self.agents, hold_ns);
