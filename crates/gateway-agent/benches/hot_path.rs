@@ -175,9 +175,14 @@ fn admit_complete(c: &mut Criterion) {
                 // benchmark of rejections (it did, before the rates were raised).
                 assert!(d.is_admitted(), "the benchmark must measure admissions");
                 black_box(&d);
-                let c = e
-                    .complete(now, id, THREE_DIMENSIONS_USAGE, CompletionStatus::Ok)
-                    .expect("live");
+                // `admit_into` pairs with the worker's `complete` (its cached table
+                // snapshot); the by-value admission with the engine's, as before.
+                let c = if into {
+                    w.complete(now, id, THREE_DIMENSIONS_USAGE, CompletionStatus::Ok)
+                } else {
+                    e.complete(now, id, THREE_DIMENSIONS_USAGE, CompletionStatus::Ok)
+                }
+                .expect("live");
                 assert_eq!(c, Completion::Settled, "a live lease settles once");
                 // The shell's maintenance tick, every 100 ms as in the shell; its cost
                 // is amortised into the figure, as it is in production.

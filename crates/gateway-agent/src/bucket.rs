@@ -284,8 +284,8 @@ pub(crate) struct Slot {
     /// never saw admitted (without it, two rules on one key starve each other's demand,
     /// found by the local cluster).
     pub(crate) blocked: AtomicU64,
-    /// Slots only: engine time of the last take (rate buckets derive idleness from
-    /// their TAT, and hold [`NOT_SLOTS`] here).
+    /// Slots: engine time of the last take. Rate buckets derive idleness from their
+    /// TAT and hold [`RATE_MARK`] plus their generation here ([`Slot::generation`]).
     touched: AtomicU64,
     pub(crate) key: Arc<LimitKey>,
     /// The sync client's last walk of this slot ([`Slot::walk_mark`];
@@ -296,9 +296,15 @@ pub(crate) struct Slot {
     walked: AtomicU64,
 }
 
-/// [`Slot`]'s `touched` in a rate bucket, which never takes a time there: tells the
-/// kinds apart on the slot's second line ([`Slot::marks_in_flight`]).
-const NOT_SLOTS: u64 = u64::MAX;
+/// The top bit of [`Slot`]'s `touched` in a rate bucket, which never takes a time
+/// there (a concurrency slot's times stay below it): tells the kinds apart on the
+/// slot's second line ([`Slot::marks_in_flight`]). The other bits are the bucket's
+/// generation.
+const RATE_MARK: u64 = 1 << 63;
+
+/// Generations of rate buckets, unique in the process: a lease names the bucket it was
+/// debited on by its key and generation ([`Slot::generation`]), without a reference.
+static NEXT_GENERATION: AtomicU64 = AtomicU64::new(1);
 
 /// [`Slot`]'s walk mark before any walk (and after a slice change the counts do not
 /// show): the next walk of changed keys reads the slot.
@@ -314,7 +320,9 @@ impl Slot {
             blocked: AtomicU64::new(0),
             touched: AtomicU64::new(match params {
                 Params::Slots(_) => 0,
-                Params::Rate(_) | Params::Closed(_) => NOT_SLOTS,
+                Params::Rate(_) | Params::Closed(_) => {
+                    RATE_MARK | NEXT_GENERATION.fetch_add(1, Ordering::Relaxed)
+                }
             }),
             params,
             check: key.check,
@@ -353,7 +361,17 @@ impl Slot {
     /// tick at 10,000 keys.
     #[inline]
     pub(crate) fn marks_in_flight(&self) -> bool {
-        self.touched.load(Ordering::Relaxed) != NOT_SLOTS
+        self.touched.load(Ordering::Relaxed) < RATE_MARK
+    }
+
+    /// A rate bucket's generation, unique among the slots of the process (never reused);
+    /// 0 for concurrency slots, whose settlements are whole slots on whichever slot is
+    /// live. A lease settles its exact debit only on the bucket of the generation it
+    /// was debited on; on a replacement, in units.
+    #[inline]
+    pub(crate) fn generation(&self) -> u64 {
+        let t = self.touched.load(Ordering::Relaxed);
+        if t >= RATE_MARK { t & !RATE_MARK } else { 0 }
     }
 
     /// Makes the next walk of changed keys read this slot: its key's slice changed
@@ -483,7 +501,7 @@ impl Slot {
                     match self.cas(cur, next) {
                         Ok(()) => {
                             self.touched
-                                .store(now.min(NOT_SLOTS - 1), Ordering::Relaxed);
+                                .store(now.min(RATE_MARK - 1), Ordering::Relaxed);
                             return Take::Taken {
                                 amount: 1,
                                 after: next,

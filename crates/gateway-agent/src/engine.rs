@@ -13,6 +13,12 @@
 //! into a new table in batches (at most every `64 + n/16` new keys, and on every
 //! [`Engine::maintain`] and [`Engine::apply_slices`]), so that a fan-out of new keys
 //! costs amortised O(1) per key rather than a table copy each.
+//!
+//! A lease names its keys by their hashes and the generation of the bucket it debited,
+//! with no reference to the slots (no reference count on the decision path); a
+//! completion finds them again in its table snapshot. Keys that may leave the table
+//! while a lease names them give the lease their names first (see
+//! `LeaseTable::insert` and `LeaseTable::keep_names`).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
@@ -28,7 +34,7 @@ use crate::config::{
 use crate::error::{AdmitError, CompleteError, ExtendError, SliceError};
 use crate::key::{KeyHashing, KeyMemo, LimitKey, PassThroughState};
 use crate::lease::{InsertError, Lease, LeaseHead, LeaseLimit, LeaseTable, Removed};
-use crate::usage::{CompletionStatus, Outcome, Usage, UsageRecord, UsageSink};
+use crate::usage::{CompletionStatus, Outcome, RecordLimit, Usage, UsageRecord, UsageSink};
 
 /// How many consecutive ids a colliding key may probe. 64-bit seeded ids collide with
 /// probability ~n^2/2^65 (3e-8 at a million keys); this is insurance, not a hot path.
@@ -1173,6 +1179,7 @@ impl Engine {
         Worker {
             cache: Cache::new(Arc::clone(&self.table)),
             engine: Arc::clone(self),
+            lease: Box::new(Lease::EMPTY),
         }
     }
 
@@ -1234,7 +1241,10 @@ impl Engine {
         let hash = self.hashing.request_hash(req.request_id);
 
         out.reset();
-        let mut held: [Option<LeaseLimit>; MAX_LIMITS_PER_REQUEST] =
+        // What each limit took, and from which slot (borrowed from the table: no
+        // reference count; the lease keeps only the key's hashes).
+        let mut held: [Option<LeaseLimit>; MAX_LIMITS_PER_REQUEST] = [None; MAX_LIMITS_PER_REQUEST];
+        let mut slots: [Option<SlotRef<'_>>; MAX_LIMITS_PER_REQUEST] =
             [const { None }; MAX_LIMITS_PER_REQUEST];
         let mut n_held = 0usize;
         let mut matched = false;
@@ -1251,7 +1261,7 @@ impl Engine {
             let values = &values[..nv];
             matched = true;
             if out.limits_mut().len == MAX_LIMITS_PER_REQUEST {
-                self.rollback(now, &held);
+                self.rollback(now, &held, &slots);
                 return Err(AdmitError::TooManyLimits {
                     max: MAX_LIMITS_PER_REQUEST,
                 });
@@ -1262,7 +1272,7 @@ impl Engine {
                 && cost > rule.whole_capacity
                 && rule.enforce
             {
-                self.rollback(now, &held);
+                self.rollback(now, &held, &slots);
                 out.reject(
                     ri as usize,
                     RejectReason::NeverFits {
@@ -1274,10 +1284,10 @@ impl Engine {
             }
             let mut first = true;
             loop {
-                let slot = match self.slot_for(table, now, ri, values, first, &mut memo) {
+                let (slot, key_id) = match self.slot_for(table, now, ri, values, first, &mut memo) {
                     Ok(s) => s,
                     Err(e) => {
-                        self.rollback(now, &held);
+                        self.rollback(now, &held, &slots);
                         return Err(e);
                     }
                 };
@@ -1288,13 +1298,17 @@ impl Engine {
                         out.limits_mut()
                             .push(status(rule, cost, false, &slot.params, after, now));
                         held[n_held] = Some(LeaseLimit {
+                            id: key_id,
+                            check: slot.check,
+                            generation: slot.generation(),
+                            reserved: cost,
+                            debited: amount,
+                            rule: ri,
                             dimension: rule.dimension,
                             mode: rule.rule.mode,
                             holds: hold && amount > 0,
-                            reserved: cost,
-                            debited: amount,
-                            slot,
                         });
+                        slots[n_held] = Some(slot);
                         n_held += 1;
                         break;
                     }
@@ -1312,17 +1326,19 @@ impl Engine {
                             now,
                         ));
                         if rule.enforce {
-                            self.rollback(now, &held);
+                            self.rollback(now, &held, &slots);
                             if let Some(d) = self
                                 .leases
-                                .with_live(hash, req.request_id, |l| replay(l, now))
+                                .with_live(hash, req.request_id, |l| self.replay(table, l, now))
                             {
                                 *out = d;
                                 return Ok(());
                             }
                             // The other rules this request matched saw demand too.
-                            for l in held.iter().flatten() {
-                                l.slot.blocked.fetch_add(l.reserved, Ordering::Relaxed);
+                            for (l, s) in held.iter().zip(&slots) {
+                                if let (Some(l), Some(s)) = (l, s) {
+                                    s.blocked.fetch_add(l.reserved, Ordering::Relaxed);
+                                }
                             }
                             self.block_later(
                                 table,
@@ -1350,8 +1366,10 @@ impl Engine {
         }
         let expires = now.saturating_add(ttl_ms * MS);
         // Count admitted cost before the lease is published (undone if it is not).
-        for l in held.iter().flatten() {
-            l.slot.admitted.fetch_add(l.reserved, Ordering::Relaxed);
+        for (l, s) in held.iter().zip(&slots) {
+            if let (Some(l), Some(s)) = (l, s) {
+                s.admitted.fetch_add(l.reserved, Ordering::Relaxed);
+            }
         }
         let head = LeaseHead {
             admitted_at_ns: now,
@@ -1359,14 +1377,25 @@ impl Engine {
             input_tokens: req.cost.input_tokens,
             max_output_tokens: req.cost.max_output_tokens,
         };
+        // A key whose slot was sealed since it was debited (evicted, or replaced) may
+        // leave the table; so may one the table snapshot did not show (found or made on
+        // the slow path: a completion's snapshot may not show it either, and an eviction
+        // then drops it from pending before the record is written). Those leases keep
+        // the key's name (see `LeaseTable::insert`).
+        let sealed = |j: usize| {
+            slots[j]
+                .as_ref()
+                .filter(|s| matches!(s, SlotRef::Owned(_)) || s.is_sealed())
+                .map(|s| &s.key)
+        };
         match self
             .leases
-            .insert(hash, req.request_id, head, &mut held, n_held)
+            .insert(hash, req.request_id, head, &held, n_held, sealed)
         {
             Ok(()) => {}
             Err(InsertError::Full) => {
-                uncount(&held);
-                self.rollback(now, &held);
+                uncount(&held, &slots);
+                self.rollback(now, &held, &slots);
                 return Err(AdmitError::LeaseTableFull {
                     max: self.cfg.max_leases,
                 });
@@ -1374,11 +1403,11 @@ impl Engine {
             Err(InsertError::Exists) => {
                 // A concurrent retry of the same id won the race: undo ours, answer
                 // with theirs.
-                uncount(&held);
-                self.rollback(now, &held);
+                uncount(&held, &slots);
+                self.rollback(now, &held, &slots);
                 *out = self
                     .leases
-                    .with_live(hash, req.request_id, |l| replay(l, now))
+                    .with_live(hash, req.request_id, |l| self.replay(table, l, now))
                     .ok_or(AdmitError::RequestIdCollision)?;
                 return Ok(());
             }
@@ -1386,27 +1415,67 @@ impl Engine {
         if let Decision::Admitted(a) = out {
             a.lease_expires_at_ns = Some(expires);
         }
+        // Only the first `n_held` can hold a slot (and only a slow-path one owns it):
+        // drop those, not eight (the array's own drop checks every entry).
+        for s in &mut slots[..n_held] {
+            drop(s.take());
+        }
+        std::mem::forget(slots);
         Ok(())
+    }
+
+    /// A live lease as a decision (a retried request id is answered with its lease): each
+    /// limit as its key's slot in `table` shows it now, or, for a key the snapshot does
+    /// not show (new since, or evicted), as its rule's whole limit, full. (Called under
+    /// the lease's shard lock, so it does not take the slow-path lock.)
+    fn replay(&self, table: &KeyTable, l: &Lease, now: u64) -> Decision {
+        let mut limits = Limits::EMPTY;
+        for ll in l.limits() {
+            let (params, state) = match table.lookup(ll.id, ll.check) {
+                Some(s) => (s.params.shape(), s.load()),
+                None => {
+                    let whole = &self.compiled[ll.rule as usize].whole;
+                    (whole.shape(), Slot::full_state(whole, now))
+                }
+            };
+            limits.push(LimitStatus {
+                rule: ll.rule,
+                dimension: ll.dimension,
+                mode: ll.mode,
+                cost: ll.reserved,
+                shadow_rejected: false,
+                params,
+                state,
+                now,
+            });
+        }
+        Decision::Admitted(Admitted {
+            lease_expires_at_ns: Some(l.expires_at_ns),
+            replayed: true,
+            limits,
+        })
     }
 
     /// The key's live slot: from the table snapshot when `first` (the decision path:
     /// no lock, no allocation), else, after meeting a sealed slot, from the slow path.
+    /// Also returns the key's id as hashed (what a lease keeps to find the key again).
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
-    fn slot_for(
+    fn slot_for<'t>(
         &self,
-        table: &KeyTable,
+        table: &'t KeyTable,
         now: u64,
         rule: u32,
         values: &[&str],
         first: bool,
         memo: &mut KeyMemo,
-    ) -> Result<Arc<Slot>, AdmitError> {
+    ) -> Result<(SlotRef<'t>, u64), AdmitError> {
         let (id, check) = KeyHashing::ids_from(memo.hashes(&self.hashing, values), rule);
         if first && let Some(s) = table.lookup(id, check) {
-            return Ok(Arc::clone(s));
+            return Ok((SlotRef::Table(s), id));
         }
         self.resolve_slow(now, id, rule, values)
+            .map(|s| (SlotRef::Owned(s), id))
     }
 
     /// Counts `cost(rule)` as blocked demand on every later candidate rule the request
@@ -1432,16 +1501,18 @@ impl Engine {
             if c == 0 {
                 continue;
             }
-            if let Ok(slot) = self.slot_for(table, now, ri, &values[..nv], true, &mut memo) {
+            if let Ok((slot, _)) = self.slot_for(table, now, ri, &values[..nv], true, &mut memo) {
                 slot.blocked.fetch_add(c, Ordering::Relaxed);
             }
         }
     }
 
-    /// Undoes every debit in `held` (a rejection or a failed insert).
-    fn rollback(&self, now: u64, held: &[Option<LeaseLimit>]) {
-        for l in held.iter().flatten() {
-            if !l.slot.settle(now, l.debited, l.held()) {
+    /// Undoes every debit in `held`, taken from `slots` (a rejection or a failed insert).
+    fn rollback(&self, now: u64, held: &[Option<LeaseLimit>], slots: &[Option<SlotRef<'_>>]) {
+        for (l, s) in held.iter().zip(slots) {
+            if let (Some(l), Some(s)) = (l, s)
+                && !s.settle(now, l.debited, l.held())
+            {
                 // Sealed since: settle on the current slot, in units.
                 self.settle_current(now, l, l.reserved);
             }
@@ -1452,10 +1523,8 @@ impl Engine {
     /// sealed by a slice change; its held units carried over): gives back `refund`
     /// units (one slot, for concurrency) and releases what `l` held.
     fn settle_current(&self, now: u64, l: &LeaseLimit, refund: u64) {
-        let key = &l.slot.key;
-        let values: Vec<&str> = key.values().collect();
         for _ in 0..8 {
-            let Some(slot) = self.current_slot(key.id, key.rule, &values) else {
+            let Some(slot) = self.current_of(l) else {
                 return; // evicted at rest: it held nothing
             };
             let amount = match &slot.params {
@@ -1469,19 +1538,35 @@ impl Engine {
         }
     }
 
-    fn charge_units(&self, now: u64, key: &LimitKey, units: u64, held: &Arc<Slot>) {
-        if held.charge(now, units) {
+    /// Charges `units` beyond `l`'s reservation to its key: on `found` (the key's slot
+    /// in the table), else on its current one.
+    fn charge_units(&self, now: u64, l: &LeaseLimit, units: u64, found: Option<&Slot>) {
+        if found.is_some_and(|s| s.charge(now, units)) {
             return;
         }
-        let values: Vec<&str> = key.values().collect();
         for _ in 0..8 {
-            let Some(slot) = self.current_slot(key.id, key.rule, &values) else {
+            let Some(slot) = self.current_of(l) else {
                 return;
             };
             if slot.charge(now, units) {
                 return;
             }
         }
+    }
+
+    /// The live slot of `l`'s key, from pending or the table, without creating one.
+    fn current_of(&self, l: &LeaseLimit) -> Option<Arc<Slot>> {
+        let slow = self.slow();
+        let table = self.table.load();
+        find_by_hashes(&slow, &table, l, true).map(Arc::clone)
+    }
+
+    /// The name of `l`'s key from pending or the table (a sealed slot's will do), for
+    /// a usage record whose key the table snapshot did not show.
+    fn name_of(&self, l: &LeaseLimit) -> Option<Arc<LimitKey>> {
+        let slow = self.slow();
+        let table = self.table.load();
+        find_by_hashes(&slow, &table, l, false).map(|s| Arc::clone(&s.key))
     }
 
     /// The live slot for a key, from pending or the table, without creating one.
@@ -1619,6 +1704,9 @@ impl Engine {
         let candidates: Vec<Arc<Slot>> = live_slots(slow, &table)
             .map(|(_, s)| Arc::clone(s))
             .collect();
+        // The names of the keys evicted, by check hash: live leases that name them keep
+        // them (a lease refers to its keys by hashes only).
+        let mut gone: HashMap<u64, Arc<LimitKey>> = HashMap::new();
         for s in candidates {
             if evicted >= max {
                 break;
@@ -1652,8 +1740,12 @@ impl Engine {
                 retire(&mut slow.retired, &s);
                 slow.keys -= 1;
                 evicted += 1;
+                gone.insert(s.check, Arc::clone(&s.key));
             }
         }
+        // Every slot above is sealed by now; a lease inserted after this walk passes its
+        // shard sees that at insert and keeps the name itself (`LeaseTable::insert`).
+        self.leases.keep_names(&gone);
         evicted
     }
 
@@ -1666,77 +1758,200 @@ impl Engine {
         usage: Usage,
         status: CompletionStatus,
     ) -> Result<Completion, CompleteError> {
+        let table = self.table.load();
+        let mut lease = Lease::EMPTY;
+        self.complete_in(&table, now, request_id, usage, status, &mut lease)
+    }
+
+    // Inlined into its two callers (the engine's, and the worker's with its cached
+    // table snapshot).
+    #[inline(always)]
+    fn complete_in(
+        &self,
+        table: &KeyTable,
+        now: u64,
+        request_id: &str,
+        usage: Usage,
+        status: CompletionStatus,
+        lease: &mut Lease,
+    ) -> Result<Completion, CompleteError> {
         validate_id(request_id).map_err(CompleteError::Invalid)?;
         validate_usage(&usage)?;
         let hash = self.hashing.request_hash(request_id);
-        let mut taken = None;
-        match self
+        let (lease, live, outcome, done) = match self
             .leases
-            .remove_for_completion(hash, request_id, now, &mut taken)
+            .remove_for_completion(hash, request_id, now, lease)
         {
-            Removed::Live => {
-                let lease = taken.as_ref().expect("a live removal moves the lease out");
-                for l in lease.limits() {
-                    self.settle(now, l, &usage, true);
-                }
-                self.sink.record(&UsageRecord {
-                    request_id,
-                    outcome: Outcome::Completed(status),
-                    usage: Some(usage),
-                    reserved_input_tokens: lease.input_tokens,
-                    max_output_tokens: lease.max_output_tokens,
-                    admitted_at_ns: lease.admitted_at_ns,
-                    at_ns: now,
-                    limits: &lease.limits,
-                });
-                Ok(Completion::Settled)
-            }
+            Removed::Live => (
+                &*lease,
+                true,
+                Outcome::Completed(status),
+                Completion::Settled,
+            ),
             Removed::Expired(expired) => {
-                let lease = &expired.lease;
-                for l in lease.limits() {
-                    self.settle(now, l, &usage, false);
-                }
-                self.sink.record(&UsageRecord {
-                    request_id,
-                    outcome: Outcome::LateCompleted(status),
-                    usage: Some(usage),
-                    reserved_input_tokens: lease.input_tokens,
-                    max_output_tokens: lease.max_output_tokens,
-                    admitted_at_ns: lease.admitted_at_ns,
-                    at_ns: now,
-                    limits: &lease.limits,
-                });
-                Ok(Completion::Late)
+                *lease = expired.lease;
+                (
+                    &*lease,
+                    false,
+                    Outcome::LateCompleted(status),
+                    Completion::Late,
+                )
             }
-            Removed::Completed => Ok(Completion::Duplicate),
-            Removed::Unknown => Err(CompleteError::UnknownRequest),
+            Removed::Completed => return Ok(Completion::Duplicate),
+            Removed::Unknown => return Err(CompleteError::UnknownRequest),
+        };
+        let found = self.found(table, lease);
+        for (l, f) in lease.limit_slots().iter().zip(&found) {
+            if let Some(l) = l {
+                self.settle(now, l, f.map(|s| &**s), &usage, live);
+            }
         }
+        self.record(request_id, outcome, Some(usage), now, lease, &found);
+        Ok(done)
+    }
+
+    /// Each limit's key as the table snapshot shows it (a sealed slot included).
+    #[inline]
+    fn found<'t>(
+        &self,
+        table: &'t KeyTable,
+        lease: &Lease,
+    ) -> [Option<&'t Arc<Slot>>; MAX_LIMITS_PER_REQUEST] {
+        let mut found = [None; MAX_LIMITS_PER_REQUEST];
+        for (f, l) in found.iter_mut().zip(lease.limit_slots()) {
+            if let Some(l) = l {
+                *f = table.lookup(l.id, l.check);
+            }
+        }
+        found
+    }
+
+    /// Hands one usage record for `lease` to the sink, each limit named by the name the
+    /// lease kept, else by its slot in the snapshot (`found`), else from the slow path.
+    fn record(
+        &self,
+        request_id: &str,
+        outcome: Outcome,
+        usage: Option<Usage>,
+        now: u64,
+        lease: &Lease,
+        found: &[Option<&Arc<Slot>>; MAX_LIMITS_PER_REQUEST],
+    ) {
+        let n = lease.len as usize;
+        let mut limits: [Option<RecordLimit<'_>>; MAX_LIMITS_PER_REQUEST] =
+            [None; MAX_LIMITS_PER_REQUEST];
+        for (j, (slot, l)) in limits.iter_mut().zip(lease.limit_slots()).enumerate() {
+            let Some(l) = l else { continue };
+            let Some(key) = lease.name(j).or(found[j].map(|s| &s.key)) else {
+                // Rare: a key the snapshot does not show and whose name the lease did
+                // not keep (new since the snapshot): named from the slow path.
+                return self.record_named(request_id, outcome, usage, now, lease, found);
+            };
+            *slot = Some(RecordLimit {
+                key,
+                dimension: l.dimension,
+                mode: l.mode,
+                reserved: l.reserved,
+            });
+        }
+        let limits = &limits[..n];
+        self.sink.record(&UsageRecord {
+            request_id,
+            outcome,
+            usage,
+            reserved_input_tokens: lease.input_tokens,
+            max_output_tokens: lease.max_output_tokens,
+            admitted_at_ns: lease.admitted_at_ns,
+            at_ns: now,
+            limits,
+        });
+    }
+
+    /// [`Engine::record`] with names from the slow path for the keys neither the lease
+    /// nor the snapshot name.
+    #[cold]
+    fn record_named(
+        &self,
+        request_id: &str,
+        outcome: Outcome,
+        usage: Option<Usage>,
+        now: u64,
+        lease: &Lease,
+        found: &[Option<&Arc<Slot>>; MAX_LIMITS_PER_REQUEST],
+    ) {
+        let named: Vec<Option<Arc<LimitKey>>> = lease
+            .limit_slots()
+            .iter()
+            .enumerate()
+            .map(|(j, l)| match l {
+                Some(l) if found[j].is_none() && lease.name(j).is_none() => self.name_of(l),
+                _ => None,
+            })
+            .collect();
+        let limits: Vec<Option<RecordLimit<'_>>> = lease
+            .limit_slots()
+            .iter()
+            .enumerate()
+            .map(|(j, l)| {
+                let l = l.as_ref()?;
+                let key = lease
+                    .name(j)
+                    .or(found[j].map(|s| &s.key))
+                    .or(named[j].as_ref());
+                debug_assert!(key.is_some(), "a lease lost the name of its key");
+                key.map(|key| RecordLimit {
+                    key,
+                    dimension: l.dimension,
+                    mode: l.mode,
+                    reserved: l.reserved,
+                })
+            })
+            .collect();
+        self.sink.record(&UsageRecord {
+            request_id,
+            outcome,
+            usage,
+            reserved_input_tokens: lease.input_tokens,
+            max_output_tokens: lease.max_output_tokens,
+            admitted_at_ns: lease.admitted_at_ns,
+            at_ns: now,
+            limits: &limits,
+        });
     }
 
     /// Reconciles one limit. `live`: the lease was live (refund and release);
     /// otherwise it expired earlier (slots and held units already released, nothing
-    /// refunded), and only usage beyond the reservation is charged.
-    fn settle(&self, now: u64, l: &LeaseLimit, usage: &Usage, live: bool) {
-        let rule = &self.compiled[l.slot.key.rule as usize];
+    /// refunded), and only usage beyond the reservation is charged. `found`: the key's
+    /// slot in the table snapshot, if it showed one: the refund is exact on the bucket
+    /// debited (same generation), else in units on the key's current slot.
+    #[inline]
+    fn settle(&self, now: u64, l: &LeaseLimit, found: Option<&Slot>, usage: &Usage, live: bool) {
         if l.dimension == Dimension::Concurrency {
-            if live && l.debited > 0 && !l.slot.settle(now, l.debited, 0) {
+            if live && l.debited > 0 && !found.is_some_and(|s| s.settle(now, l.debited, 0)) {
                 self.settle_current(now, l, l.debited);
             }
             return;
         }
+        let rule = &self.compiled[l.rule as usize];
         let actual = rule.actual(l.reserved, usage);
         if live && (l.holds || actual < l.reserved) {
             let used = actual.min(l.reserved);
-            let exact_ns = match &l.slot.params {
-                Params::Rate(p) => l.debited.saturating_sub(p.debit_ns(used)),
-                Params::Closed(_) | Params::Slots(_) => 0,
+            let settled = match found {
+                Some(s) if s.generation() == l.generation => {
+                    let exact_ns = match &s.params {
+                        Params::Rate(p) => l.debited.saturating_sub(p.debit_ns(used)),
+                        Params::Closed(_) | Params::Slots(_) => 0,
+                    };
+                    s.settle(now, exact_ns, l.held())
+                }
+                _ => false,
             };
-            if !l.slot.settle(now, exact_ns, l.held()) {
+            if !settled {
                 self.settle_current(now, l, l.reserved - used);
             }
         }
         if actual > l.reserved {
-            self.charge_units(now, &l.slot.key, actual - l.reserved, &l.slot);
+            self.charge_units(now, l, actual - l.reserved, found);
         }
     }
 
@@ -1790,15 +2005,15 @@ impl Engine {
         })?;
         let table = self.table.load();
         let mut limits = Limits::EMPTY;
-        let mut taken: [Option<(Arc<Slot>, u64)>; MAX_LIMITS_PER_REQUEST] =
+        let mut taken: [Option<(SlotRef<'_>, u64)>; MAX_LIMITS_PER_REQUEST] =
             [const { None }; MAX_LIMITS_PER_REQUEST];
-        let mut charges: [Option<(u32, Arc<Slot>)>; MAX_LIMITS_PER_REQUEST] =
+        let mut charges: [Option<(u32, SlotRef<'_>)>; MAX_LIMITS_PER_REQUEST] =
             [const { None }; MAX_LIMITS_PER_REQUEST];
         let (mut n_taken, mut n_charges) = (0, 0);
         let mut matched = false;
         let mut values: [&str; MAX_DESCRIPTORS] = [""; MAX_DESCRIPTORS];
         let mut memo = KeyMemo::default();
-        let undo = |taken: &[Option<(Arc<Slot>, u64)>]| {
+        let undo = |taken: &[Option<(SlotRef<'_>, u64)>]| {
             for (slot, amount) in taken.iter().flatten() {
                 slot.settle(now, *amount, 0);
             }
@@ -1836,7 +2051,7 @@ impl Engine {
             let mut first = true;
             loop {
                 let slot = match self.slot_for(&table, now, ri, values, first, &mut memo) {
-                    Ok(s) => s,
+                    Ok((s, _)) => s,
                     Err(e) => {
                         undo(&taken);
                         return Err(e);
@@ -1902,7 +2117,7 @@ impl Engine {
         }
         for (ri, slot) in charges.iter().flatten() {
             let rule = &self.compiled[*ri as usize];
-            let mut slot = Arc::clone(slot);
+            let mut slot = Arc::clone(&**slot);
             for _ in 0..8 {
                 if slot.charge(now, hits) {
                     break;
@@ -1945,7 +2160,7 @@ impl Engine {
             let values = &values[..nv];
             let cost = rule.cost(&req.cost);
             for attempt in 0..8 {
-                let slot = self.slot_for(&table, now, ri, values, attempt == 0, &mut memo)?;
+                let (slot, _) = self.slot_for(&table, now, ri, values, attempt == 0, &mut memo)?;
                 if slot.charge(now, cost) {
                     slot.admitted.fetch_add(cost, Ordering::Relaxed);
                     charged += 1;
@@ -2206,33 +2421,40 @@ impl Engine {
     pub fn maintain(&self, now: u64) -> MaintainReport {
         let mut report = MaintainReport::default();
         let mut expired = Vec::new();
-        self.leases
-            .expire(now, self.cfg.tombstone_ttl_ms * MS, &mut expired);
+        {
+            // Expired leases keep their keys' names (a late completion may come after
+            // the key is evicted). The slow-path lock first, then the shards', as
+            // everywhere.
+            let slow = self.slow();
+            let table = self.table.load();
+            self.leases
+                .expire(now, self.cfg.tombstone_ttl_ms * MS, &mut expired, |l| {
+                    find_by_hashes(&slow, &table, l, false).map(|s| Arc::clone(&s.key))
+                });
+        }
         report.leases_expired = expired.len();
+        let table = self.table.load();
         for (id, lease) in &expired {
-            for l in lease.limits() {
+            let found = self.found(&table, lease);
+            for (j, l) in lease.limit_slots().iter().enumerate() {
+                let Some(l) = l else { continue };
                 // Release slots and held units; refund nothing (the reservation is
-                // charged in full: nobody said what was used).
+                // charged in full: nobody said what was used). Held units carried over
+                // to a replacement slot, so any live slot of the key releases them.
                 let slots = if l.dimension == Dimension::Concurrency {
                     l.debited
                 } else {
                     0
                 };
-                if (slots > 0 || l.holds) && !l.slot.settle(now, slots, l.held()) {
+                if (slots > 0 || l.holds)
+                    && !found[j].is_some_and(|s| s.settle(now, slots, l.held()))
+                {
                     self.settle_current(now, l, slots);
                 }
             }
-            self.sink.record(&UsageRecord {
-                request_id: id.as_str(),
-                outcome: Outcome::Expired,
-                usage: None,
-                reserved_input_tokens: lease.input_tokens,
-                max_output_tokens: lease.max_output_tokens,
-                admitted_at_ns: lease.admitted_at_ns,
-                at_ns: now,
-                limits: &lease.limits,
-            });
+            self.record(id.as_str(), Outcome::Expired, None, now, lease, &found);
         }
+        drop(table);
 
         let mut slow = self.slow();
         report.slices_expired = self.expire_slices_locked(&mut slow, now);
@@ -2680,10 +2902,11 @@ impl Engine {
             ));
         }
         // Per key: slots taken and token units held by live leases.
+        // (By the keys' check hashes: a lease names its keys by their hashes.)
         let mut held: HashMap<u64, (u64, u64)> = HashMap::new();
         self.leases.for_each(|l| {
             for ll in l.limits() {
-                let e = held.entry(ll.slot.key.id).or_default();
+                let e = held.entry(ll.check).or_default();
                 if ll.dimension == Dimension::Concurrency {
                     e.0 += ll.debited;
                 } else {
@@ -2695,9 +2918,9 @@ impl Engine {
         if leases > self.cfg.max_leases.div_ceil(32) * 32 {
             return Err(format!("{leases} leases > bound"));
         }
-        for (id, s) in &live {
+        for s in live.values() {
             let state = s.load();
-            let (slots, units) = held.get(id).copied().unwrap_or((0, 0));
+            let (slots, units) = held.get(&s.check).copied().unwrap_or((0, 0));
             match s.params {
                 Params::Slots(_) => {
                     if state.tat != slots {
@@ -2732,6 +2955,9 @@ impl Engine {
 pub struct Worker {
     cache: Cache<Arc<ArcSwap<KeyTable>>, Arc<KeyTable>>,
     engine: Arc<Engine>,
+    /// Where a completion copies the lease it finishes (reused: no copy of a whole
+    /// lease on the way out).
+    lease: Box<Lease>,
 }
 
 impl std::fmt::Debug for Worker {
@@ -2760,6 +2986,21 @@ impl Worker {
     ) -> Result<(), AdmitError> {
         let table = self.cache.load();
         self.engine.admit_in(table, now, req, out)
+    }
+
+    /// [`Engine::complete`] through the cached snapshot (a completion looks its keys up
+    /// in the table; the engine's own call loads the snapshot, two locked instructions).
+    #[inline]
+    pub fn complete(
+        &mut self,
+        now: u64,
+        request_id: &str,
+        usage: Usage,
+        status: CompletionStatus,
+    ) -> Result<Completion, CompleteError> {
+        let table = self.cache.load();
+        self.engine
+            .complete_in(table, now, request_id, usage, status, &mut self.lease)
     }
 
     /// Takes `cost` from one resolved key's bucket, with no lease: the bare bucket check
@@ -2812,6 +3053,44 @@ fn find_live(
     None
 }
 
+/// The slot of a lease limit's key (by its hashes and rule), from pending or the table:
+/// only a live one if `live`, else the first found (a sealed slot still names its key).
+fn find_by_hashes<'a>(
+    slow: &'a Slow,
+    table: &'a KeyTable,
+    l: &LeaseLimit,
+    live: bool,
+) -> Option<&'a Arc<Slot>> {
+    for p in 0..MAX_PROBE {
+        let i = l.id.wrapping_add(p);
+        for s in [slow.pending.get(&i), table.get(i)].into_iter().flatten() {
+            if s.check == l.check && s.key.rule == l.rule && (!live || !s.is_sealed()) {
+                return Some(s);
+            }
+        }
+    }
+    None
+}
+
+/// A slot as a decision holds it: borrowed from the table snapshot (the decision path:
+/// no reference count touched), or owned when the slow path found or made it.
+enum SlotRef<'t> {
+    Table(&'t Arc<Slot>),
+    Owned(Arc<Slot>),
+}
+
+impl std::ops::Deref for SlotRef<'_> {
+    type Target = Arc<Slot>;
+
+    #[inline]
+    fn deref(&self) -> &Arc<Slot> {
+        match self {
+            SlotRef::Table(s) => s,
+            SlotRef::Owned(s) => s,
+        }
+    }
+}
+
 fn free_id(slow: &Slow, table: &KeyTable, id: u64) -> Option<u64> {
     (0..MAX_PROBE).map(|p| id.wrapping_add(p)).find(|i| {
         let in_pending = slow.pending.get(i).is_some_and(|s| !s.is_sealed());
@@ -2861,31 +3140,12 @@ fn status(
     }
 }
 
-fn uncount(held: &[Option<LeaseLimit>]) {
-    for ll in held.iter().flatten() {
-        ll.slot.admitted.fetch_sub(ll.reserved, Ordering::Relaxed);
+fn uncount(held: &[Option<LeaseLimit>], slots: &[Option<SlotRef<'_>>]) {
+    for (l, s) in held.iter().zip(slots) {
+        if let (Some(l), Some(s)) = (l, s) {
+            s.admitted.fetch_sub(l.reserved, Ordering::Relaxed);
+        }
     }
-}
-
-fn replay(l: &Lease, now: u64) -> Decision {
-    let mut limits = Limits::EMPTY;
-    for ll in l.limits() {
-        limits.push(LimitStatus {
-            rule: ll.slot.key.rule,
-            dimension: ll.dimension,
-            mode: ll.mode,
-            cost: ll.reserved,
-            shadow_rejected: false,
-            params: ll.slot.params.shape(),
-            state: ll.slot.load(),
-            now,
-        });
-    }
-    Decision::Admitted(Admitted {
-        lease_expires_at_ns: Some(l.expires_at_ns),
-        replayed: true,
-        limits,
-    })
 }
 
 fn validate_id(id: &str) -> Result<(), &'static str> {

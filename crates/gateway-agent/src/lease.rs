@@ -15,7 +15,6 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::bucket::Slot;
 use crate::config::{Dimension, MAX_LIMITS_PER_REQUEST, MAX_REQUEST_ID_BYTES, Mode};
 use crate::key::{LimitKey, PassThroughState};
 
@@ -68,48 +67,46 @@ impl InlineId {
     }
 }
 
-/// One limit a lease holds a reservation on.
-#[derive(Clone)]
-pub struct LeaseLimit {
-    pub(crate) slot: Arc<Slot>,
+/// One limit a lease holds a reservation on, named by its key's hashes: a lease keeps
+/// no reference to the key's slot (a reference count taken at admission and dropped at
+/// completion was three locked instructions each way for three limits, ~100 ns of an
+/// admit + complete). Completion looks the key up in the table it reads anyway. The
+/// key's names (for the usage record) are the slot's while the key lives; a key
+/// evicted while a lease names it gives the lease its names first ([`Lease::names`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct LeaseLimit {
+    /// The key's id as hashed (before any probing) and its check hash: what
+    /// `KeyTable::lookup` takes.
+    pub(crate) id: u64,
+    pub(crate) check: u64,
+    /// The generation of the rate bucket debited (`Slot::generation`; 0 for
+    /// concurrency slots): a refund is exact in ns on that bucket, in units on a
+    /// replacement.
+    pub(crate) generation: u64,
+    /// Units reserved (tokens, requests, or 1 slot).
+    pub(crate) reserved: u64,
+    /// Raw amount debited (ns for rate buckets, slots for concurrency).
+    pub(crate) debited: u64,
+    pub(crate) rule: u32,
     pub(crate) dimension: Dimension,
     pub(crate) mode: Mode,
     /// True when `reserved` is counted in the key's `held` until settled (token
     /// dimensions that debited something; requests and concurrency never hold).
     pub(crate) holds: bool,
-    /// Units reserved (tokens, requests, or 1 slot).
-    pub(crate) reserved: u64,
-    /// Raw amount debited from `slot` (ns for rate buckets, slots for concurrency).
-    pub(crate) debited: u64,
 }
 
 impl LeaseLimit {
-    /// The limit key.
-    pub fn key(&self) -> &LimitKey {
-        &self.slot.key
-    }
-
-    /// The dimension.
-    pub fn dimension(&self) -> Dimension {
-        self.dimension
-    }
-
-    /// Units reserved at admission.
-    pub fn reserved(&self) -> u64 {
-        self.reserved
-    }
-
-    /// Enforce or shadow.
-    pub fn mode(&self) -> Mode {
-        self.mode
-    }
-
     /// Units counted in the key's `held` until settled.
     #[inline]
     pub(crate) fn held(&self) -> u64 {
         if self.holds { self.reserved } else { 0 }
     }
 }
+
+/// The names of a lease's keys, by limit: set only for keys that may leave the table
+/// while the lease needs them (evicted while it was live, or expired leases kept for a
+/// late completion).
+pub(crate) type LeaseNames = [Option<Arc<LimitKey>>; MAX_LIMITS_PER_REQUEST];
 
 /// A reservation in flight. Its request id is kept beside it in the shard (written
 /// once, never moved with the lease).
@@ -121,6 +118,11 @@ pub(crate) struct Lease {
     pub(crate) max_output_tokens: Option<u64>,
     pub(crate) limits: [Option<LeaseLimit>; MAX_LIMITS_PER_REQUEST],
     pub(crate) len: u8,
+    /// In a shard's slab: whether the entry holds a live lease (entries are reused in
+    /// place, not moved in and out).
+    live: bool,
+    /// Names of keys that left (or may leave) the table while this lease names them.
+    pub(crate) names: Option<Box<LeaseNames>>,
 }
 
 /// A lease's fields other than its limits: what admission builds before the insert.
@@ -133,8 +135,58 @@ pub(crate) struct LeaseHead {
 }
 
 impl Lease {
+    /// No lease: a slab entry before its first use, or a completion's buffer.
+    pub(crate) const EMPTY: Lease = Lease {
+        admitted_at_ns: 0,
+        expires_at_ns: 0,
+        input_tokens: 0,
+        max_output_tokens: None,
+        limits: [None; MAX_LIMITS_PER_REQUEST],
+        len: 0,
+        live: false,
+        names: None,
+    };
+
     pub(crate) fn limits(&self) -> impl Iterator<Item = &LeaseLimit> {
         self.limits[..self.len as usize].iter().flatten()
+    }
+
+    /// The lease's limits by position (what `name` is indexed by); past `len` an entry
+    /// may hold an earlier lease's limits.
+    #[inline]
+    pub(crate) fn limit_slots(&self) -> &[Option<LeaseLimit>] {
+        &self.limits[..self.len as usize]
+    }
+
+    /// Copies `from`'s fields in use into `self` (its names moved: `from` is being
+    /// finished), without copying the unused part of the limits.
+    #[inline]
+    fn take_from(&mut self, from: &mut Lease) {
+        self.admitted_at_ns = from.admitted_at_ns;
+        self.expires_at_ns = from.expires_at_ns;
+        self.input_tokens = from.input_tokens;
+        self.max_output_tokens = from.max_output_tokens;
+        let n = from.len as usize;
+        self.limits[..n].copy_from_slice(&from.limits[..n]);
+        self.len = from.len;
+        self.live = false;
+        self.names = from.names.take();
+    }
+
+    /// The name kept for limit `j`, if one was.
+    #[inline]
+    pub(crate) fn name(&self, j: usize) -> Option<&Arc<LimitKey>> {
+        self.names.as_ref().and_then(|n| n[j].as_ref())
+    }
+
+    /// Keeps the name of limit `j`.
+    pub(crate) fn keep_name(&mut self, j: usize, key: &Arc<LimitKey>) {
+        let names = self
+            .names
+            .get_or_insert_with(|| Box::new([const { None }; MAX_LIMITS_PER_REQUEST]));
+        if names[j].is_none() {
+            names[j] = Some(Arc::clone(key));
+        }
     }
 }
 
@@ -364,7 +416,7 @@ impl IdMap {
 /// of leases with a free list. Bounded; see the module docs for what is reserved.
 struct Shard {
     map: IdMap,
-    slab: Vec<Option<Lease>>,
+    slab: Vec<Lease>,
     /// The map key of each slab entry (the maintenance tick walks the slab, not the map).
     slab_keys: Vec<u64>,
     free: Vec<u32>,
@@ -432,9 +484,9 @@ impl Shard {
     }
 
     fn take_live(&mut self, i: u32) -> Lease {
-        let lease = self.slab[i as usize]
-            .take()
-            .expect("live entry has a lease");
+        let mut lease = Lease::EMPTY;
+        lease.take_from(&mut self.slab[i as usize]);
+        self.slab[i as usize].live = false;
         self.free.push(i);
         lease
     }
@@ -521,22 +573,34 @@ impl LeaseTable {
         let shard = self.shard(hash);
         match shard.map.get(key(hash)) {
             Some(Entry::Live(i)) if shard.slab_ids[i as usize].is(id) => {
-                shard.slab[i as usize].as_ref().map(f)
+                let l = &shard.slab[i as usize];
+                l.live.then(|| f(l))
             }
             _ => None,
         }
     }
 
-    /// Inserts a lease for `id`: `head`, and the first `n` of `held`, which move into
-    /// the table only on success (each `Option` is taken: no copy of the whole array,
-    /// no reference count touched). On an error `held` is untouched, for rollback.
-    pub(crate) fn insert(
+    /// Inserts a lease for `id`: `head`, and the first `n` of `held`. On an error
+    /// nothing changed, for rollback.
+    ///
+    /// `sealed(j)`: the key of limit `j` if the lease must keep its name: its slot has
+    /// been sealed since it was debited (checked here, under the shard's lock), or the
+    /// table snapshot did not show it. An eviction seals its slots, then gives their
+    /// names to the live leases that name them, shard by shard
+    /// ([`LeaseTable::keep_names`]), then publishes a table without them; a lease
+    /// inserted after that pass reached this shard finds its slot sealed here (the
+    /// shard's lock orders the two) and keeps the name itself. A completion reads a
+    /// snapshot loaded before it removed the lease: either the eviction's pass saw the
+    /// lease, or the snapshot still shows the sealed slot. A slice change seals a slot
+    /// too: its replacement has the same key, so the name kept is just not needed.
+    pub(crate) fn insert<'k>(
         &self,
         hash: u128,
         id: &str,
         head: LeaseHead,
-        held: &mut [Option<LeaseLimit>; MAX_LIMITS_PER_REQUEST],
+        held: &[Option<LeaseLimit>; MAX_LIMITS_PER_REQUEST],
         n: usize,
+        sealed: impl Fn(usize) -> Option<&'k Arc<LimitKey>>,
     ) -> Result<(), InsertError> {
         let mut shard = self.shard(hash);
         let shard = &mut *shard;
@@ -553,23 +617,27 @@ impl LeaseTable {
             Some(i) => i,
             None if shard.slab.len() < shard.max_leases => {
                 // Within the reserved capacity: no reallocation.
-                shard.slab.push(None);
+                shard.slab.push(Lease::EMPTY);
                 shard.slab_keys.push(0);
                 shard.slab_ids.push(InlineId::EMPTY);
                 (shard.slab.len() - 1) as u32
             }
             None => return Err(InsertError::Full),
         };
-        let lease = shard.slab[i as usize].insert(Lease {
-            admitted_at_ns: head.admitted_at_ns,
-            expires_at_ns: head.expires_at_ns,
-            input_tokens: head.input_tokens,
-            max_output_tokens: head.max_output_tokens,
-            limits: [const { None }; MAX_LIMITS_PER_REQUEST],
-            len: n as u8,
-        });
-        for (dst, src) in lease.limits.iter_mut().zip(held[..n].iter_mut()) {
-            *dst = src.take();
+        // Written in place: only the fields and limits in use.
+        let lease = &mut shard.slab[i as usize];
+        lease.admitted_at_ns = head.admitted_at_ns;
+        lease.expires_at_ns = head.expires_at_ns;
+        lease.input_tokens = head.input_tokens;
+        lease.max_output_tokens = head.max_output_tokens;
+        lease.limits[..n].copy_from_slice(&held[..n]);
+        lease.len = n as u8;
+        lease.live = true;
+        lease.names = None;
+        for j in 0..n {
+            if let Some(key) = sealed(j) {
+                lease.keep_name(j, key);
+            }
         }
         shard.slab_keys[i as usize] = hash;
         shard.slab_ids[i as usize].set(id);
@@ -588,14 +656,14 @@ impl LeaseTable {
         Ok(())
     }
 
-    /// Removes `id`'s live lease for completion into `out` (one move, into a slot the
-    /// caller owns), or reports what the id's entry says instead.
+    /// Removes `id`'s live lease for completion into `out` (its fields in use copied
+    /// into a buffer the caller owns), or reports what the id's entry says instead.
     pub(crate) fn remove_for_completion(
         &self,
         hash: u128,
         id: &str,
         now: u64,
-        out: &mut Option<Lease>,
+        out: &mut Lease,
     ) -> Removed {
         let mut shard = self.shard(hash);
         let shard = &mut *shard;
@@ -609,7 +677,9 @@ impl LeaseTable {
                     return Removed::Unknown;
                 }
                 shard.map.set_at(p, Entry::Completed { at_ns: now });
-                *out = shard.slab[i as usize].take();
+                let l = &mut shard.slab[i as usize];
+                out.take_from(l);
+                l.live = false;
                 shard.free.push(i);
                 shard.note_tomb(hash, now, true);
                 Removed::Live
@@ -633,31 +703,44 @@ impl LeaseTable {
         let shard = &mut *shard;
         match shard.map.get(key(hash)) {
             Some(Entry::Live(i)) if shard.slab_ids[i as usize].is(id) => {
-                match shard.slab[i as usize].as_mut() {
-                    Some(l) => {
-                        l.expires_at_ns = expires_at_ns;
-                        true
-                    }
-                    None => false,
+                let l = &mut shard.slab[i as usize];
+                if l.live {
+                    l.expires_at_ns = expires_at_ns;
                 }
+                l.live
             }
             _ => false,
         }
     }
 
     /// Moves every lease expired at `now` into `out` (with its id) and tombstones it;
-    /// forgets tombstones older than `tomb_ttl_ns`.
-    pub(crate) fn expire(&self, now: u64, tomb_ttl_ns: u64, out: &mut Vec<(InlineId, Lease)>) {
+    /// forgets tombstones older than `tomb_ttl_ns`. An expired lease waits for a late
+    /// completion with its keys' names (`name_of`), which may leave the table meanwhile.
+    pub(crate) fn expire(
+        &self,
+        now: u64,
+        tomb_ttl_ns: u64,
+        out: &mut Vec<(InlineId, Lease)>,
+        name_of: impl Fn(&LeaseLimit) -> Option<Arc<LimitKey>>,
+    ) {
         for shard in self.shards.iter() {
             let mut shard = shard.lock().unwrap_or_else(|e| e.into_inner());
             let shard = &mut *shard;
             for i in 0..shard.slab.len() {
-                if shard.slab[i].as_ref().is_none_or(|l| l.expires_at_ns > now) {
+                if !shard.slab[i].live || shard.slab[i].expires_at_ns > now {
                     continue;
                 }
                 let h = shard.slab_keys[i];
                 let id = shard.slab_ids[i].clone();
-                let lease = shard.take_live(i as u32);
+                let mut lease = shard.take_live(i as u32);
+                for j in 0..lease.len as usize {
+                    let Some(l) = lease.limits[j] else { continue };
+                    if lease.name(j).is_none()
+                        && let Some(key) = name_of(&l)
+                    {
+                        lease.keep_name(j, &key);
+                    }
+                }
                 shard.map.insert(h, Entry::Expired { at_ns: now });
                 shard.expired.insert(
                     h,
@@ -679,6 +762,29 @@ impl LeaseTable {
         }
     }
 
+    /// Gives every live lease that names one of `gone`'s keys (by check hash and rule)
+    /// that key's name: the keys were just evicted (their slots sealed first; see
+    /// [`LeaseTable::insert`] for a lease inserted meanwhile). Off the decision path:
+    /// a walk of the live leases, shard by shard, only when keys were evicted.
+    pub(crate) fn keep_names(&self, gone: &HashMap<u64, Arc<LimitKey>>) {
+        if gone.is_empty() {
+            return;
+        }
+        for shard in self.shards.iter() {
+            let mut shard = shard.lock().unwrap_or_else(|e| e.into_inner());
+            for lease in shard.slab.iter_mut().filter(|l| l.live) {
+                for j in 0..lease.len as usize {
+                    let Some(l) = lease.limits[j] else { continue };
+                    if let Some(key) = gone.get(&l.check)
+                        && key.rule == l.rule
+                    {
+                        lease.keep_name(j, key);
+                    }
+                }
+            }
+        }
+    }
+
     /// Number of live leases.
     pub(crate) fn len(&self) -> usize {
         self.shards
@@ -691,7 +797,7 @@ impl LeaseTable {
     pub(crate) fn for_each(&self, mut f: impl FnMut(&Lease)) {
         for shard in self.shards.iter() {
             let shard = shard.lock().unwrap_or_else(|e| e.into_inner());
-            shard.slab.iter().flatten().for_each(&mut f);
+            shard.slab.iter().filter(|l| l.live).for_each(&mut f);
         }
     }
 }

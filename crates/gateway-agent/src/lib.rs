@@ -76,7 +76,7 @@ pub use engine::{
 };
 pub use error::{AdmitError, CompleteError, ExtendError, SliceError};
 pub use key::LimitKey;
-pub use lease::LeaseLimit;
 pub use usage::{
-    CompletionStatus, DiscardSink, MemorySink, Outcome, OwnedRecord, Usage, UsageRecord, UsageSink,
+    CompletionStatus, DiscardSink, MemorySink, Outcome, OwnedRecord, RecordLimit, Usage,
+    UsageRecord, UsageSink,
 };

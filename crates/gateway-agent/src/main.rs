@@ -526,7 +526,7 @@ fn demo(args: DemoArgs) -> Result<()> {
                         cached_input_tokens: 0,
                         output_tokens: out,
                     };
-                    let _ = engine.complete(now, &id, usage, CompletionStatus::Ok);
+                    let _ = w.complete(now, &id, usage, CompletionStatus::Ok);
                 }
                 if now < next_at {
                     std::thread::sleep(Duration::from_nanos((next_at - now).min(2_000_000)));
@@ -577,7 +577,7 @@ fn demo(args: DemoArgs) -> Result<()> {
                 }
             }
             for (id, _, _) in in_flight {
-                let _ = engine.complete(
+                let _ = w.complete(
                     clock.now_ns(),
                     &id,
                     Usage::default(),

@@ -6,9 +6,10 @@
 //! completion that arrives after its lease expired, a second record (`LateCompleted`)
 //! carrying the actual usage. A duplicate completion produces none.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
-use crate::lease::LeaseLimit;
+use crate::config::{Dimension, Mode};
+use crate::key::LimitKey;
 
 /// Actual usage reported at completion. Integers only.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -61,13 +62,49 @@ pub struct UsageRecord<'a> {
     /// Engine time of this record, ns.
     pub at_ns: u64,
     /// The limits the lease held (keys carry the tenant's descriptor values).
-    pub limits: &'a [Option<LeaseLimit>],
+    pub limits: &'a [Option<RecordLimit<'a>>],
 }
 
 impl UsageRecord<'_> {
     /// The limits the lease held.
-    pub fn limits(&self) -> impl Iterator<Item = &LeaseLimit> {
+    pub fn limits(&self) -> impl Iterator<Item = &RecordLimit<'_>> {
         self.limits.iter().flatten()
+    }
+}
+
+/// One limit of a finished lease, as a usage record names it.
+#[derive(Clone, Copy, Debug)]
+pub struct RecordLimit<'a> {
+    pub(crate) key: &'a Arc<LimitKey>,
+    pub(crate) dimension: Dimension,
+    pub(crate) mode: Mode,
+    pub(crate) reserved: u64,
+}
+
+impl RecordLimit<'_> {
+    /// The limit key.
+    pub fn key(&self) -> &LimitKey {
+        self.key
+    }
+
+    /// The limit key, shared (for a sink that keeps it past the call).
+    pub fn shared_key(&self) -> &Arc<LimitKey> {
+        self.key
+    }
+
+    /// The dimension.
+    pub fn dimension(&self) -> Dimension {
+        self.dimension
+    }
+
+    /// Units reserved at admission.
+    pub fn reserved(&self) -> u64 {
+        self.reserved
+    }
+
+    /// Enforce or shadow.
+    pub fn mode(&self) -> Mode {
+        self.mode
     }
 }
 

@@ -691,6 +691,143 @@ fn idle_keys_are_evicted_and_the_key_table_is_bounded() {
     e.check_invariants(2 * SEC).unwrap();
 }
 
+/// A lease names its keys by their hashes, not by a reference to their slots (no
+/// reference count on the decision path); a key evicted while a lease still names it
+/// hands the lease its name first, so the usage record names it all the same.
+#[test]
+fn a_key_evicted_under_a_live_lease_still_names_its_usage_record() {
+    let sink = Arc::new(MemorySink::new(100));
+    let e = engine_with_sink(
+        r#"
+        [engine]
+        max_keys = 2
+        key_idle_ms = 1000
+        [[rule]]
+        name = "rpm"
+        match = { user = "*" }
+        dimension = "requests"
+        rate = 1
+        per = "second"
+        "#,
+        sink.clone(),
+    );
+    let held = req("held", &[("user", "u0")], Cost::ONE_REQUEST);
+    assert!(e.admit(0, &held).unwrap().is_admitted());
+    let late = req("late", &[("user", "u1")], Cost::ONE_REQUEST);
+    let ttl = AdmitRequest {
+        ttl_ms: Some(500),
+        ..late
+    };
+    assert!(e.admit(0, &ttl).unwrap().is_admitted());
+    // u1's lease expires (kept for a late completion, with its name); both keys are at
+    // rest by 2 s (a request debits, it holds nothing) and idle: evicted, u0 while
+    // "held" is still live.
+    let rep = e.maintain(2 * SEC);
+    assert_eq!((rep.leases_expired, rep.keys_evicted), (1, 2));
+    assert_eq!(e.key_count(), 0);
+    // New keys take their cells.
+    admit_and_complete(&e, 2 * SEC, "n0", &[("user", "u2")]);
+    admit_and_complete(&e, 2 * SEC, "n1", &[("user", "u3")]);
+    assert_eq!(
+        e.complete(3 * SEC, "held", Usage::default(), CompletionStatus::Ok)
+            .unwrap(),
+        Completion::Settled
+    );
+    assert_eq!(
+        e.complete(3 * SEC, "late", Usage::default(), CompletionStatus::Ok)
+            .unwrap(),
+        Completion::Late
+    );
+    let (records, dropped) = sink.take();
+    assert_eq!(dropped, 0);
+    let named = |id: &str, outcome: Outcome| {
+        records
+            .iter()
+            .find(|r| r.request_id == id && r.outcome == outcome)
+            .unwrap_or_else(|| panic!("no {outcome:?} record for {id}"))
+            .limits
+            .clone()
+    };
+    assert_eq!(
+        named("held", Outcome::Completed(CompletionStatus::Ok)),
+        vec![("rpm{user=u0}".to_string(), 1)]
+    );
+    assert_eq!(
+        named("late", Outcome::Expired),
+        vec![("rpm{user=u1}".to_string(), 1)]
+    );
+    assert_eq!(
+        named("late", Outcome::LateCompleted(CompletionStatus::Ok)),
+        vec![("rpm{user=u1}".to_string(), 1)]
+    );
+    e.check_invariants(3 * SEC).unwrap();
+}
+
+/// Two threads admit and complete over more keys than the table holds, so keys are
+/// evicted (under pressure) while other threads' leases name them: every record
+/// names its key, every lease settles, and the engine's accounting stays exact.
+#[test]
+fn leases_keep_their_keys_names_through_constant_eviction_on_two_threads() {
+    let sink = Arc::new(MemorySink::new(1_000_000));
+    let e = engine_with_sink(
+        r#"
+        [engine]
+        max_keys = 16
+        key_idle_ms = 1
+        [[rule]]
+        name = "rps"
+        match = { user = "*" }
+        dimension = "requests"
+        rate = 1000000
+        per = "second"
+        "#,
+        sink.clone(),
+    );
+    const PER_THREAD: u64 = 20_000;
+    std::thread::scope(|s| {
+        for t in 0..2u64 {
+            let e = Arc::clone(&e);
+            s.spawn(move || {
+                let mut w = e.worker();
+                for i in 0..PER_THREAD {
+                    // Time moves 1 ms a step: every key is at rest and idle again soon.
+                    let now = SEC + i * MS;
+                    let id = format!("t{t}-{i}");
+                    let user = format!("u{}", (i * 7 + t * 13) % 64);
+                    match w.admit(now, &req(&id, &[("user", &user)], Cost::ONE_REQUEST)) {
+                        Ok(d) => assert!(d.is_admitted()),
+                        // Every key in use by a lease in flight: fine, try the next.
+                        Err(AdmitError::KeyTableFull { .. }) => continue,
+                        Err(other) => panic!("{other}"),
+                    }
+                    // A later key's admission may evict this one before completion.
+                    let other = format!("u{}", (i * 7 + t * 13 + 32) % 64);
+                    let _ = w.admit(
+                        now,
+                        &req(&format!("{id}x"), &[("user", &other)], Cost::ONE_REQUEST),
+                    );
+                    for id in [id.clone(), format!("{id}x")] {
+                        match w.complete(now, &id, Usage::default(), CompletionStatus::Ok) {
+                            Ok(c) => assert_eq!(c, Completion::Settled),
+                            Err(CompleteError::UnknownRequest) => {}
+                            Err(other) => panic!("{other}"),
+                        }
+                    }
+                }
+            });
+        }
+    });
+    let (records, dropped) = sink.take();
+    assert_eq!(dropped, 0);
+    assert!(records.len() > 40_000, "{} records", records.len());
+    for r in &records {
+        assert_eq!(r.limits.len(), 1, "{}: {:?}", r.request_id, r.limits);
+        assert!(r.limits[0].0.starts_with("rps{user=u"), "{:?}", r.limits);
+    }
+    assert_eq!(e.leases_in_flight(), 0);
+    e.check_invariants(SEC + PER_THREAD * MS).unwrap();
+}
+
 #[test]
 fn the_lease_table_is_bounded() {
     let e = engine(

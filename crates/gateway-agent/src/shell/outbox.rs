@@ -53,7 +53,8 @@ use redb::{Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, Tab
 use tokio::sync::watch;
 
 use crate::config::{MAX_LIMITS_PER_REQUEST, Pattern, RuleSet};
-use crate::lease::{InlineId, LeaseLimit};
+use crate::key::LimitKey;
+use crate::lease::InlineId;
 use crate::usage::{CompletionStatus, Outcome, Usage, UsageRecord, UsageSink};
 
 /// The data file's name inside the outbox directory.
@@ -180,14 +181,15 @@ pub(crate) struct Pending {
     usage: Option<Usage>,
     reserved_input_tokens: u64,
     admitted_at_ns: u64,
-    limits: [Option<LeaseLimit>; MAX_LIMITS_PER_REQUEST],
+    /// The record's limit keys (what the event's descriptors come from).
+    keys: [Option<Arc<LimitKey>>; MAX_LIMITS_PER_REQUEST],
 }
 
 impl Pending {
     fn from_record(r: &UsageRecord<'_>) -> Pending {
-        let mut limits: [Option<LeaseLimit>; MAX_LIMITS_PER_REQUEST] = Default::default();
-        for (dst, src) in limits.iter_mut().zip(r.limits.iter()) {
-            dst.clone_from(src);
+        let mut keys: [Option<Arc<LimitKey>>; MAX_LIMITS_PER_REQUEST] = Default::default();
+        for (dst, src) in keys.iter_mut().zip(r.limits.iter()) {
+            *dst = src.map(|l| Arc::clone(l.shared_key()));
         }
         Pending {
             id: InlineId::new(r.request_id),
@@ -195,7 +197,7 @@ impl Pending {
             usage: r.usage,
             reserved_input_tokens: r.reserved_input_tokens,
             admitted_at_ns: r.admitted_at_ns,
-            limits,
+            keys,
         }
     }
 }
@@ -304,25 +306,24 @@ impl Mapper {
             r.usage,
             r.reserved_input_tokens,
             r.admitted_at_ns,
-            r.limits,
+            r.limits().map(|l| l.key()),
             seq,
         )
     }
 
     #[allow(clippy::too_many_arguments)] // the record's fields, spelled out once
-    fn map(
+    fn map<'k>(
         &self,
         request_id: &str,
         outcome: Outcome,
         usage: Option<Usage>,
         reserved_input_tokens: u64,
         admitted_at_ns: u64,
-        limits: &[Option<LeaseLimit>],
+        keys: impl Iterator<Item = &'k LimitKey>,
         seq: u64,
     ) -> Event {
         let mut descriptors: Vec<(String, String)> = Vec::new();
-        for l in limits.iter().flatten() {
-            let key = l.key();
+        for key in keys {
             let Some(rule) = self.rules.rules().get(key.rule_index()) else {
                 continue;
             };
@@ -818,7 +819,7 @@ fn writer(sh: Arc<Shared>, mapper: Mapper) {
                 p.usage,
                 p.reserved_input_tokens,
                 p.admitted_at_ns,
-                &p.limits,
+                p.keys.iter().flatten().map(|k| &**k),
                 next_seq,
             );
             // Event times are the wall clock read at start plus monotonic time since.
