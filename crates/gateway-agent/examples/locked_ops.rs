@@ -55,6 +55,12 @@ fn main() {
                 );
             }
         });
+        let swap = arc_swap::ArcSwap::from_pointee(0u64);
+        per_op("ArcSwap load + guard drop", || {
+            for _ in 0..N {
+                drop(black_box(swap.load()));
+            }
+        });
         let w = AtomicU128::new(0);
         per_op("u128 load + CAS (16-byte)", || {
             for i in 0..N {
