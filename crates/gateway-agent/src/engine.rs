@@ -930,6 +930,20 @@ impl KeyTable {
     /// table and the slot only (no key strings).
     #[inline]
     fn lookup(&self, id: u64, check: u64) -> Option<&Arc<Slot>> {
+        // The common case first, without the probing loops: the key in its home cell.
+        if let Some((other, s)) = self.cell(id as usize & self.mask)
+            && *other == id
+            && s.check == check
+        {
+            return Some(s);
+        }
+        self.probe(id, check)
+    }
+
+    /// [`KeyTable::lookup`] past the home cell: collisions of the id, and keys that
+    /// probed on when inserted.
+    #[cold]
+    fn probe(&self, id: u64, check: u64) -> Option<&Arc<Slot>> {
         for p in 0..MAX_PROBE {
             match self.get(id.wrapping_add(p)) {
                 Some(s) if s.check == check => return Some(s),
