@@ -1378,11 +1378,10 @@ impl Engine {
                         ));
                         if rule.enforce {
                             self.rollback(now, &held, &slots);
-                            if let Some(d) = self
-                                .leases
-                                .with_live(hash, req.request_id, |l| self.replay(table, l, now))
+                            if let Some(l) =
+                                self.leases.with_live(hash, req.request_id, Lease::clone)
                             {
-                                *out = d;
+                                *out = self.replay(table, &l, now);
                                 return Ok(());
                             }
                             // The other rules this request matched saw demand too.
@@ -1456,10 +1455,11 @@ impl Engine {
                 // with theirs.
                 uncount(&held, &slots);
                 self.rollback(now, &held, &slots);
-                *out = self
+                let l = self
                     .leases
-                    .with_live(hash, req.request_id, |l| self.replay(table, l, now))
+                    .with_live(hash, req.request_id, Lease::clone)
                     .ok_or(AdmitError::RequestIdCollision)?;
+                *out = self.replay(table, &l, now);
                 return Ok(());
             }
         }
@@ -1476,13 +1476,16 @@ impl Engine {
     }
 
     /// A live lease as a decision (a retried request id is answered with its lease): each
-    /// limit as its key's slot in `table` shows it now, or, for a key the snapshot does
-    /// not show (new since, or evicted), as its rule's whole limit, full. (Called under
-    /// the lease's shard lock, so it does not take the slow-path lock.)
+    /// limit as its key's slot shows it now (from `table`, else from pending: a key new
+    /// since the snapshot), or, for a key evicted since, as its rule's whole limit, full.
     fn replay(&self, table: &KeyTable, l: &Lease, now: u64) -> Decision {
         let mut limits = Limits::EMPTY;
         for ll in l.limits() {
-            let (params, state) = match table.lookup(ll.id, ll.check) {
+            let slot = match table.lookup(ll.id, ll.check) {
+                Some(s) if !s.is_sealed() => Some(Arc::clone(s)),
+                _ => self.current_of(ll),
+            };
+            let (params, state) = match slot {
                 Some(s) => (s.params.shape(), s.load()),
                 None => {
                     let whole = &self.compiled[ll.rule as usize].whole;

@@ -691,6 +691,36 @@ fn idle_keys_are_evicted_and_the_key_table_is_bounded() {
     e.check_invariants(2 * SEC).unwrap();
 }
 
+/// A retried request id is answered from its lease with each limit as its key shows it
+/// now, also for a key so new that no table has been published with it yet (the lease
+/// names its key by hashes: the replay finds it among the pending keys).
+#[test]
+fn a_retry_on_a_key_not_yet_published_replays_its_state() {
+    let e = engine(
+        r#"
+        [[rule]]
+        name = "rpm"
+        match = { user = "*" }
+        dimension = "requests"
+        rate = 3
+        per = "minute"
+        "#,
+    );
+    let r = req("same", &[("user", "fresh")], Cost::ONE_REQUEST);
+    let first = e.admit(0, &r).unwrap();
+    assert_eq!(first.limits().iter().next().unwrap().remaining(), 2);
+    let Decision::Admitted(again) = e.admit(0, &r).unwrap() else {
+        panic!("a retry of a live lease is admitted");
+    };
+    assert!(again.replayed);
+    assert_eq!(
+        again.limits.iter().next().unwrap().remaining(),
+        2,
+        "the key's state, not a full bucket"
+    );
+    assert_eq!(e.leases_in_flight(), 1);
+}
+
 /// A lease names its keys by their hashes, not by a reference to their slots (no
 /// reference count on the decision path); a key evicted while a lease still names it
 /// hands the lease its name first, so the usage record names it all the same.
