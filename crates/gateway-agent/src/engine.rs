@@ -930,21 +930,20 @@ impl KeyTable {
     /// table and the slot only (no key strings).
     #[inline]
     fn lookup(&self, id: u64, check: u64) -> Option<&Arc<Slot>> {
-        // The common case first, without the probing loops: the key in its home cell.
-        if let Some((other, s)) = self.cell(id as usize & self.mask)
-            && *other == id
-            && s.check == check
-        {
-            return Some(s);
+        // The common case first: the key under its own id (64-bit ids all but never
+        // collide; the loop over probed ids is for when they do).
+        match self.get(id) {
+            Some(s) if s.check == check => Some(s),
+            Some(_) => self.probe(id, check),
+            None => None,
         }
-        self.probe(id, check)
     }
 
-    /// [`KeyTable::lookup`] past the home cell: collisions of the id, and keys that
-    /// probed on when inserted.
+    /// [`KeyTable::lookup`] past the key's own id: another key took it (an id
+    /// collision), so the key was stored under one of the next ids.
     #[cold]
     fn probe(&self, id: u64, check: u64) -> Option<&Arc<Slot>> {
-        for p in 0..MAX_PROBE {
+        for p in 1..MAX_PROBE {
             match self.get(id.wrapping_add(p)) {
                 Some(s) if s.check == check => return Some(s),
                 Some(_) => continue,
