@@ -721,6 +721,71 @@ fn a_retry_on_a_key_not_yet_published_replays_its_state() {
     assert_eq!(e.leases_in_flight(), 1);
 }
 
+/// A worker completes into one reused buffer: a lease of fewer limits after one of more
+/// settles and names only its own, and each refund lands on its own keys.
+#[test]
+fn a_worker_completes_leases_of_different_sizes_one_after_another() {
+    let sink = Arc::new(MemorySink::new(100));
+    let e = engine_with_sink(LLM, sink.clone());
+    let mut w = e.worker();
+    // Five limits (requests, two input-token rules, output tokens, concurrency)...
+    assert!(
+        w.admit(0, &req("big", ACME_K1, tokens(100, Some(300))))
+            .unwrap()
+            .is_admitted()
+    );
+    // ...then four (no `key` descriptor: the key rule does not match).
+    let other: &[(&str, &str)] = &[("org", "beta")];
+    assert!(
+        w.admit(0, &req("small", other, tokens(10, Some(20))))
+            .unwrap()
+            .is_admitted()
+    );
+    let used = Usage {
+        input_tokens: 100,
+        cached_input_tokens: 0,
+        output_tokens: 50,
+    };
+    assert_eq!(
+        w.complete(0, "big", used, CompletionStatus::Ok).unwrap(),
+        Completion::Settled
+    );
+    let used = Usage {
+        input_tokens: 10,
+        cached_input_tokens: 0,
+        output_tokens: 5,
+    };
+    assert_eq!(
+        w.complete(0, "small", used, CompletionStatus::Ok).unwrap(),
+        Completion::Settled
+    );
+    assert_eq!(
+        w.complete(0, "small", used, CompletionStatus::Ok).unwrap(),
+        Completion::Duplicate
+    );
+    let (records, _) = sink.take();
+    let keys = |id: &str| {
+        let r = records.iter().find(|r| r.request_id == id).unwrap();
+        let mut k: Vec<&str> = r.limits.iter().map(|(k, _)| k.as_str()).collect();
+        k.sort();
+        k.join(" ")
+    };
+    assert_eq!(
+        keys("big"),
+        "key-itpm{key=k1,org=acme} org-conc{org=acme} org-itpm{org=acme} org-otpm{org=acme} org-rpm{org=acme}"
+    );
+    assert_eq!(
+        keys("small"),
+        "org-conc{org=beta} org-itpm{org=beta} org-otpm{org=beta} org-rpm{org=beta}"
+    );
+    // Refunds on each lease's own keys: 300 reserved, 50 used; 20 reserved, 5 used.
+    assert_eq!(e.level(0, "org-otpm", &["acme"]), Some(950));
+    assert_eq!(e.level(0, "org-otpm", &["beta"]), Some(995));
+    assert_eq!(e.level(0, "org-conc", &["acme"]), Some(2));
+    assert_eq!(e.level(0, "org-conc", &["beta"]), Some(2));
+    e.check_invariants(0).unwrap();
+}
+
 /// A lease names its keys by their hashes, not by a reference to their slots (no
 /// reference count on the decision path); a key evicted while a lease still names it
 /// hands the lease its name first, so the usage record names it all the same.
