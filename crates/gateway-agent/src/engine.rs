@@ -2639,7 +2639,7 @@ impl Engine {
     /// (`shell::sync`). Changes nothing.
     ///
     /// The slow-path lock (which a request for a new key waits on) is held for
-    /// [`WALK_CHUNKS`] chunks of the table at a time, not for the whole walk: at
+    /// `WALK_CHUNKS` chunks of the table at a time, not for the whole walk: at
     /// 100,000 keys the walk takes milliseconds, every report interval. What changed
     /// between two batches is read again at the end under one lock: the keys waiting
     /// to be published, and the chunks the current table no longer shares with the one

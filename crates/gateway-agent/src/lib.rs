@@ -31,6 +31,11 @@
 //! engine.complete(now, "req-1", Usage::default(), CompletionStatus::Ok).unwrap();
 //! ```
 //!
+//! A thread that admits and completes many requests keeps a [`Worker`]
+//! (`engine.worker()`, an `Arc<Engine>`'s): `Worker::admit_into` and
+//! `Worker::complete` read the key table through the worker's cached snapshot and
+//! reuse its buffers, the cheapest path.
+//!
 //! # Layout
 //!
 //! - [`config`]: rules and engine settings from TOML, validated with errors that name

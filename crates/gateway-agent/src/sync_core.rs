@@ -509,7 +509,7 @@ impl<K: Ord + Clone> SyncTracks<K> {
     /// or held grant changed since the stream last heard of them, by handle where a
     /// grant gave one; with `only_new` only the keys the stream has not heard of yet;
     /// `full` adds every key that holds a grant and every key that changed
-    /// since the last full report, changed or not now (see [`SyncTracks::line`]).
+    /// since the last full report, changed or not now (see `SyncTracks::line`).
     pub fn report(&mut self, full: bool, only_new: bool, mut f: impl FnMut(Line<'_, K>)) {
         let mut dirty = std::mem::take(&mut self.dirty);
         let (now, rebase_after) = (self.last_poll_ns, self.rebase_after_ns);
