@@ -1890,7 +1890,8 @@ impl Engine {
     }
 
     /// Hands one usage record for `lease` to the sink, each limit named by the name the
-    /// lease kept, else by its slot in the snapshot (`found`), else from the slow path.
+    /// lease kept, else by its slot in the snapshot (`found`), else (rare: a key new
+    /// since the snapshot) from the slow path.
     fn record(
         &self,
         request_id: &str,
@@ -1900,15 +1901,47 @@ impl Engine {
         lease: &Lease,
         found: &[Option<&Arc<Slot>>; MAX_LIMITS_PER_REQUEST],
     ) {
-        let n = lease.len as usize;
-        let mut limits: [Option<RecordLimit<'_>>; MAX_LIMITS_PER_REQUEST] =
+        let known = |j: usize| lease.name(j).or(found[j].map(|s| &s.key));
+        if self.emit(request_id, outcome, usage, now, lease, known, false) {
+            return;
+        }
+        let named: Vec<Option<Arc<LimitKey>>> = lease
+            .limit_slots()
+            .iter()
+            .enumerate()
+            .map(|(j, l)| match l {
+                Some(l) if known(j).is_none() => self.name_of(l),
+                _ => None,
+            })
+            .collect();
+        let all = |j: usize| known(j).or(named[j].as_ref());
+        self.emit(request_id, outcome, usage, now, lease, all, true);
+    }
+
+    /// [`Engine::record`]'s record: limit `j` named by `key_of(j)`. A limit without a
+    /// name sends nothing and returns false, unless `partial` (then it is left out).
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn emit<'k>(
+        &self,
+        request_id: &str,
+        outcome: Outcome,
+        usage: Option<Usage>,
+        now: u64,
+        lease: &Lease,
+        key_of: impl Fn(usize) -> Option<&'k Arc<LimitKey>>,
+        partial: bool,
+    ) -> bool {
+        let mut limits: [Option<RecordLimit<'k>>; MAX_LIMITS_PER_REQUEST] =
             [None; MAX_LIMITS_PER_REQUEST];
         for (j, (slot, l)) in limits.iter_mut().zip(lease.limit_slots()).enumerate() {
             let Some(l) = l else { continue };
-            let Some(key) = lease.name(j).or(found[j].map(|s| &s.key)) else {
-                // Rare: a key the snapshot does not show and whose name the lease did
-                // not keep (new since the snapshot): named from the slow path.
-                return self.record_named(request_id, outcome, usage, now, lease, found);
+            let Some(key) = key_of(j) else {
+                debug_assert!(!partial, "a lease lost the name of its key");
+                if partial {
+                    continue;
+                }
+                return false;
             };
             *slot = Some(RecordLimit {
                 key,
@@ -1917,7 +1950,6 @@ impl Engine {
                 reserved: l.reserved,
             });
         }
-        let limits = &limits[..n];
         self.sink.record(&UsageRecord {
             request_id,
             outcome,
@@ -1926,60 +1958,9 @@ impl Engine {
             max_output_tokens: lease.max_output_tokens,
             admitted_at_ns: lease.admitted_at_ns,
             at_ns: now,
-            limits,
+            limits: &limits[..lease.len as usize],
         });
-    }
-
-    /// [`Engine::record`] with names from the slow path for the keys neither the lease
-    /// nor the snapshot name.
-    #[cold]
-    fn record_named(
-        &self,
-        request_id: &str,
-        outcome: Outcome,
-        usage: Option<Usage>,
-        now: u64,
-        lease: &Lease,
-        found: &[Option<&Arc<Slot>>; MAX_LIMITS_PER_REQUEST],
-    ) {
-        let named: Vec<Option<Arc<LimitKey>>> = lease
-            .limit_slots()
-            .iter()
-            .enumerate()
-            .map(|(j, l)| match l {
-                Some(l) if found[j].is_none() && lease.name(j).is_none() => self.name_of(l),
-                _ => None,
-            })
-            .collect();
-        let limits: Vec<Option<RecordLimit<'_>>> = lease
-            .limit_slots()
-            .iter()
-            .enumerate()
-            .map(|(j, l)| {
-                let l = l.as_ref()?;
-                let key = lease
-                    .name(j)
-                    .or(found[j].map(|s| &s.key))
-                    .or(named[j].as_ref());
-                debug_assert!(key.is_some(), "a lease lost the name of its key");
-                key.map(|key| RecordLimit {
-                    key,
-                    dimension: l.dimension,
-                    mode: l.mode,
-                    reserved: l.reserved,
-                })
-            })
-            .collect();
-        self.sink.record(&UsageRecord {
-            request_id,
-            outcome,
-            usage,
-            reserved_input_tokens: lease.input_tokens,
-            max_output_tokens: lease.max_output_tokens,
-            admitted_at_ns: lease.admitted_at_ns,
-            at_ns: now,
-            limits: &limits,
-        });
+        true
     }
 
     /// Reconciles one limit. `live`: the lease was live (refund and release);
@@ -2987,6 +2968,32 @@ impl Engine {
                 }
             }
         });
+        // Every key a lease names can be named in its usage record: by the name the
+        // lease kept, or by a slot (sealed or not) in pending or the table; an expired
+        // lease, which waits for a late completion, keeps all its names.
+        let mut unnamed: Option<String> = None;
+        self.leases.for_each(|l| {
+            for (j, ll) in l.limit_slots().iter().enumerate() {
+                if let Some(ll) = ll
+                    && l.name(j).is_none()
+                    && find_by_hashes(&slow, &table, ll, false).is_none()
+                {
+                    unnamed = Some(format!("a live lease names a key gone (rule {})", ll.rule));
+                }
+            }
+        });
+        self.leases.for_each_expired(|l| {
+            for (j, ll) in l.limit_slots().iter().enumerate() {
+                if let Some(ll) = ll
+                    && l.name(j).is_none()
+                {
+                    unnamed = Some(format!("an expired lease kept no name (rule {})", ll.rule));
+                }
+            }
+        });
+        if let Some(e) = unnamed {
+            return Err(e);
+        }
         let leases = self.leases.len();
         if leases > self.cfg.max_leases.div_ceil(32) * 32 {
             return Err(format!("{leases} leases > bound"));

@@ -800,6 +800,14 @@ impl LeaseTable {
             shard.slab.iter().filter(|l| l.live).for_each(&mut f);
         }
     }
+
+    /// Visits every expired lease kept for a late completion (invariant checks).
+    pub(crate) fn for_each_expired(&self, mut f: impl FnMut(&Lease)) {
+        for shard in self.shards.iter() {
+            let shard = shard.lock().unwrap_or_else(|e| e.into_inner());
+            shard.expired.values().for_each(|b| f(&b.lease));
+        }
+    }
 }
 
 #[cfg(test)]

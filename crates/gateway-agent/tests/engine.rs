@@ -806,30 +806,39 @@ fn a_key_evicted_under_a_live_lease_still_names_its_usage_record() {
         "#,
         sink.clone(),
     );
+    // Both keys published first, so that the leases below take them from the table
+    // (a key made on the slow path has its name kept at admission anyway).
+    admit_and_complete(&e, 0, "p0", &[("user", "u0")]);
+    admit_and_complete(&e, 0, "p1", &[("user", "u1")]);
+    e.maintain(0);
     let held = req("held", &[("user", "u0")], Cost::ONE_REQUEST);
-    assert!(e.admit(0, &held).unwrap().is_admitted());
+    assert!(e.admit(SEC, &held).unwrap().is_admitted());
     let late = req("late", &[("user", "u1")], Cost::ONE_REQUEST);
     let ttl = AdmitRequest {
         ttl_ms: Some(500),
         ..late
     };
-    assert!(e.admit(0, &ttl).unwrap().is_admitted());
+    assert!(e.admit(SEC, &ttl).unwrap().is_admitted());
     // u1's lease expires (kept for a late completion, with its name); both keys are at
-    // rest by 2 s (a request debits, it holds nothing) and idle: evicted, u0 while
-    // "held" is still live.
-    let rep = e.maintain(2 * SEC);
+    // rest by 2 s (a request debits, it holds nothing) and idle by 3 s: evicted, u0
+    // while "held" is still live.
+    let rep = e.maintain(3 * SEC);
     assert_eq!((rep.leases_expired, rep.keys_evicted), (1, 2));
     assert_eq!(e.key_count(), 0);
     // New keys take their cells.
-    admit_and_complete(&e, 2 * SEC, "n0", &[("user", "u2")]);
-    admit_and_complete(&e, 2 * SEC, "n1", &[("user", "u3")]);
+    admit_and_complete(&e, 3 * SEC, "n0", &[("user", "u2")]);
+    admit_and_complete(&e, 3 * SEC, "n1", &[("user", "u3")]);
+    // Checked there too, the evicted keys' slots gone from the table: the live and the
+    // expired lease both kept their keys' names.
+    e.maintain(3 * SEC);
+    e.check_invariants(3 * SEC).unwrap();
     assert_eq!(
-        e.complete(3 * SEC, "held", Usage::default(), CompletionStatus::Ok)
+        e.complete(4 * SEC, "held", Usage::default(), CompletionStatus::Ok)
             .unwrap(),
         Completion::Settled
     );
     assert_eq!(
-        e.complete(3 * SEC, "late", Usage::default(), CompletionStatus::Ok)
+        e.complete(4 * SEC, "late", Usage::default(), CompletionStatus::Ok)
             .unwrap(),
         Completion::Late
     );
@@ -855,7 +864,7 @@ fn a_key_evicted_under_a_live_lease_still_names_its_usage_record() {
         named("late", Outcome::LateCompleted(CompletionStatus::Ok)),
         vec![("rpm{user=u1}".to_string(), 1)]
     );
-    e.check_invariants(3 * SEC).unwrap();
+    e.check_invariants(4 * SEC).unwrap();
 }
 
 /// Two threads admit and complete over more keys than the table holds, so keys are

@@ -303,17 +303,14 @@ impl<A: Agents + ?Sized> Pass<'_, A> {
         let h = band(self.ctx.hysteresis_permille, sparse.is_some());
 
         // Targets with hysteresis; the demand they answer is now the demand used.
+        let learning = self.ctx.learning;
+        let target = |i: usize, e: &Entry| {
+            target_of(&rule, learning, sc.units[i], e, sc.reachable[i], split)
+        };
         sc.desired.clear();
         let (mut sum_r, mut sum_b) = (0u128, 0u128);
         for (i, e) in key.entries.iter_mut().enumerate() {
-            let target = target_of(
-                &rule,
-                self.ctx.learning,
-                sc.units[i],
-                e,
-                sc.reachable[i],
-                split,
-            );
+            let target = target(i, e);
             let desired = with_hysteresis(&rule, h, target, e);
             sum_r += desired.rate as u128;
             sum_b += desired.burst as u128;
@@ -335,14 +332,7 @@ impl<A: Agents + ?Sized> Pass<'_, A> {
         if sum_r > limit.rate as u128 || sum_b > limit.burst as u128 {
             // Shrinks held back by hysteresis would block growth: shrink exactly.
             for (i, e) in key.entries.iter().enumerate() {
-                let target = target_of(
-                    &rule,
-                    self.ctx.learning,
-                    sc.units[i],
-                    e,
-                    sc.reachable[i],
-                    split,
-                );
+                let target = target(i, e);
                 let d = &mut sc.desired[i];
                 if target.le(*d) {
                     *d = target;
