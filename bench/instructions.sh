@@ -19,10 +19,10 @@ run() { # mode ops -> "instructions d1_misses ll_misses"
     --cachegrind-out-file=/dev/null "$BIN" "$1" "$2" 2>&1 | counts
 }
 
-for mode in ${1:-admit-complete admit-into-complete keyed-10k}; do
+for mode in ${1:-admit-complete admit-into-complete keyed-10k governor-10k}; do
   case $mode in
     admit-complete|admit-into-complete) small=20000; large=120000 ;;
-    keyed-10k) small=100000; large=1100000 ;;
+    keyed-10k|governor-10k) small=100000; large=1100000 ;;
     *) echo "unknown loop: $mode" >&2; exit 2 ;;
   esac
   per_op "$mode" "$small" "$large" operation

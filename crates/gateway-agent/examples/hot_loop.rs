@@ -7,6 +7,8 @@
 //! `cargo run --release -p bursar-agent --example hot_loop -- admit-complete 100000`
 //! `cargo run --release -p bursar-agent --example hot_loop -- admit-into-complete 100000`
 //! `cargo run --release -p bursar-agent --example hot_loop -- keyed-10k 1000000`
+//! `cargo run --release -p bursar-agent --example hot_loop -- governor-10k 1000000` (the
+//! baseline of `keyed-10k`)
 
 use bursar_agent::testing::{
     THREE_DIMENSIONS, THREE_DIMENSIONS_COST, THREE_DIMENSIONS_DESCRIPTORS, THREE_DIMENSIONS_USAGE,
@@ -25,13 +27,16 @@ fn main() {
         "admit-complete" => admit_complete(n, false),
         "admit-into-complete" => admit_complete(n, true),
         "keyed-10k" => keyed(n),
+        "governor-10k" => governor_keyed(n),
         _ => usage(),
     };
     println!("{done} operations");
 }
 
 fn usage() -> ! {
-    eprintln!("usage: hot_loop <admit-complete|admit-into-complete|keyed-10k> <operations>");
+    eprintln!(
+        "usage: hot_loop <admit-complete|admit-into-complete|keyed-10k|governor-10k> <operations>"
+    );
     std::process::exit(2);
 }
 
@@ -89,6 +94,25 @@ fn keyed(n: u64) -> u64 {
     for i in 0..n {
         j = (j + 7919) % handles.len();
         admitted += u64::from(w.try_acquire(1 + i, &handles[j], 1).expect("ok"));
+    }
+    assert_eq!(admitted, n, "every check is admitted");
+    n
+}
+
+/// The baseline of `keyed-10k`: the `governor` crate's keyed limiter (DashMap store,
+/// `u64` keys, its default clock) over 10,000 keys in the same order, as the criterion
+/// harness sets it up.
+fn governor_keyed(n: u64) -> u64 {
+    use governor::{Quota, RateLimiter};
+    let gov = RateLimiter::keyed(Quota::per_second(std::num::NonZeroU32::MAX));
+    for k in 0..10_000u64 {
+        let _ = gov.check_key(&k);
+    }
+    let mut j = 0u64;
+    let mut admitted = 0;
+    for _ in 0..n {
+        j = (j + 7919) % 10_000;
+        admitted += u64::from(gov.check_key(std::hint::black_box(&j)).is_ok());
     }
     assert_eq!(admitted, n, "every check is admitted");
     n
