@@ -31,7 +31,7 @@ use crate::config::{
     Config, Dimension, MAX_COST, MAX_DESCRIPTOR_BYTES, MAX_DESCRIPTORS, MAX_LIMITS_PER_REQUEST,
     MAX_REQUEST_ID_BYTES, Mode, Pattern, Posture, Rule, RuleLimit, RuleSet, SliceSource, Unmatched,
 };
-use crate::error::{AdmitError, CompleteError, ExtendError, SliceError};
+use crate::error::{AdmitError, CompleteError, ExtendError, HandleError, SliceError};
 use crate::key::{KeyHashing, KeyMemo, LimitKey, PassThroughState};
 use crate::lease::{InsertError, Lease, LeaseHead, LeaseLimit, LeaseTable, Removed};
 use crate::usage::{CompletionStatus, Outcome, RecordLimit, Usage, UsageRecord, UsageSink};
@@ -2884,22 +2884,35 @@ impl Engine {
         ))
     }
 
-    /// A handle for one limit key, for [`Worker::try_acquire`].
-    pub fn key_handle(&self, rule: &str, values: &[&str]) -> Option<KeyHandle> {
-        let (ri, r) = self.rules.by_name(rule)?;
+    /// A handle for one limit key, for [`Worker::try_acquire`]: the rule's name and
+    /// the values of its `*` entries, in match-key order. Refused for an unknown rule,
+    /// the wrong number of values, and concurrency rules (their slots are released by
+    /// completing a lease, which a bare check has none of).
+    pub fn key_handle(&self, rule: &str, values: &[&str]) -> Result<KeyHandle, HandleError> {
+        let (ri, r) = self
+            .rules
+            .by_name(rule)
+            .ok_or_else(|| HandleError::UnknownRule(rule.to_string()))?;
+        if matches!(r.limit, RuleLimit::Concurrency { .. }) {
+            return Err(HandleError::Concurrency(rule.to_string()));
+        }
         let wild = r
             .matches
             .iter()
             .filter(|(_, p)| *p == Pattern::Each)
             .count();
         if wild != values.len() {
-            return None;
+            return Err(HandleError::WrongValues {
+                rule: rule.to_string(),
+                expected: wild,
+                got: values.len(),
+            });
         }
-        let (id, check) = self.key_identity(rule, values)?;
-        Some(KeyHandle {
-            rule: ri as u32,
-            id,
-            check,
+        let ri = ri as u32;
+        Ok(KeyHandle {
+            rule: ri,
+            id: self.hashing.key_id(ri, values.iter().copied()),
+            check: self.hashing.key_check(ri, values.iter().copied()),
             values: Box::new(values.iter().map(|v| Box::<str>::from(*v)).collect()),
         })
     }
@@ -2911,23 +2924,41 @@ impl Engine {
         key: &KeyHandle,
         cost: u64,
     ) -> Result<bool, AdmitError> {
-        if let Some(slot) = table.lookup(key.id, key.check) {
-            match slot.try_take(now, cost, false) {
-                Take::Taken { .. } => return Ok(true),
-                Take::Busy { .. } => return Ok(false),
-                Take::Sealed => {}
-            }
+        if cost > MAX_COST {
+            return Err(AdmitError::CostTooLarge { max: MAX_COST });
+        }
+        if let Some(slot) = table.lookup(key.id, key.check)
+            && let Some(admitted) = self.acquire_on(slot, now, key.rule, cost)
+        {
+            return Ok(admitted);
         }
         let vals: Vec<&str> = key.values.iter().map(|v| &**v).collect();
         for _ in 0..8 {
             let slot = self.resolve_slow(now, key.id, key.rule, &vals)?;
-            match slot.try_take(now, cost, false) {
-                Take::Taken { .. } => return Ok(true),
-                Take::Busy { .. } => return Ok(false),
-                Take::Sealed => continue,
+            if let Some(admitted) = self.acquire_on(&slot, now, key.rule, cost) {
+                return Ok(admitted);
             }
         }
         Ok(false)
+    }
+
+    /// One bare check on `slot`, counted as the slot's demand like an admission's
+    /// (admitted or rejected cost: the sync client reports both, so a caller of
+    /// [`Worker::try_acquire`] gets its share of a fleet's limit). A shadow rule's
+    /// rejection admits. `None` if the slot was sealed.
+    #[inline(always)]
+    fn acquire_on(&self, slot: &Slot, now: u64, rule: u32, cost: u64) -> Option<bool> {
+        match slot.try_take(now, cost, false) {
+            Take::Taken { .. } => {
+                slot.admitted.fetch_add(cost, Ordering::Relaxed);
+                Some(true)
+            }
+            Take::Busy { .. } => {
+                slot.rejected.fetch_add(cost, Ordering::Relaxed);
+                Some(!self.compiled[rule as usize].enforce)
+            }
+            Take::Sealed => None,
+        }
     }
 
     /// Checks internal invariants; call it when no operation is in flight. Returns the
@@ -3084,7 +3115,11 @@ impl Worker {
     }
 
     /// Takes `cost` from one resolved key's bucket, with no lease: the bare bucket check
-    /// (what `governor` does), for callers that settle nothing. True if admitted.
+    /// (what `governor` does), for callers that settle nothing. True if admitted (always
+    /// for a shadow rule, which counts what it would have rejected). The cost counts as
+    /// the key's demand, admitted or rejected, as an admission's does, so the sync client
+    /// reports it and the allocator sizes this agent's slice to it. A cost above
+    /// [`MAX_COST`] is refused.
     pub fn try_acquire(
         &mut self,
         now: u64,

@@ -152,3 +152,25 @@ pub enum SliceError {
         max: usize,
     },
 }
+
+/// Why [`crate::Engine::key_handle`] made no handle.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HandleError {
+    /// No rule has this name.
+    #[error("unknown rule {0:?}")]
+    UnknownRule(String),
+    /// Wrong number of values for the rule's `*` entries.
+    #[error("rule {rule:?} has {expected} `*` entries, the handle names {got} values")]
+    WrongValues {
+        /// Rule.
+        rule: String,
+        /// Wildcards in the rule.
+        expected: usize,
+        /// Values given.
+        got: usize,
+    },
+    /// A concurrency rule: its slots are held by leases and released on completion,
+    /// which a bare check cannot do (use [`crate::Engine::admit`]).
+    #[error("rule {0:?} limits concurrency: admit through a lease, not a bare check")]
+    Concurrency(String),
+}

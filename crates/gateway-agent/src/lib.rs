@@ -79,7 +79,7 @@ pub use engine::{
     Limits, MaintainReport, RejectReason, Rejected, RuleStats, SliceApplied, SliceExtension,
     SliceUpdate, Worker,
 };
-pub use error::{AdmitError, CompleteError, ExtendError, SliceError};
+pub use error::{AdmitError, CompleteError, ExtendError, HandleError, SliceError};
 pub use key::LimitKey;
 pub use usage::{
     CompletionStatus, DiscardSink, MemorySink, Outcome, OwnedRecord, RecordLimit, Usage,

@@ -5,8 +5,8 @@ use std::sync::Arc;
 use bursar_agent::testing::{engine, engine_with_sink};
 use bursar_agent::{
     AdmitError, AdmitRequest, CompleteError, Completion, CompletionStatus, Cost, Decision, Engine,
-    ExtendError, KeyTotals, MemorySink, Outcome, RejectReason, SliceApplied, SliceError,
-    SliceExtension, SliceUpdate, Usage,
+    ExtendError, HandleError, KeyTotals, MemorySink, Outcome, RejectReason, SliceApplied,
+    SliceError, SliceExtension, SliceUpdate, Usage,
 };
 
 const SEC: u64 = 1_000_000_000;
@@ -261,6 +261,82 @@ fn shadow_rules_count_but_never_reject() {
     assert!(trial.shadow);
     assert_eq!((trial.admitted, trial.rejected), (1, 4));
     assert_eq!(stats.iter().find(|s| s.rule == "real").unwrap().admitted, 5);
+}
+
+#[test]
+fn the_bare_check_counts_its_demand_honours_shadow_rules_and_refuses_what_it_cannot_settle() {
+    let e = engine(
+        r#"
+        [[rule]]
+        name = "real"
+        match = { key = "*" }
+        dimension = "requests"
+        rate = 3
+        per = "hour"
+        [[rule]]
+        name = "trial"
+        match = { key = "*" }
+        dimension = "requests"
+        rate = 1
+        per = "hour"
+        mode = "shadow"
+        [[rule]]
+        name = "slots"
+        match = { key = "*" }
+        dimension = "concurrency"
+        max_in_flight = 2
+        "#,
+    );
+    // Handles the bare check cannot honour are refused with the reason.
+    assert_eq!(
+        e.key_handle("nope", &["a"]).unwrap_err(),
+        HandleError::UnknownRule("nope".into())
+    );
+    assert_eq!(
+        e.key_handle("real", &[]).unwrap_err(),
+        HandleError::WrongValues {
+            rule: "real".into(),
+            expected: 1,
+            got: 0
+        }
+    );
+    // A slot taken without a lease would never come back.
+    assert_eq!(
+        e.key_handle("slots", &["a"]).unwrap_err(),
+        HandleError::Concurrency("slots".into())
+    );
+
+    let real = e.key_handle("real", &["a"]).unwrap();
+    let trial = e.key_handle("trial", &["a"]).unwrap();
+    let mut w = e.worker();
+    assert_eq!(
+        w.try_acquire(0, &real, u64::MAX),
+        Err(AdmitError::CostTooLarge {
+            max: bursar_agent::MAX_COST
+        })
+    );
+    let got: Vec<bool> = (0..5)
+        .map(|_| w.try_acquire(0, &real, 1).unwrap())
+        .collect();
+    assert_eq!(got, [true, true, true, false, false]);
+    // A shadow rule's empty bucket admits, and says what it would have done in its counts.
+    assert!((0..4).all(|_| w.try_acquire(0, &trial, 1).unwrap()));
+
+    // Both are demand, as an admission's are: the sync client reports them.
+    let stats = e.stats();
+    let of = |rule: &str| {
+        let s = stats.iter().find(|s| s.rule == rule).unwrap();
+        (s.admitted, s.rejected)
+    };
+    assert_eq!(of("real"), (3, 2));
+    assert_eq!(of("trial"), (1, 3));
+    let mut demand = Vec::new();
+    e.key_demand(&mut demand);
+    let real_key = demand.iter().find(|d| &*d.rule == "real").unwrap();
+    assert_eq!(
+        (real_key.counters.admitted(), real_key.counters.rejected()),
+        (3, 2)
+    );
 }
 
 #[test]
