@@ -21,7 +21,7 @@
 //! `LeaseTable::insert` and `LeaseTable::keep_names`).
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use arc_swap::{ArcSwap, Cache};
@@ -325,6 +325,8 @@ pub struct KeyHandle {
     /// only on the slow path.
     values: Box<Box<[Box<str>]>>,
     rule: u32,
+    /// The engine that made it ([`Engine`]'s tag): a handle is refused by any other.
+    engine: u32,
 }
 
 /// A slice update for one limit key, from the allocator.
@@ -1089,7 +1091,13 @@ pub struct Engine {
     slow: Mutex<Slow>,
     leases: LeaseTable,
     sink: Arc<dyn UsageSink>,
+    /// Unique among the process's engines: a [`KeyHandle`] carries its engine's, since
+    /// its hashes mean nothing to another (seeds are per engine).
+    tag: u32,
 }
+
+/// The next [`Engine`]'s tag.
+static NEXT_ENGINE_TAG: AtomicU32 = AtomicU32::new(1);
 
 impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -1185,6 +1193,7 @@ impl Engine {
                 next_idle_scan_ns: 0,
             }),
             sink,
+            tag: NEXT_ENGINE_TAG.fetch_add(1, Ordering::Relaxed),
         }
     }
 
@@ -2911,6 +2920,7 @@ impl Engine {
         let ri = ri as u32;
         Ok(KeyHandle {
             rule: ri,
+            engine: self.tag,
             id: self.hashing.key_id(ri, values.iter().copied()),
             check: self.hashing.key_check(ri, values.iter().copied()),
             values: Box::new(values.iter().map(|v| Box::<str>::from(*v)).collect()),
@@ -2926,6 +2936,11 @@ impl Engine {
     ) -> Result<bool, AdmitError> {
         if cost > MAX_COST {
             return Err(AdmitError::CostTooLarge { max: MAX_COST });
+        }
+        if key.engine != self.tag {
+            // Its id and check were hashed with another engine's seeds, and its rule
+            // index may not exist here: a key made from them would sit at the wrong id.
+            return Err(AdmitError::Invalid("key handle made by another engine"));
         }
         if let Some(slot) = table.lookup(key.id, key.check)
             && let Some(admitted) = self.acquire_on(slot, now, key.rule, cost)

@@ -330,6 +330,23 @@ fn the_bare_check_counts_its_demand_honours_shadow_rules_and_refuses_what_it_can
     };
     assert_eq!(of("real"), (3, 2));
     assert_eq!(of("trial"), (1, 3));
+    // A handle means nothing to another engine (its hashes are seeded per engine).
+    let other = engine(
+        r#"
+        [[rule]]
+        name = "real"
+        match = { key = "*" }
+        dimension = "requests"
+        rate = 3
+        per = "hour"
+        "#,
+    );
+    assert_eq!(
+        other.worker().try_acquire(0, &real, 1),
+        Err(AdmitError::Invalid("key handle made by another engine"))
+    );
+    assert_eq!(other.key_count(), 0, "nothing was created");
+
     let mut demand = Vec::new();
     e.key_demand(&mut demand);
     let real_key = demand.iter().find(|d| &*d.rule == "real").unwrap();
