@@ -2297,8 +2297,9 @@ impl Engine {
                 held_seq: s.seq,
             });
         }
-        if !slow.slices.contains_key(&named as &dyn KeyView)
-            && slow.slices.len() >= self.cfg.max_keys
+        // The length first: the lookup only near the bound.
+        if slow.slices.len() >= self.cfg.max_keys
+            && !slow.slices.contains_key(&named as &dyn KeyView)
         {
             return Err(SliceError::TableFull {
                 max: self.cfg.max_keys,
