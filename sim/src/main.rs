@@ -1,6 +1,7 @@
 //! `bursar-sim`: run a scenario against the real agent and allocator cores and check
 //! overshoot against the allocator's stated bound. See docs/simulation.md.
 
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
@@ -358,9 +359,17 @@ fn real_main() -> Result<ExitCode> {
             if plot.is_some() {
                 sim.record_series();
             }
+            let progress = std::io::stderr().is_terminal();
+            if progress {
+                sim.on_progress(1 << 16, progress_line());
+            }
             let started = Instant::now();
             let (report, series, spent) = sim.run_to_end();
             let wall_s = started.elapsed().as_secs_f64();
+            if progress {
+                // Clears the progress line.
+                eprint!("\r\x1b[2K");
+            }
             // The process exits once the report is out: freeing the fleet's engines
             // one by one would only delay that (seconds at 1,000 gateways).
             std::mem::forget(spent);
@@ -442,5 +451,36 @@ fn opt(x: Option<f64>, digits: usize, unit: &str) -> String {
     match x {
         Some(v) => format!("{v:.digits$}{unit}"),
         None => "n/a".into(),
+    }
+}
+
+/// The progress line `run` keeps on a terminal's stderr: virtual time against the
+/// run's, events and their rate, and the wall time left at that rate (rewritten at
+/// most twice a second; the fleet-scale minute runs for minutes).
+fn progress_line() -> impl FnMut(bursar_sim::sim::Progress) {
+    let started = Instant::now();
+    let mut shown = started;
+    move |p| {
+        let now = Instant::now();
+        if now.duration_since(shown).as_millis() < 500 {
+            return;
+        }
+        shown = now;
+        let wall = now.duration_since(started).as_secs_f64();
+        let left = if p.virtual_s > 0.0 {
+            format!(
+                ", ~{:.0} s left",
+                wall * (p.duration_s - p.virtual_s).max(0.0) / p.virtual_s
+            )
+        } else {
+            String::new()
+        };
+        eprint!(
+            "\r\x1b[2K  {:.1} / {:.0} virtual s, {:.1} M events ({:.0} k/s){left}",
+            p.virtual_s,
+            p.duration_s,
+            p.events as f64 / 1e6,
+            p.events as f64 / wall.max(1e-9) / 1e3,
+        );
     }
 }

@@ -450,6 +450,17 @@ fn delay_ms(n: &NetworkSpec, rng: &mut Rng) -> f64 {
         }
 }
 
+/// How far a run has got ([`Sim::on_progress`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Progress {
+    /// Virtual seconds of traffic simulated (from the start of traffic).
+    pub virtual_s: f64,
+    /// The run's virtual duration of traffic, seconds.
+    pub duration_s: f64,
+    /// Events handled so far.
+    pub events: u64,
+}
+
 /// One simulation: build it with [`Sim::new`], run it with [`Sim::run`].
 pub struct Sim {
     sc: Scenario,
@@ -488,6 +499,8 @@ pub struct Sim {
     demand_buf: Vec<KeyDemand>,
     /// Time series for `--plot`, when asked for ([`Sim::record_series`]).
     series: Option<Series>,
+    /// [`Sim::on_progress`]'s callback and its interval of events.
+    progress: Option<(u64, Box<dyn FnMut(Progress)>)>,
     samples: u64,
 }
 
@@ -649,6 +662,7 @@ impl Sim {
             violation_messages: Vec::new(),
             demand_buf: Vec::new(),
             series: None,
+            progress: None,
             samples: 0,
         };
         sim.schedule_wake();
@@ -709,6 +723,13 @@ impl Sim {
         if self.violation_messages.len() < VIOLATIONS_KEPT_MAX {
             self.violation_messages.push(msg);
         }
+    }
+
+    /// Calls `f` every `every` events with how far the run has got (the CLI prints it
+    /// on a terminal: the fleet-scale minute runs for minutes). Reads no clock and
+    /// changes nothing in the run.
+    pub fn on_progress(&mut self, every: u64, f: impl FnMut(Progress) + 'static) {
+        self.progress = Some((every.max(1), Box::new(f)));
     }
 
     /// Records the time series charts are drawn from ([`Sim::run_with_series`]).
@@ -774,6 +795,15 @@ impl Sim {
             self.now = at;
             self.counters.events += 1;
             self.step(ev);
+            if let Some((every, f)) = &mut self.progress
+                && self.counters.events % *every == 0
+            {
+                f(Progress {
+                    virtual_s: self.now.saturating_sub(self.t0) as f64 / SEC as f64,
+                    duration_s: (self.end - self.t0) as f64 / SEC as f64,
+                    events: self.counters.events,
+                });
+            }
         }
         self.now = self.end;
         self.sample();
@@ -2114,6 +2144,28 @@ mod tests {
         );
         let c = run(&sc, 12).unwrap();
         assert_ne!(a.counters, c.counters, "another seed, another run");
+    }
+
+    #[test]
+    fn progress_reports_move_forward_and_change_nothing_in_the_run() {
+        let sc = small("shift");
+        let quiet = run(&sc, 5).unwrap();
+        let seen = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
+        let mut sim = Sim::new(&sc, 5, "bursar").unwrap();
+        let log = std::rc::Rc::clone(&seen);
+        sim.on_progress(1_000, move |p| log.borrow_mut().push(p));
+        let watched = sim.run();
+        assert_eq!(quiet, watched, "watching a run must not change it");
+        let seen = seen.borrow();
+        assert_eq!(seen.len() as u64, watched.counters.events / 1_000);
+        assert!(
+            seen.windows(2)
+                .all(|w| w[0].virtual_s <= w[1].virtual_s && w[0].events + 1_000 == w[1].events)
+        );
+        assert_eq!(seen[0].events, 1_000);
+        let last = seen.last().unwrap();
+        assert!(last.virtual_s > 1.0 && last.virtual_s <= 3.0, "{last:?}");
+        assert_eq!(last.duration_s, 3.0);
     }
 
     #[test]
