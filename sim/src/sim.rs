@@ -450,6 +450,9 @@ fn delay_ms(n: &NetworkSpec, rng: &mut Rng) -> f64 {
         }
 }
 
+/// [`Sim::on_progress`]'s callback.
+type ProgressFn = Box<dyn FnMut(Progress)>;
+
 /// How far a run has got ([`Sim::on_progress`]).
 #[derive(Clone, Copy, Debug)]
 pub struct Progress {
@@ -500,7 +503,7 @@ pub struct Sim {
     /// Time series for `--plot`, when asked for ([`Sim::record_series`]).
     series: Option<Series>,
     /// [`Sim::on_progress`]'s callback and its interval of events.
-    progress: Option<(u64, Box<dyn FnMut(Progress)>)>,
+    progress: Option<(u64, ProgressFn)>,
     samples: u64,
 }
 
@@ -796,7 +799,7 @@ impl Sim {
             self.counters.events += 1;
             self.step(ev);
             if let Some((every, f)) = &mut self.progress
-                && self.counters.events % *every == 0
+                && self.counters.events.is_multiple_of(*every)
             {
                 f(Progress {
                     virtual_s: self.now.saturating_sub(self.t0) as f64 / SEC as f64,
