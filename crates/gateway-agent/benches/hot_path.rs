@@ -7,7 +7,9 @@
 //! look a key up by an integer-like handle: governor hashes a `u64` key into its
 //! DashMap; ours finds a pre-resolved `KeyHandle`'s id in the arc-swap table through a
 //! per-thread `Worker` cache. Ours reads a coarse clock (one atomic load); governor
-//! reads its default clock (quanta). FIELD-NOTES records both clock costs.
+//! reads its default clock (quanta). FIELD-NOTES records both clock costs. Ours also
+//! counts each check's cost as the key's demand (one atomic add governor has no need
+//! for: the allocator sizes the agent's slice from it).
 #![allow(missing_docs)] // criterion_group! generates undocumented items
 
 use std::hint::black_box;
