@@ -18,8 +18,7 @@ use bursar_agent::{
 };
 use bursar_allocator::{
     Ack, Allocator, AllocatorConfig, Grant, HeldGrant, HeldSlice, Hello, KeyName, KeyReport,
-    LeaseExtension, Measure, MeasureRequest, OvershootBound, Report as AllocReport, SliceAck,
-    UnknownHandles,
+    LeaseExtension, Measure, MeasureRequest, Report as AllocReport, SliceAck, UnknownHandles,
 };
 use serde::Serialize;
 
@@ -505,8 +504,6 @@ pub struct Sim {
     series: Option<Series>,
     /// [`Sim::on_progress`]'s callback and its interval of events.
     progress: Option<(u64, ProgressFn)>,
-    /// Each key's bound at the last sample (a buffer kept between samples).
-    bounds: Vec<Option<OvershootBound>>,
     samples: u64,
 }
 
@@ -669,7 +666,6 @@ impl Sim {
             demand_buf: Vec::new(),
             series: None,
             progress: None,
-            bounds: Vec::new(),
             samples: 0,
         };
         sim.schedule_wake();
@@ -1796,22 +1792,12 @@ impl Sim {
         let span = self.now.saturating_sub(from) as f64;
         self.samples += 1;
         let period = SEC as f64;
-        // Every key's bound in one walk of the allocator's keys (no lookup by name).
-        let mut bounds = std::mem::take(&mut self.bounds);
-        bounds.clear();
-        bounds.resize(self.keys.len(), None);
-        if let Some(a) = &self.alloc {
-            let n = self.keys.len();
-            a.for_each_bound(|name, b| {
-                if let Some(k) = name.values.first().and_then(|v| key_of(v, n))
-                    && self.keys[k as usize].name == *name
-                {
-                    bounds[k as usize] = Some(b);
-                }
-            });
-        }
-        for (key, bound) in self.keys.iter_mut().zip(&bounds) {
-            let (rate, burst) = match bound {
+        for key in self.keys.iter_mut() {
+            let (rate, burst) = match self
+                .alloc
+                .as_ref()
+                .and_then(|a| a.overshoot_bound(&key.name))
+            {
                 Some(b) => (b.rate + b.overdraft_rate.max(self.overdraft_rate), b.burst),
                 // The allocator is down (its last bound stands) or has not met the key.
                 // Baselines state no bound beyond the contract's `(R, B)`.
@@ -1826,7 +1812,6 @@ impl Sim {
             key.bound_rate = rate;
             key.bound_burst = burst;
         }
-        self.bounds = bounds;
         if self.series.is_some() {
             self.sample_series();
         }

@@ -2912,17 +2912,6 @@ impl Allocator {
         Some(self.bound_of(k))
     }
 
-    /// [`Allocator::overshoot_bound`] of every key, with its name: one walk of the key
-    /// table, no lookup by name (the simulator reads every key's bound every 50 ms; at
-    /// 10,000 keys the lookups were 5 % of a fleet-scale run).
-    pub fn for_each_bound(&self, mut f: impl FnMut(&KeyName, OvershootBound)) {
-        for (k, key) in self.keys.iter().enumerate() {
-            if let Some(key) = key {
-                f(&key.name, self.bound_of(k as u32));
-            }
-        }
-    }
-
     fn bound_of(&self, k: u32) -> OvershootBound {
         let key = self.key(k);
         let rule = &self.rules[key.rule as usize];
