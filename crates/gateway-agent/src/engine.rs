@@ -1393,10 +1393,8 @@ impl Engine {
                                 return Ok(());
                             }
                             // The other rules this request matched saw demand too.
-                            for (l, s) in held.iter().zip(&slots) {
-                                if let (Some(l), Some(s)) = (l, s) {
-                                    s.blocked.fetch_add(l.reserved, Ordering::Relaxed);
-                                }
+                            for (l, s) in taken(&held, &slots) {
+                                s.blocked.fetch_add(l.reserved, Ordering::Relaxed);
                             }
                             self.block_later(
                                 table,
@@ -1424,10 +1422,8 @@ impl Engine {
         }
         let expires = now.saturating_add(ttl_ms * MS);
         // Count admitted cost before the lease is published (undone if it is not).
-        for (l, s) in held.iter().zip(&slots) {
-            if let (Some(l), Some(s)) = (l, s) {
-                s.admitted.fetch_add(l.reserved, Ordering::Relaxed);
-            }
+        for (l, s) in taken(&held, &slots) {
+            s.admitted.fetch_add(l.reserved, Ordering::Relaxed);
         }
         let head = LeaseHead {
             admitted_at_ns: now,
@@ -1571,10 +1567,8 @@ impl Engine {
 
     /// Undoes every debit in `held`, taken from `slots` (a rejection or a failed insert).
     fn rollback(&self, now: u64, held: &[Option<LeaseLimit>], slots: &[Option<SlotRef<'_>>]) {
-        for (l, s) in held.iter().zip(slots) {
-            if let (Some(l), Some(s)) = (l, s)
-                && !s.settle(now, l.debited, l.held())
-            {
+        for (l, s) in taken(held, slots) {
+            if !s.settle(now, l.debited, l.held()) {
                 // Sealed since: settle on the current slot, in units.
                 self.settle_current(now, l, l.reserved);
             }
@@ -1626,9 +1620,7 @@ impl Engine {
     /// The name of `l`'s key from pending or the table (a sealed slot's will do), for
     /// a usage record whose key the table snapshot did not show.
     fn name_of(&self, l: &LeaseLimit) -> Option<Arc<LimitKey>> {
-        let slow = self.slow();
-        let table = self.table.load();
-        find_by_hashes(&slow, &table, l, false).map(|s| Arc::clone(&s.key))
+        name_by_hashes(&self.slow(), &self.table.load(), l)
     }
 
     /// The live slot for a key, from pending or the table, without creating one.
@@ -2493,7 +2485,7 @@ impl Engine {
             let table = self.table.load();
             self.leases
                 .expire(now, self.cfg.tombstone_ttl_ms * MS, &mut expired, |l| {
-                    find_by_hashes(&slow, &table, l, false).map(|s| Arc::clone(&s.key))
+                    name_by_hashes(&slow, &table, l)
                 });
         }
         report.leases_expired = expired.len();
@@ -3203,6 +3195,11 @@ fn find_by_hashes<'a>(
     None
 }
 
+/// The name of a lease limit's key from pending or the table (a sealed slot's will do).
+fn name_by_hashes(slow: &Slow, table: &KeyTable, l: &LeaseLimit) -> Option<Arc<LimitKey>> {
+    find_by_hashes(slow, table, l, false).map(|s| Arc::clone(&s.key))
+}
+
 /// A slot as a decision holds it: borrowed from the table snapshot (the decision path:
 /// no reference count touched), or owned when the slow path found or made it.
 enum SlotRef<'t> {
@@ -3272,11 +3269,21 @@ fn status(
 }
 
 fn uncount(held: &[Option<LeaseLimit>], slots: &[Option<SlotRef<'_>>]) {
-    for (l, s) in held.iter().zip(slots) {
-        if let (Some(l), Some(s)) = (l, s) {
-            s.admitted.fetch_sub(l.reserved, Ordering::Relaxed);
-        }
+    for (l, s) in taken(held, slots) {
+        s.admitted.fetch_sub(l.reserved, Ordering::Relaxed);
     }
+}
+
+/// What an admission took so far: each limit with the slot it debited (the two arrays
+/// are filled together, position by position).
+#[inline]
+fn taken<'a, 't>(
+    held: &'a [Option<LeaseLimit>],
+    slots: &'a [Option<SlotRef<'t>>],
+) -> impl Iterator<Item = (&'a LeaseLimit, &'a SlotRef<'t>)> {
+    held.iter()
+        .zip(slots)
+        .filter_map(|(l, s)| Some((l.as_ref()?, s.as_ref()?)))
 }
 
 fn validate_id(id: &str) -> Result<(), &'static str> {

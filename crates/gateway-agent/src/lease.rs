@@ -158,8 +158,9 @@ impl Lease {
         &self.limits[..self.len as usize]
     }
 
-    /// Copies `from`'s fields in use into `self` (its names moved: `from` is being
-    /// finished), without copying the unused part of the limits.
+    /// Copies `from`'s fields in use into `self` (its names moved) and marks `from` no
+    /// longer live: `from` is a slab entry being finished. The unused part of the
+    /// limits is not copied.
     #[inline]
     fn take_from(&mut self, from: &mut Lease) {
         self.admitted_at_ns = from.admitted_at_ns;
@@ -171,6 +172,7 @@ impl Lease {
         self.len = from.len;
         self.live = false;
         self.names = from.names.take();
+        from.live = false;
     }
 
     /// The name kept for limit `j`, if one was.
@@ -486,7 +488,6 @@ impl Shard {
     fn take_live(&mut self, i: u32) -> Lease {
         let mut lease = Lease::EMPTY;
         lease.take_from(&mut self.slab[i as usize]);
-        self.slab[i as usize].live = false;
         self.free.push(i);
         lease
     }
@@ -677,9 +678,7 @@ impl LeaseTable {
                     return Removed::Unknown;
                 }
                 shard.map.set_at(p, Entry::Completed { at_ns: now });
-                let l = &mut shard.slab[i as usize];
-                out.take_from(l);
-                l.live = false;
+                out.take_from(&mut shard.slab[i as usize]);
                 shard.free.push(i);
                 shard.note_tomb(hash, now, true);
                 Removed::Live
