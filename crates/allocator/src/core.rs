@@ -450,11 +450,13 @@ impl Ext {
 /// what every recomputation reads (agent, flags, demand, the current grant, in-flight:
 /// with the current grant's id, 64 bytes) comes first (`repr(C)`); what every report
 /// line reads (the counters' bases, the grant known applied) follows, so that a report
-/// line touches the first two lines only; the grants remembered and the commitment (read
-/// when a grant changes) come next; what is rare (a grant learned from an earlier term,
-/// a partition fallback) is boxed. 256 bytes, aligned to a cache line, so that the first
-/// 64 bytes are one line (tested): at 264 bytes unaligned (`smallvec` without its
-/// `union` layout), seven entries in eight straddled two lines there.
+/// line touches the first two lines only; the rest of the latest grant, the count of
+/// grants remembered and the commitment (read when a grant changes) come next; older
+/// grants still counted and what is rare (a grant learned from an earlier term, a
+/// partition fallback) are boxed. 192 bytes, aligned to a cache line, so that each
+/// group is one line (tested): at 264 bytes unaligned (`smallvec` without its `union`
+/// layout), seven entries in eight straddled two lines there; at 256 (the grants as an
+/// inline list of two, until the eighteenth session) a first grant touched all four.
 #[derive(Clone, Debug)]
 #[repr(C, align(64))]
 struct Entry {
@@ -464,12 +466,12 @@ struct Entry {
     rejecting_used: bool,
     sampled: Sampled,
     demand: f64,
-    /// The latest grant sent, `sent.last()` (kept in step by [`Key::edit`]): read on
-    /// every recomputation, so kept inline where `sent` may have spilled to the heap.
+    /// The latest grant sent (with `cur_epoch`, `cur_seq`, `cur_expires_ns` and
+    /// `cur_fleet`; zero when none is): read on every recomputation.
     cur: Slice,
-    /// Term and seq of the latest grant sent (kept in step by [`Key::edit`]): a report
-    /// line compares the grant it holds with them without reading `sent` (the entry's
-    /// third and fourth lines, a quarter of `handle_report` when it did).
+    /// Term and seq of the latest grant sent: a report line compares the grant it holds
+    /// with them on the first line (a quarter of `handle_report` when it read the list
+    /// of grants on the entry's third and fourth).
     cur_epoch: u64,
     cur_seq: u64,
     in_flight: u64,
@@ -486,11 +488,20 @@ struct Entry {
     since: u64,
     /// Latest grant known applied.
     applied: (u64, u64),
-    /// Grants that may be in use, oldest first.
-    sent: SmallVec<[Sent; 2]>,
+    /// The rest of the latest grant sent (`cur`, `cur_epoch` and `cur_seq` hold its
+    /// id and slice on the first line): its expiry and fleet size.
+    cur_expires_ns: u64,
+    cur_fleet: u32,
+    /// How many grants are remembered (0 to [`MAX_SENT`]): the latest, inline, and
+    /// `older`.
+    nsent: u8,
+    /// The other grants that may be in use, oldest first, while there are any (most
+    /// entries remember one grant: the box keeps the entry at three lines where an
+    /// inline list of two took 104 of its 256 bytes).
+    older: Option<Box<SmallVec<[Sent; 2]>>>,
     /// A learned grant or a partition fallback (rare: `None` otherwise).
     rare: Option<Box<Rare>>,
-    /// Componentwise maximum of `sent` (kept in step by [`Key::edit`]).
+    /// Componentwise maximum of the grants remembered (kept in step by [`Key::edit`]).
     commit: Slice,
 }
 
@@ -537,11 +548,67 @@ impl Entry {
             base_ts: 0,
             since: 0,
             applied: (0, 0),
-            sent: SmallVec::new(),
+            cur_expires_ns: 0,
+            cur_fleet: 0,
+            nsent: 0,
+            older: None,
             rare: None,
             cur_epoch: 0,
             cur_seq: 0,
         }
+    }
+
+    /// The latest grant sent, if any.
+    fn last_sent(&self) -> Option<Sent> {
+        (self.nsent > 0).then_some(Sent {
+            epoch: self.cur_epoch,
+            seq: self.cur_seq,
+            slice: self.cur,
+            fleet: self.cur_fleet,
+            expires_ns: self.cur_expires_ns,
+        })
+    }
+
+    /// The grants remembered (that may be in use), oldest first.
+    fn sent(&self) -> impl Iterator<Item = Sent> + '_ {
+        self.older
+            .iter()
+            .flat_map(|o| o.iter().copied())
+            .chain(self.last_sent())
+    }
+
+    /// Makes `s` the latest grant sent (the older ones unchanged).
+    fn set_last(&mut self, s: Option<Sent>) {
+        let s = s.unwrap_or(Sent {
+            epoch: 0,
+            seq: 0,
+            slice: Slice::ZERO,
+            fleet: 0,
+            expires_ns: 0,
+        });
+        self.cur = s.slice;
+        self.cur_epoch = s.epoch;
+        self.cur_seq = s.seq;
+        self.cur_fleet = s.fleet;
+        self.cur_expires_ns = s.expires_ns;
+    }
+
+    /// Edits the grants remembered as a list, oldest first (the rarer edits: a
+    /// learned grant, expiries, an acknowledgement).
+    fn edit_sent<R>(&mut self, f: impl FnOnce(&mut SmallVec<[Sent; MAX_SENT + 1]>) -> R) -> R {
+        let mut v: SmallVec<[Sent; MAX_SENT + 1]> = self.sent().collect();
+        let r = f(&mut v);
+        self.nsent = v.len() as u8;
+        let last = v.pop();
+        self.set_last(last);
+        if v.is_empty() {
+            self.older = None;
+        } else {
+            let o = self.older.get_or_insert_with(Box::default);
+            o.clear();
+            o.extend_from_slice(&v);
+        }
+        r
     }
 
     fn learned(&self) -> Option<Slice> {
@@ -577,18 +644,12 @@ impl Entry {
     }
 
     fn recount(&self) -> Slice {
-        self.sent
-            .iter()
-            .fold(Slice::ZERO, |acc, s| acc.max(s.slice))
+        self.sent().fold(Slice::ZERO, |acc, s| acc.max(s.slice))
     }
 
     /// The earliest allocator-side expiry of the grants remembered (`u64::MAX`: none).
     fn earliest_expiry(&self) -> u64 {
-        self.sent
-            .iter()
-            .map(|s| s.expires_ns)
-            .min()
-            .unwrap_or(u64::MAX)
+        self.sent().map(|s| s.expires_ns).min().unwrap_or(u64::MAX)
     }
 
     /// The latest grant sent (what the agent should end up holding).
@@ -602,7 +663,9 @@ impl Entry {
             return false;
         }
         self.applied = id;
-        self.sent.retain(|s| s.id() >= id);
+        if self.older.is_some() || self.last_sent().is_some_and(|s| s.id() < id) {
+            self.edit_sent(|v| v.retain(|s| s.id() >= id));
+        }
         if self.fallback().is_some_and(|(_, f)| id > f) {
             self.set_fallback(None);
         }
@@ -613,14 +676,22 @@ impl Entry {
     /// id with the larger slice and the later expiry, the older's extension included
     /// (the newer's id may be past the extension).
     fn push_sent(&mut self, s: Sent, ext: Ext) {
-        self.sent.push(s);
-        if self.sent.len() > MAX_SENT {
-            let a = self.sent.remove(0);
-            let b = &mut self.sent[0];
-            b.slice = b.slice.max(a.slice);
-            b.expires_ns = ext.expiry(b).max(ext.expiry(&a));
-            b.fleet = b.fleet.min(a.fleet);
+        if let Some(prev) = self.last_sent() {
+            let o = self.older.get_or_insert_with(Box::default);
+            o.push(prev);
+            if o.len() + 1 > MAX_SENT {
+                // MAX_SENT >= 2: the newer of the two is still in `older`.
+                let a = o.remove(0);
+                let b = &mut o[0];
+                b.slice = b.slice.max(a.slice);
+                b.expires_ns = ext.expiry(b).max(ext.expiry(&a));
+                b.fleet = b.fleet.min(a.fleet);
+            }
+            self.nsent = o.len() as u8 + 1;
+        } else {
+            self.nsent = 1;
         }
+        self.set_last(Some(s));
     }
 }
 
@@ -689,15 +760,11 @@ impl Key {
         let e = &mut self.entries[pos];
         // One pass over the remembered grants: commitment and earliest expiry.
         let (mut commit, mut earliest) = (Slice::ZERO, u64::MAX);
-        for s in &e.sent {
+        for s in e.sent() {
             commit = commit.max(s.slice);
             earliest = earliest.min(s.expires_ns);
         }
         e.commit = commit;
-        let last = e.sent.last();
-        e.cur = last.map_or(Slice::ZERO, |s| s.slice);
-        e.cur_epoch = last.map_or(0, |s| s.epoch);
-        e.cur_seq = last.map_or(0, |s| s.seq);
         self.sweep_after_ns = self.sweep_after_ns.min(earliest);
         self.recommitted(before, commit);
         r
@@ -715,9 +782,6 @@ impl Key {
         e.push_sent(s, ext);
         let commit = before.max(s.slice);
         e.commit = commit;
-        e.cur = s.slice;
-        e.cur_epoch = s.epoch;
-        e.cur_seq = s.seq;
         self.sweep_after_ns = self.sweep_after_ns.min(s.expires_ns);
         self.recommitted(before, commit);
     }
@@ -1589,7 +1653,7 @@ impl Allocator {
 
     fn remove_entry(&mut self, k: u32, pos: u32) {
         let key = self.key_mut(k);
-        key.edit(pos as usize, |e| e.sent.clear());
+        key.edit(pos as usize, |e| e.edit_sent(|v| v.clear()));
         let e = key.entries.swap_remove(pos as usize);
         if e.rare.is_some() {
             key.rare_entries -= 1;
@@ -1730,27 +1794,29 @@ fn held_into(
             return;
         }
         let id = (h.epoch, h.seq);
-        if id < e.applied || e.sent.iter().any(|s| s.id() == id) {
+        if id < e.applied || e.sent().any(|s| s.id() == id) {
             return;
         }
         if learning {
             e.set_learned(Some(e.learned().unwrap_or(Slice::ZERO).max(held)));
-            e.sent.insert(
-                0,
-                Sent {
-                    epoch: h.epoch,
-                    seq: h.seq,
-                    slice: held,
-                    fleet,
-                    expires_ns: learn_until,
-                },
-            );
-            e.sent.sort_unstable_by_key(|s| s.id());
-            while e.sent.len() > MAX_SENT {
-                let a = e.sent.remove(0);
-                e.sent[0].slice = e.sent[0].slice.max(a.slice);
-                e.sent[0].expires_ns = ext.expiry(&e.sent[0]).max(ext.expiry(&a));
-            }
+            e.edit_sent(|v| {
+                v.insert(
+                    0,
+                    Sent {
+                        epoch: h.epoch,
+                        seq: h.seq,
+                        slice: held,
+                        fleet,
+                        expires_ns: learn_until,
+                    },
+                );
+                v.sort_unstable_by_key(|s| s.id());
+                while v.len() > MAX_SENT {
+                    let a = v.remove(0);
+                    v[0].slice = v[0].slice.max(a.slice);
+                    v[0].expires_ns = ext.expiry(&v[0]).max(ext.expiry(&a));
+                }
+            });
             e.applied = e.applied.max(id);
         } else {
             let fb = rule.fallback_of(h.epoch, term, held, fleet);
@@ -2469,7 +2535,7 @@ impl Allocator {
         for (k, pos) in list {
             let key = self.key(k);
             let e = &key.entries[pos as usize];
-            if e.sent.is_empty() || e.cur_epoch == self.term {
+            if e.nsent == 0 || e.cur_epoch == self.term {
                 continue; // nothing sent, or covered by the extension
             }
             if !key.inherited.is_zero() {
@@ -2517,7 +2583,7 @@ impl Allocator {
         }) {
             return;
         }
-        let Some(expires_ns) = e.sent.last().map(|s| s.expires_ns) else {
+        let Some(expires_ns) = e.last_sent().map(|s| s.expires_ns) else {
             return;
         };
         let issued_after = expires_ns.saturating_sub(self.hold_ns());
@@ -2599,11 +2665,7 @@ impl Allocator {
             let key = self.key_mut(k);
             let e = &mut key.entries[pos as usize];
             e.in_flight = s.in_flight;
-            let slots = e
-                .sent
-                .iter()
-                .find(|g| g.seq == s.seq)
-                .map(|g| g.slice.burst);
+            let slots = e.sent().find(|g| g.seq == s.seq).map(|g| g.slice.burst);
             if concurrency && slots.is_some_and(|n| s.in_flight > n) {
                 // Not drained yet: the old, larger grant still counts.
                 continue;
@@ -2715,7 +2777,7 @@ impl Allocator {
             let rule = self.rules[key.rule as usize];
             let mut changed = false;
             for pos in 0..key.entries.len() {
-                if key.entries[pos].sent.iter().all(|s| s.expires_ns > now) {
+                if key.entries[pos].sent().all(|s| s.expires_ns > now) {
                     continue;
                 }
                 let ext = self.agents[key.entries[pos].agent as usize]
@@ -2724,26 +2786,29 @@ impl Allocator {
                 changed |= key.edit(pos, |e| {
                     let applied = e.applied;
                     let mut fb = e.fallback();
-                    let before = e.sent.len();
-                    e.sent.retain(|s| {
-                        // An extended grant's own expiry catches up with its
-                        // extension: the key is visited again only when that ends.
-                        s.expires_ns = ext.expiry(s);
-                        if s.expires_ns > now {
-                            return true;
-                        }
-                        // It may be the grant in force: the agent now follows its posture.
-                        if s.id() >= applied {
-                            let f = rule.fallback_of(s.epoch, term, s.slice, s.fleet);
-                            if !f.is_zero() {
-                                let (prev, at) = fb.unwrap_or((Slice::ZERO, (0, 0)));
-                                fb = Some((prev.max(f), at.max(s.id())));
+                    let before = e.nsent;
+                    e.edit_sent(|v| {
+                        v.retain(|s| {
+                            // An extended grant's own expiry catches up with its
+                            // extension: the key is visited again only when that ends.
+                            s.expires_ns = ext.expiry(s);
+                            if s.expires_ns > now {
+                                return true;
                             }
-                        }
-                        false
+                            // It may be the grant in force: the agent now follows its
+                            // posture.
+                            if s.id() >= applied {
+                                let f = rule.fallback_of(s.epoch, term, s.slice, s.fleet);
+                                if !f.is_zero() {
+                                    let (prev, at) = fb.unwrap_or((Slice::ZERO, (0, 0)));
+                                    fb = Some((prev.max(f), at.max(s.id())));
+                                }
+                            }
+                            false
+                        })
                     });
                     e.set_fallback(fb);
-                    e.sent.len() != before
+                    e.nsent != before
                 });
             }
             key.sweep_after_ns = key
@@ -3022,25 +3087,30 @@ impl Allocator {
                 if ag.entries.get(&(k as u32)) != Some(&(pos as u32)) {
                     return Err(format!("{}: agent index out of step", key.name));
                 }
-                if e.sent.len() > MAX_SENT {
-                    return Err(format!("{}: {} grants remembered", key.name, e.sent.len()));
+                let sent: Vec<Sent> = e.sent().collect();
+                if sent.len() > MAX_SENT || sent.len() != e.nsent as usize {
+                    return Err(format!(
+                        "{}: {} grants remembered, {} counted",
+                        key.name,
+                        sent.len(),
+                        e.nsent
+                    ));
                 }
-                if e.sent.windows(2).any(|w| w[0].id() >= w[1].id()) {
+                if e.older.as_ref().is_some_and(|o| o.is_empty()) {
+                    return Err(format!("{}: an empty box of older grants", key.name));
+                }
+                if sent.windows(2).any(|w| w[0].id() >= w[1].id()) {
                     return Err(format!("{}: grants out of order", key.name));
                 }
                 let c = e.commitment();
                 if c != e.recount() {
                     return Err(format!("{}: cached commitment out of step", key.name));
                 }
-                let last = e.sent.last();
-                if (e.cur, e.cur_epoch, e.cur_seq)
-                    != (
-                        last.map_or(Slice::ZERO, |s| s.slice),
-                        last.map_or(0, |s| s.epoch),
-                        last.map_or(0, |s| s.seq),
-                    )
+                if e.nsent == 0
+                    && (e.cur, e.cur_epoch, e.cur_seq, e.cur_fleet, e.cur_expires_ns)
+                        != (Slice::ZERO, 0, 0, 0, 0)
                 {
-                    return Err(format!("{}: cached current grant out of step", key.name));
+                    return Err(format!("{}: a current grant without one sent", key.name));
                 }
                 if e.earliest_expiry() < key.sweep_after_ns {
                     return Err(format!(
@@ -3462,9 +3532,9 @@ mod tests {
     }
 
     #[test]
-    fn an_entry_is_four_lines_recomputation_reads_the_first_and_a_report_line_two() {
+    fn an_entry_is_three_lines_recomputation_reads_the_first_and_a_report_line_two() {
         use std::mem::{align_of, offset_of, size_of};
-        assert_eq!(size_of::<Entry>(), 256);
+        assert_eq!(size_of::<Entry>(), 192);
         assert_eq!(align_of::<Entry>(), 64);
         for end in [
             offset_of!(Entry, agent) + 4,
@@ -3489,6 +3559,17 @@ mod tests {
             offset_of!(Entry, applied) + 16,
         ] {
             assert!(end <= 128, "a report line's field ends at byte {end}");
+        }
+        // What a grant sent writes besides the first line: the third.
+        for end in [
+            offset_of!(Entry, cur_expires_ns) + 8,
+            offset_of!(Entry, cur_fleet) + 4,
+            offset_of!(Entry, nsent) + 1,
+            offset_of!(Entry, older) + 8,
+            offset_of!(Entry, rare) + 8,
+            offset_of!(Entry, commit) + size_of::<Slice>(),
+        ] {
+            assert!(end <= 192, "a grant's field ends at byte {end}");
         }
     }
 
