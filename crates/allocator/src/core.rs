@@ -73,6 +73,10 @@ pub use reload::{ReloadSummary, RuleStatus};
 /// Grants remembered per key and agent before the oldest two are merged (into one
 /// record as large as both, so that accounting stays conservative).
 const MAX_SENT: usize = 6;
+
+/// [`Entry::term_seq`] when the latest grant is not of this allocator's term (or none
+/// was sent): no seq of a term reaches it.
+const NOT_TERM: u64 = u64::MAX;
 /// Most holders of one key asked to measure at a time (the largest grants).
 const MEASURE_MAX_HOLDERS: usize = 64;
 /// Most measure requests (agent, key) queued before the shell drains them.
@@ -469,11 +473,14 @@ struct Entry {
     /// The latest grant sent (with `cur_epoch`, `cur_seq`, `cur_expires_ns` and
     /// `cur_fleet`; zero when none is): read on every recomputation.
     cur: Slice,
-    /// Term and seq of the latest grant sent: a report line compares the grant it holds
-    /// with them on the first line (a quarter of `handle_report` when it read the list
-    /// of grants on the entry's third and fourth).
-    cur_epoch: u64,
-    cur_seq: u64,
+    /// The latest grant's seq if it is of this allocator's term, else [`NOT_TERM`]
+    /// (none sent, or one learned from an earlier term): a report line compares the
+    /// grant it holds with the latest on the first line (a quarter of `handle_report`
+    /// when it read the list of grants), and the term's grants need no epoch there.
+    term_seq: u64,
+    /// The agent's report time of the last sample: on the first line because an entry
+    /// without a grant is tested for idleness by it (every entry of a cold pass).
+    base_ts: u64,
     in_flight: u64,
     /// Demand when the key was last allocated (for change detection).
     demand_used: f64,
@@ -484,12 +491,16 @@ struct Entry {
     demand_slow: f64,
     base_admitted: u64,
     base_rejected: u64,
-    base_ts: u64,
     since: u64,
     /// Latest grant known applied.
     applied: (u64, u64),
-    /// The rest of the latest grant sent (`cur`, `cur_epoch` and `cur_seq` hold its
-    /// id and slice on the first line): its expiry and fleet size.
+    /// Unused: the second line's last word, so that the third starts with the latest
+    /// grant's id (a grant sent writes the first line and the third only).
+    _spare: u64,
+    /// The rest of the latest grant sent (`cur` holds its slice on the first line):
+    /// its id, expiry and fleet size.
+    cur_epoch: u64,
+    cur_seq: u64,
     cur_expires_ns: u64,
     cur_fleet: u32,
     /// How many grants are remembered (0 to [`MAX_SENT`]): the latest, inline, and
@@ -555,6 +566,8 @@ impl Entry {
             rare: None,
             cur_epoch: 0,
             cur_seq: 0,
+            term_seq: NOT_TERM,
+            _spare: 0,
         }
     }
 
@@ -577,8 +590,13 @@ impl Entry {
             .chain(self.last_sent())
     }
 
-    /// Makes `s` the latest grant sent (the older ones unchanged).
-    fn set_last(&mut self, s: Option<Sent>) {
+    /// Makes `s` the latest grant sent (the older ones unchanged); `term`: this
+    /// allocator's.
+    fn set_last(&mut self, s: Option<Sent>, term: u64) {
+        self.term_seq = match s {
+            Some(s) if s.epoch == term => s.seq,
+            _ => NOT_TERM,
+        };
         let s = s.unwrap_or(Sent {
             epoch: 0,
             seq: 0,
@@ -595,12 +613,16 @@ impl Entry {
 
     /// Edits the grants remembered as a list, oldest first (the rarer edits: a
     /// learned grant, expiries, an acknowledgement).
-    fn edit_sent<R>(&mut self, f: impl FnOnce(&mut SmallVec<[Sent; MAX_SENT + 1]>) -> R) -> R {
+    fn edit_sent<R>(
+        &mut self,
+        term: u64,
+        f: impl FnOnce(&mut SmallVec<[Sent; MAX_SENT + 1]>) -> R,
+    ) -> R {
         let mut v: SmallVec<[Sent; MAX_SENT + 1]> = self.sent().collect();
         let r = f(&mut v);
         self.nsent = v.len() as u8;
         let last = v.pop();
-        self.set_last(last);
+        self.set_last(last, term);
         if v.is_empty() {
             self.older = None;
         } else {
@@ -658,13 +680,13 @@ impl Entry {
     }
 
     /// The agent applied `id`: older grants can no longer be in use.
-    fn mark_applied(&mut self, id: (u64, u64)) -> bool {
+    fn mark_applied(&mut self, id: (u64, u64), term: u64) -> bool {
         if id <= self.applied {
             return false;
         }
         self.applied = id;
         if self.older.is_some() || self.last_sent().is_some_and(|s| s.id() < id) {
-            self.edit_sent(|v| v.retain(|s| s.id() >= id));
+            self.edit_sent(term, |v| v.retain(|s| s.id() >= id));
         }
         if self.fallback().is_some_and(|(_, f)| id > f) {
             self.set_fallback(None);
@@ -675,7 +697,7 @@ impl Entry {
     /// Remembers a grant sent; past `MAX_SENT`, the oldest two merge into the newer's
     /// id with the larger slice and the later expiry, the older's extension included
     /// (the newer's id may be past the extension).
-    fn push_sent(&mut self, s: Sent, ext: Ext) {
+    fn push_sent(&mut self, s: Sent, ext: Ext, term: u64) {
         if let Some(prev) = self.last_sent() {
             let o = self.older.get_or_insert_with(Box::default);
             o.push(prev);
@@ -691,7 +713,7 @@ impl Entry {
         } else {
             self.nsent = 1;
         }
-        self.set_last(Some(s));
+        self.set_last(Some(s), term);
     }
 }
 
@@ -776,10 +798,10 @@ impl Key {
     /// two grants when there are too many keeps their maximum, so it does not change
     /// the commitment), and the key's sweep bound only needs lowering to the new
     /// grant's expiry (a merge only makes expiries later).
-    fn push_grant(&mut self, pos: usize, s: Sent, ext: Ext) {
+    fn push_grant(&mut self, pos: usize, s: Sent, ext: Ext, term: u64) {
         let e = &mut self.entries[pos];
         let before = e.commit;
-        e.push_sent(s, ext);
+        e.push_sent(s, ext, term);
         let commit = before.max(s.slice);
         e.commit = commit;
         self.sweep_after_ns = self.sweep_after_ns.min(s.expires_ns);
@@ -1652,8 +1674,9 @@ impl Allocator {
     }
 
     fn remove_entry(&mut self, k: u32, pos: u32) {
+        let term = self.term;
         let key = self.key_mut(k);
-        key.edit(pos as usize, |e| e.edit_sent(|v| v.clear()));
+        key.edit(pos as usize, |e| e.edit_sent(term, |v| v.clear()));
         let e = key.entries.swap_remove(pos as usize);
         if e.rare.is_some() {
             key.rare_entries -= 1;
@@ -1789,7 +1812,7 @@ fn held_into(
         if h.epoch == term {
             // A concurrency shrink counts as applied only once in-flight work fits.
             if !(rule.concurrency && in_flight > h.burst) {
-                e.mark_applied((h.epoch, h.seq));
+                e.mark_applied((h.epoch, h.seq), term);
             }
             return;
         }
@@ -1799,7 +1822,7 @@ fn held_into(
         }
         if learning {
             e.set_learned(Some(e.learned().unwrap_or(Slice::ZERO).max(held)));
-            e.edit_sent(|v| {
+            e.edit_sent(term, |v| {
                 v.insert(
                     0,
                     Sent {
@@ -2535,7 +2558,7 @@ impl Allocator {
         for (k, pos) in list {
             let key = self.key(k);
             let e = &key.entries[pos as usize];
-            if e.nsent == 0 || e.cur_epoch == self.term {
+            if e.term_seq != NOT_TERM || e.nsent == 0 {
                 continue; // nothing sent, or covered by the extension
             }
             if !key.inherited.is_zero() {
@@ -2572,11 +2595,11 @@ impl Allocator {
     fn resend_if_lost(&mut self, now: u64, k: u32, pos: u32, held: Option<&HeldGrant>) {
         let key = self.key(k);
         let e = &key.entries[pos as usize];
-        if e.cur_epoch != self.term || e.cur.is_zero() {
+        if e.term_seq == NOT_TERM || e.cur.is_zero() {
             return;
         }
-        // The latest grant's id and slice are cached in the entry's first line.
-        let latest = (e.cur_epoch, e.cur_seq);
+        // The latest grant's id (of this term) and slice are on the entry's first line.
+        let latest = (self.term, e.term_seq);
         let on_posture = |h: &HeldGrant| h.rate != e.cur.rate || h.burst != e.cur.burst;
         if held.is_some_and(|h| {
             (h.epoch, h.seq) > latest || ((h.epoch, h.seq) == latest && !on_posture(h))
@@ -2659,6 +2682,7 @@ impl Allocator {
             found.push(key.and_then(|k| self.entry_pos(a, k).map(|p| (k, p))));
         }
         self.agent_mut(a).last_heard_ns = now;
+        let term = self.term;
         for (s, f) in ack.slices.iter().zip(found) {
             let Some((k, pos)) = f else { continue };
             let concurrency = self.rules[self.key(k).rule as usize].concurrency;
@@ -2671,7 +2695,7 @@ impl Allocator {
                 continue;
             }
             let grew_pool =
-                key.edit(pos as usize, |e| e.mark_applied((s.epoch, s.seq))) && !concurrency;
+                key.edit(pos as usize, |e| e.mark_applied((s.epoch, s.seq), term)) && !concurrency;
             if grew_pool {
                 key.pool = key.pool.saturating_add(s.released_tokens);
             }
@@ -2787,7 +2811,7 @@ impl Allocator {
                     let applied = e.applied;
                     let mut fb = e.fallback();
                     let before = e.nsent;
-                    e.edit_sent(|v| {
+                    e.edit_sent(term, |v| {
                         v.retain(|s| {
                             // An extended grant's own expiry catches up with its
                             // extension: the key is visited again only when that ends.
@@ -3111,6 +3135,13 @@ impl Allocator {
                         != (Slice::ZERO, 0, 0, 0, 0)
                 {
                     return Err(format!("{}: a current grant without one sent", key.name));
+                }
+                let term_seq = match e.last_sent() {
+                    Some(l) if l.epoch == self.term => l.seq,
+                    _ => NOT_TERM,
+                };
+                if e.term_seq != term_seq {
+                    return Err(format!("{}: the term's seq out of step", key.name));
                 }
                 if e.earliest_expiry() < key.sweep_after_ns {
                     return Err(format!(
@@ -3541,8 +3572,8 @@ mod tests {
             offset_of!(Entry, sampled) + 1,
             offset_of!(Entry, demand) + 8,
             offset_of!(Entry, cur) + size_of::<Slice>(),
-            offset_of!(Entry, cur_epoch) + 8,
-            offset_of!(Entry, cur_seq) + 8,
+            offset_of!(Entry, term_seq) + 8,
+            offset_of!(Entry, base_ts) + 8,
             offset_of!(Entry, in_flight) + 8,
             offset_of!(Entry, demand_used) + 8,
         ] {
@@ -3554,14 +3585,16 @@ mod tests {
             offset_of!(Entry, demand_slow) + 8,
             offset_of!(Entry, base_admitted) + 8,
             offset_of!(Entry, base_rejected) + 8,
-            offset_of!(Entry, base_ts) + 8,
             offset_of!(Entry, since) + 8,
             offset_of!(Entry, applied) + 16,
         ] {
             assert!(end <= 128, "a report line's field ends at byte {end}");
         }
-        // What a grant sent writes besides the first line: the third.
+        // What a grant sent writes besides the first line: the third (with what an
+        // entry's idleness reads there, `rare` and `commit`: a cold pass touches two).
         for end in [
+            offset_of!(Entry, cur_epoch) + 8,
+            offset_of!(Entry, cur_seq) + 8,
             offset_of!(Entry, cur_expires_ns) + 8,
             offset_of!(Entry, cur_fleet) + 4,
             offset_of!(Entry, nsent) + 1,
@@ -3570,6 +3603,10 @@ mod tests {
             offset_of!(Entry, commit) + size_of::<Slice>(),
         ] {
             assert!(end <= 192, "a grant's field ends at byte {end}");
+            assert!(
+                end > 128,
+                "a grant's field ends at byte {end}, on the second line"
+            );
         }
     }
 

@@ -156,6 +156,7 @@ impl<A: Agents + ?Sized> Pass<'_, A> {
                 expires_ns,
             },
             ext,
+            self.ctx.term,
         );
         if transfer > 0 {
             self.out
