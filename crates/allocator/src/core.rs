@@ -3563,6 +3563,72 @@ mod tests {
     }
 
     #[test]
+    fn an_entrys_grants_keep_order_count_and_latest_through_merges_trims_and_terms() {
+        let term = 7;
+        let ext = Ext::default();
+        let g = |epoch: u64, seq: u64, rate: u64| Sent {
+            epoch,
+            seq,
+            slice: Slice { rate, burst: rate },
+            fleet: seq as u32,
+            expires_ns: 1_000 + seq,
+        };
+        let mut e = Entry::new(0);
+        assert_eq!(e.sent().count(), 0);
+        assert_eq!((e.nsent, e.term_seq), (0, NOT_TERM));
+        // One grant: the latest, inline; no box.
+        e.push_sent(g(term, 1, 100), ext, term);
+        assert!(e.older.is_none());
+        assert_eq!((e.nsent, e.term_seq, e.cur.rate), (1, 1, 100));
+        // Shrinking grants past MAX_SENT: the oldest two merge into the newer's id with
+        // the larger slice, the later expiry and the smaller fleet.
+        let last = MAX_SENT as u64 + 2;
+        for seq in 2..=last {
+            e.push_sent(g(term, seq, 100 - seq), ext, term);
+        }
+        let v: Vec<Sent> = e.sent().collect();
+        assert_eq!(v.len(), MAX_SENT);
+        assert_eq!(e.nsent as usize, MAX_SENT);
+        assert!(v.windows(2).all(|w| w[0].id() < w[1].id()));
+        assert_eq!(v[0].seq, 3, "1 and 2 merged into 2, then 2 into 3");
+        assert_eq!(v[0].slice.rate, 100, "the merged grants' largest slice");
+        assert_eq!(v[0].expires_ns, 1_003);
+        assert_eq!(v[0].fleet, 1);
+        let l = e.last_sent().expect("a latest grant");
+        assert_eq!((l.seq, e.term_seq, e.cur.rate), (last, last, 100 - last));
+        // The latest applied: the older ones can no longer be in use, and the box goes.
+        assert!(e.mark_applied((term, last), term));
+        assert!(e.older.is_none());
+        assert_eq!(e.sent().map(|s| s.seq).collect::<Vec<_>>(), vec![last]);
+        // A grant learned from an earlier term as the latest: no seq of this term.
+        e.edit_sent(term, |v| {
+            v.clear();
+            v.push(g(term - 1, 50, 5));
+        });
+        assert_eq!(e.term_seq, NOT_TERM);
+        assert_eq!((e.cur_epoch, e.cur_seq, e.cur.rate), (term - 1, 50, 5));
+        // Then one of this term on top of it: both kept, the newer is the latest.
+        e.push_sent(g(term, 60, 6), ext, term);
+        assert_eq!((e.nsent, e.term_seq), (2, 60));
+        assert_eq!(e.older.as_ref().map(|o| o.len()), Some(1));
+        // Cleared: everything about the latest grant back to zero.
+        e.edit_sent(term, |v| v.clear());
+        assert!(e.older.is_none());
+        assert_eq!(
+            (
+                e.cur,
+                e.cur_epoch,
+                e.cur_seq,
+                e.cur_fleet,
+                e.cur_expires_ns,
+                e.nsent
+            ),
+            (Slice::ZERO, 0, 0, 0, 0, 0)
+        );
+        assert_eq!(e.term_seq, NOT_TERM);
+    }
+
+    #[test]
     fn an_entry_is_three_lines_recomputation_reads_the_first_and_a_report_line_two() {
         use std::mem::{align_of, offset_of, size_of};
         assert_eq!(size_of::<Entry>(), 192);
