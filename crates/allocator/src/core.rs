@@ -73,6 +73,8 @@ pub use reload::{ReloadSummary, RuleStatus};
 /// Grants remembered per key and agent before the oldest two are merged (into one
 /// record as large as both, so that accounting stays conservative).
 const MAX_SENT: usize = 6;
+// `Entry::push_sent` merges the oldest two inside the boxed older grants.
+const _: () = assert!(MAX_SENT >= 2);
 
 /// [`Entry::term_seq`] when the latest grant is not of this allocator's term (or none
 /// was sent): no seq of a term reaches it.
