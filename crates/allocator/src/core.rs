@@ -453,11 +453,13 @@ impl Ext {
 }
 
 /// One key-agent pair. A million of them at the design's scale, so the layout matters:
-/// what every recomputation reads (agent, flags, demand, the current grant, in-flight:
-/// with the current grant's id, 64 bytes) comes first (`repr(C)`); what every report
-/// line reads (the counters' bases, the grant known applied) follows, so that a report
-/// line touches the first two lines only; the rest of the latest grant, the count of
-/// grants remembered and the commitment (read when a grant changes) come next; older
+/// what every recomputation reads (agent, flags, demand, the current grant's slice,
+/// its seq when it is of this term, the last sample's time, in-flight: 64 bytes) comes
+/// first (`repr(C)`); what every report line reads besides (the counters' bases, the
+/// grant known applied) follows, so that a report line touches the first two lines
+/// only; the rest of the latest grant, the count of grants remembered and the
+/// commitment (read when a grant changes) make the third, so that a cold pass touches
+/// the first and the third; older
 /// grants still counted and what is rare (a grant learned from an earlier term, a
 /// partition fallback) are boxed. 192 bytes, aligned to a cache line, so that each
 /// group is one line (tested): at 264 bytes unaligned (`smallvec` without its `union`
