@@ -270,11 +270,7 @@ fn build_rules(
     let mut meta = Vec::new();
     let mut rule_index = HashMap::with_hasher(FixedState::with_seed(0));
     for (i, r) in rules.rules.rules().iter().enumerate() {
-        let wildcards = r
-            .matches
-            .iter()
-            .filter(|(_, p)| *p == Pattern::Each)
-            .count();
+        let wildcards = r.wildcards();
         let mut info = match r.limit {
             RuleLimit::Rate { rate, per, burst } => RuleInfo {
                 wildcards,
@@ -3637,47 +3633,62 @@ mod tests {
         use std::mem::{align_of, offset_of, size_of};
         assert_eq!(size_of::<Entry>(), 192);
         assert_eq!(align_of::<Entry>(), 64);
-        for end in [
-            offset_of!(Entry, agent) + 4,
-            offset_of!(Entry, sampled) + 1,
-            offset_of!(Entry, demand) + 8,
-            offset_of!(Entry, cur) + size_of::<Slice>(),
-            offset_of!(Entry, term_seq) + 8,
-            offset_of!(Entry, base_ts) + 8,
-            offset_of!(Entry, in_flight) + 8,
-            offset_of!(Entry, demand_used) + 8,
-        ] {
-            assert!(end <= 64, "a hot field ends at byte {end}");
+        // Each field as (name, offset, size), on the line (0, 1 or 2) that holds it whole.
+        macro_rules! field {
+            ($f:ident, $t:ty) => {
+                (stringify!($f), offset_of!(Entry, $f), size_of::<$t>())
+            };
         }
-        // What a report line reads besides: the first two lines.
-        for end in [
-            offset_of!(Entry, rejected_rate) + 8,
-            offset_of!(Entry, demand_slow) + 8,
-            offset_of!(Entry, base_admitted) + 8,
-            offset_of!(Entry, base_rejected) + 8,
-            offset_of!(Entry, since) + 8,
-            offset_of!(Entry, applied) + 16,
-        ] {
-            assert!(end <= 128, "a report line's field ends at byte {end}");
-        }
+        let on_line = |line: usize, fields: &[(&str, usize, usize)]| {
+            for &(name, at, size) in fields {
+                assert!(
+                    at >= 64 * line && at + size <= 64 * (line + 1),
+                    "{name} at bytes {at}..{} is not on line {line}",
+                    at + size
+                );
+            }
+        };
+        // What every recomputation reads: the first line.
+        on_line(
+            0,
+            &[
+                field!(agent, u32),
+                field!(sampled, Sampled),
+                field!(demand, f64),
+                field!(cur, Slice),
+                field!(term_seq, u64),
+                field!(base_ts, u64),
+                field!(in_flight, u64),
+                field!(demand_used, f64),
+            ],
+        );
+        // What a report line reads besides: the second.
+        on_line(
+            1,
+            &[
+                field!(rejected_rate, f64),
+                field!(demand_slow, f64),
+                field!(base_admitted, u64),
+                field!(base_rejected, u64),
+                field!(since, u64),
+                field!(applied, (u64, u64)),
+            ],
+        );
         // What a grant sent writes besides the first line: the third (with what an
         // entry's idleness reads there, `rare` and `commit`: a cold pass touches two).
-        for end in [
-            offset_of!(Entry, cur_epoch) + 8,
-            offset_of!(Entry, cur_seq) + 8,
-            offset_of!(Entry, cur_expires_ns) + 8,
-            offset_of!(Entry, cur_fleet) + 4,
-            offset_of!(Entry, nsent) + 1,
-            offset_of!(Entry, older) + 8,
-            offset_of!(Entry, rare) + 8,
-            offset_of!(Entry, commit) + size_of::<Slice>(),
-        ] {
-            assert!(end <= 192, "a grant's field ends at byte {end}");
-            assert!(
-                end > 128,
-                "a grant's field ends at byte {end}, on the second line"
-            );
-        }
+        on_line(
+            2,
+            &[
+                field!(cur_epoch, u64),
+                field!(cur_seq, u64),
+                field!(cur_expires_ns, u64),
+                field!(cur_fleet, u32),
+                field!(nsent, u8),
+                field!(older, Option<Box<SmallVec<[Sent; 2]>>>),
+                field!(rare, Option<Box<Rare>>),
+                field!(commit, Slice),
+            ],
+        );
     }
 
     #[test]

@@ -248,6 +248,14 @@ pub struct Rule {
 }
 
 impl Rule {
+    /// How many `*` entries the rule matches on: the values a key of it has.
+    pub fn wildcards(&self) -> usize {
+        self.matches
+            .iter()
+            .filter(|(_, p)| *p == Pattern::Each)
+            .count()
+    }
+
     /// Output tokens this rule reserves for a request that names `max_tokens`.
     pub fn reserved_output(&self, max_tokens: Option<u64>) -> u64 {
         max_tokens

@@ -2252,11 +2252,7 @@ impl Engine {
             .rules
             .by_name(&u.rule)
             .ok_or_else(|| SliceError::UnknownRule(u.rule.clone()))?;
-        let wildcards = rule
-            .matches
-            .iter()
-            .filter(|(_, p)| *p == Pattern::Each)
-            .count();
+        let wildcards = rule.wildcards();
         if u.values.len() != wildcards {
             return Err(SliceError::WrongValues {
                 rule: u.rule.clone(),
@@ -2879,11 +2875,15 @@ impl Engine {
     /// for the same key, computed from its names (a grant off the wire).
     pub(crate) fn key_identity(&self, rule: &str, values: &[&str]) -> Option<(u64, u64)> {
         let (ri, _) = self.rules.by_name(rule)?;
-        let ri = ri as u32;
-        Some((
+        Some(self.key_hashes(ri as u32, values))
+    }
+
+    /// The id and check hash of rule `ri`'s key with these values.
+    fn key_hashes(&self, ri: u32, values: &[&str]) -> (u64, u64) {
+        (
             self.hashing.key_id(ri, values.iter().copied()),
             self.hashing.key_check(ri, values.iter().copied()),
-        ))
+        )
     }
 
     /// A handle for one limit key, for [`Worker::try_acquire`]: the rule's name and
@@ -2898,11 +2898,7 @@ impl Engine {
         if matches!(r.limit, RuleLimit::Concurrency { .. }) {
             return Err(HandleError::Concurrency(rule.to_string()));
         }
-        let wild = r
-            .matches
-            .iter()
-            .filter(|(_, p)| *p == Pattern::Each)
-            .count();
+        let wild = r.wildcards();
         if wild != values.len() {
             return Err(HandleError::WrongValues {
                 rule: rule.to_string(),
@@ -2910,12 +2906,12 @@ impl Engine {
                 got: values.len(),
             });
         }
-        let ri = ri as u32;
+        let (id, check) = self.key_hashes(ri as u32, values);
         Ok(KeyHandle {
-            rule: ri,
+            rule: ri as u32,
             engine: self.tag,
-            id: self.hashing.key_id(ri, values.iter().copied()),
-            check: self.hashing.key_check(ri, values.iter().copied()),
+            id,
+            check,
             values: Box::new(values.iter().map(|v| Box::<str>::from(*v)).collect()),
         })
     }

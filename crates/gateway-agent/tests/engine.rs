@@ -265,14 +265,17 @@ fn shadow_rules_count_but_never_reject() {
 
 #[test]
 fn the_bare_check_counts_its_demand_honours_shadow_rules_and_refuses_what_it_cannot_settle() {
-    let e = engine(
-        r#"
+    const REAL: &str = r#"
         [[rule]]
         name = "real"
         match = { key = "*" }
         dimension = "requests"
         rate = 3
         per = "hour"
+        "#;
+    let e = engine(&format!(
+        "{REAL}{}",
+        r#"
         [[rule]]
         name = "trial"
         match = { key = "*" }
@@ -285,8 +288,8 @@ fn the_bare_check_counts_its_demand_honours_shadow_rules_and_refuses_what_it_can
         match = { key = "*" }
         dimension = "concurrency"
         max_in_flight = 2
-        "#,
-    );
+        "#
+    ));
     // Handles the bare check cannot honour are refused with the reason.
     assert_eq!(
         e.key_handle("nope", &["a"]).unwrap_err(),
@@ -331,16 +334,7 @@ fn the_bare_check_counts_its_demand_honours_shadow_rules_and_refuses_what_it_can
     assert_eq!(of("real"), (3, 2));
     assert_eq!(of("trial"), (1, 3));
     // A handle means nothing to another engine (its hashes are seeded per engine).
-    let other = engine(
-        r#"
-        [[rule]]
-        name = "real"
-        match = { key = "*" }
-        dimension = "requests"
-        rate = 3
-        per = "hour"
-        "#,
-    );
+    let other = engine(REAL);
     assert_eq!(
         other.worker().try_acquire(0, &real, 1),
         Err(AdmitError::Invalid("key handle made by another engine"))
