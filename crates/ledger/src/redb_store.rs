@@ -45,7 +45,7 @@ use redb::{
 
 use crate::digest::{Bucket, Digest, DigestSet};
 use crate::event::{Event, EventKey};
-use crate::id_runs::{self, BLOCKS, LEVEL_FROZEN, RUNS, Runs};
+use crate::id_runs::{self, BLOCKS, LEVEL_FROZEN, MERGE, RUNS, Runs, Tables};
 use crate::merge::{ApplyReport, Conflict};
 use crate::store::{Cursor, Store, StoreError, TxnOps, apply_batch};
 
@@ -61,7 +61,13 @@ const CONFLICTS: TableDefinition<([u8; 16], u128), &[u8]> = TableDefinition::new
 const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 
 /// The value of `meta["format"]`.
-pub const FORMAT: &[u8] = b"bursar-ledger/redb/5";
+pub const FORMAT: &[u8] = b"bursar-ledger/redb/6";
+
+/// Format 5's marker (the dedupe index without merges spread over commits, so no
+/// `id_merge` table); upgraded at open. Format 6 has a marker of its own because a
+/// format 5 binary would not know a merge under way: it would take the output's
+/// run id for a new run.
+const FORMAT_V5: &[u8] = b"bursar-ledger/redb/5";
 
 /// Format 4's marker (the dedupe index as one B-tree); upgraded at open.
 const FORMAT_V4: &[u8] = b"bursar-ledger/redb/4";
@@ -241,6 +247,12 @@ impl RedbStore {
             let format = meta.get("format").map_err(backend)?;
             match format {
                 Some(v) if v.value() == FORMAT => return Ok(()),
+                Some(v) if v.value() == FORMAT_V5 => {
+                    drop(v);
+                    drop(meta);
+                    drop(r);
+                    return self.upgrade_from_v5();
+                }
                 Some(v) if v.value() == FORMAT_V4 => {
                     drop(v);
                     drop(meta);
@@ -279,6 +291,7 @@ impl RedbStore {
             w.open_table(CHUNKS).map_err(backend)?;
             w.open_table(BLOCKS).map_err(backend)?;
             w.open_table(RUNS).map_err(backend)?;
+            w.open_table(MERGE).map_err(backend)?;
             w.open_table(DIGESTS).map_err(backend)?;
             w.open_table(CONFLICTS).map_err(backend)?;
             let mut meta = w.open_table(META).map_err(backend)?;
@@ -344,23 +357,34 @@ impl RedbStore {
             let ids = w.open_table(IDS_V4).map_err(backend)?;
             let mut blocks = w.open_table(BLOCKS).map_err(backend)?;
             let mut runs = w.open_table(RUNS).map_err(backend)?;
-            let mut index = Runs::load(&runs)?;
+            let mut merge = w.open_table(MERGE).map_err(backend)?;
+            let mut index = Runs::load(&runs, &merge, &blocks)?;
             let count = ids.len().map_err(backend)?;
             let rows = ids.iter().map_err(backend)?.map(|row| {
                 let (k, v) = row.map_err(backend)?;
                 Ok((k.value().to_vec(), v.value().to_vec()))
             });
-            index.add_run(
-                &mut blocks,
-                &mut runs,
-                count,
-                LEVEL_FROZEN,
-                rows,
-                &self.index_params,
-            )?;
+            let mut t = Tables {
+                blocks: &mut blocks,
+                runs: &mut runs,
+                merge: &mut merge,
+            };
+            index.add_run(&mut t, count, LEVEL_FROZEN, rows, &self.index_params)?;
         }
         w.delete_table(IDS_V4).map_err(backend)?;
         {
+            let mut meta = w.open_table(META).map_err(backend)?;
+            meta.insert("format", FORMAT).map_err(backend)?;
+        }
+        w.commit().map_err(backend)
+    }
+
+    /// Format 5 into 6: the table of the merge under way (none), and the marker.
+    fn upgrade_from_v5(&self) -> Result<(), StoreError> {
+        let mut w = self.db.begin_write().map_err(backend)?;
+        w.set_durability(Durability::Immediate).map_err(backend)?;
+        {
+            w.open_table(MERGE).map_err(backend)?;
             let mut meta = w.open_table(META).map_err(backend)?;
             meta.insert("format", FORMAT).map_err(backend)?;
         }
@@ -519,11 +543,11 @@ struct Pending {
     bytes: Vec<u8>,
 }
 
-struct Txn<'t> {
+struct Txn<'t, 'r> {
     chunks: redb::Table<'t, (u64, &'static [u8], u64), &'static [u8]>,
     /// The dedupe index's blocks and runs as of the last commit.
     blocks: redb::Table<'t, (u64, &'static [u8]), &'static [u8]>,
-    runs: &'t Runs,
+    runs: &'r Runs,
     /// The ids this commit adds (location) or removes (empty): its new run.
     new_ids: BTreeMap<Vec<u8>, Vec<u8>>,
     conflicts: redb::Table<'t, ([u8; 16], u128), &'static [u8]>,
@@ -534,7 +558,7 @@ struct Txn<'t> {
     chunk_bytes_max: usize,
 }
 
-impl Txn<'_> {
+impl Txn<'_, '_> {
     /// Where `rid`'s event is (its `location`), if it is stored: in this commit's new
     /// ids, else in the newest run that has it.
     fn find(&self, rid: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
@@ -576,7 +600,7 @@ impl Txn<'_> {
     }
 }
 
-impl TxnOps for Txn<'_> {
+impl TxnOps for Txn<'_, '_> {
     fn insert_new(
         &mut self,
         rid: &str,
@@ -671,13 +695,14 @@ impl Store for RedbStore {
         let mut w = self.db.begin_write().map_err(backend)?;
         w.set_durability(Durability::Immediate).map_err(backend)?;
         let mut runs_table = w.open_table(RUNS).map_err(backend)?;
+        let mut merge_table = w.open_table(MERGE).map_err(backend)?;
+        let blocks = w.open_table(BLOCKS).map_err(backend)?;
         if index.is_none() {
             // The committed state, whatever this commit does.
-            *index = Some(Runs::load(&runs_table)?);
+            *index = Some(Runs::load(&runs_table, &merge_table, &blocks)?);
         }
         let runs = index.as_ref().expect("loaded above");
-        let mut next = runs.clone();
-        let report = {
+        let (report, next) = {
             let mut meta = w.open_table(META).map_err(backend)?;
             let next_seq = match meta.get("next_seq").map_err(backend)? {
                 Some(v) => u64::from_le_bytes(
@@ -689,7 +714,7 @@ impl Store for RedbStore {
             };
             let mut txn = Txn {
                 chunks: w.open_table(CHUNKS).map_err(backend)?,
-                blocks: w.open_table(BLOCKS).map_err(backend)?,
+                blocks,
                 runs,
                 new_ids: BTreeMap::new(),
                 conflicts: w.open_table(CONFLICTS).map_err(backend)?,
@@ -706,9 +731,17 @@ impl Store for RedbStore {
                 next_seq,
                 ..
             } = txn;
+            // The committed state is taken, not copied (a merge under way steps
+            // without copying its filter): from here on, a failure leaves none, and
+            // the next commit reads it again from the file.
+            let mut next = index.take().expect("loaded above");
+            let mut t = Tables {
+                blocks: &mut blocks,
+                runs: &mut runs_table,
+                merge: &mut merge_table,
+            };
             next.add_run(
-                &mut blocks,
-                &mut runs_table,
+                &mut t,
                 new_ids.len() as u64,
                 0,
                 new_ids
@@ -741,9 +774,9 @@ impl Store for RedbStore {
             root.add(&delta.root());
             meta.insert("root", root.to_bytes().as_slice())
                 .map_err(backend)?;
-            report
+            (report, next)
         };
-        drop(runs_table);
+        drop((runs_table, merge_table));
         // Durability::Immediate: persistent when commit returns (one fsync).
         match w.commit() {
             Ok(()) => *index = Some(next),
@@ -947,6 +980,7 @@ mod tests {
             block_bytes: 80,
             fanout: 2,
             merge_entries_max: 64,
+            merge_step_entries: 16,
         };
         conformance_with(|s| s.with_index_params(params));
     }
@@ -1014,6 +1048,7 @@ mod tests {
             block_bytes: 200,
             fanout: 2,
             merge_entries_max: 1_000,
+            merge_step_entries: 100,
         };
         let before = {
             let s = RedbStore::open(&path)
@@ -1068,6 +1103,83 @@ mod tests {
             by_id,
             s.conflicts(1_000).expect("conflicts"),
         )
+    }
+
+    #[test]
+    fn a_store_reopened_in_the_middle_of_a_merge_goes_on_from_where_it_was() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let reference = tempfile::tempdir().expect("tempdir");
+        let now = 490_000 * crate::event::HOUR_MS;
+        let events = crate::testing::usage_stream(11, "m", "c", 3_000, now);
+        let params = id_runs::Params {
+            block_bytes: 200,
+            fanout: 2,
+            merge_entries_max: 100_000,
+            merge_step_entries: 50,
+        };
+        let open = |d: &Path| {
+            RedbStore::open(&d.join(FILE_NAME))
+                .expect("open")
+                .with_index_params(params)
+        };
+        let under_way = |s: &RedbStore| {
+            let index = s.index.lock().expect("lock");
+            index.as_ref().is_some_and(|r| r.merge_under_way())
+        };
+        let mut s = open(dir.path());
+        let mut reopened = 0;
+        for part in events.chunks(100) {
+            let report = s.apply(part).expect("apply");
+            assert_eq!(report.new, part.len() as u64);
+            if under_way(&s) {
+                // A restart mid-merge: the next commit reads how far it got back
+                // from the file and takes the next step.
+                drop(s);
+                s = open(dir.path());
+                reopened += 1;
+            }
+        }
+        assert!(reopened >= 5, "{reopened} restarts mid-merge");
+        let r = open(reference.path());
+        for part in events.chunks(100) {
+            r.apply(part).expect("apply");
+        }
+        assert_eq!(contents(&s, &events), contents(&r, &events));
+        let again = s.apply(&events).expect("resend");
+        assert_eq!((again.new, again.duplicate), (0, 3_000));
+        assert_eq!(s.len().expect("len"), 3_000);
+    }
+
+    #[test]
+    fn a_format_5_file_is_marked_format_6_at_open_and_keeps_every_event() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join(FILE_NAME);
+        let now = 490_000 * crate::event::HOUR_MS;
+        let events = crate::testing::usage_stream(12, "f", "a", 1_000, now);
+        let before = {
+            let s = RedbStore::open(&path).expect("open");
+            for part in events.chunks(250) {
+                s.apply(part).expect("apply");
+            }
+            contents(&s, &events)
+        };
+        {
+            let db = Database::create(&path).expect("db");
+            let w = db.begin_write().expect("write");
+            w.delete_table(MERGE).expect("delete");
+            w.open_table(META)
+                .expect("meta")
+                .insert("format", FORMAT_V5)
+                .expect("format");
+            w.commit().expect("commit");
+        }
+        assert_eq!(format_of(&path), (FORMAT_V5.to_vec(), false));
+        let s = RedbStore::open(&path).expect("a format 5 file opens");
+        assert_eq!(contents(&s, &events), before);
+        let again = s.apply(&events).expect("resend");
+        assert_eq!((again.new, again.duplicate), (0, 1_000));
+        drop(s);
+        assert_eq!(format_of(&path), (FORMAT.to_vec(), false));
     }
 
     #[test]
