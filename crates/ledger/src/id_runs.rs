@@ -558,6 +558,20 @@ impl RunReader {
     }
 }
 
+/// The dedupe index at a glance (the ledger's `/metrics`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IndexStats {
+    /// Runs (each costs a filter probe per new id).
+    pub runs: u64,
+    /// Bytes of Bloom filters held in memory.
+    pub filter_bytes: u64,
+    /// Input ids the merge spread over commits has still to rewrite (0: none under way;
+    /// an id it dropped, shadowed by a newer input, counts until the merge ends).
+    pub merge_ids_left: u64,
+    /// Runs merged whose blocks are still to be deleted.
+    pub merged_runs_to_delete: u64,
+}
+
 /// The merge under way (see the module docs): its inputs are still runs, its output
 /// not yet.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -711,6 +725,29 @@ impl Runs {
     /// Whether a merge spread over commits is under way.
     pub fn merge_under_way(&self) -> bool {
         self.merging.is_some()
+    }
+
+    /// What `/metrics` shows of the index.
+    pub fn stats(&self) -> IndexStats {
+        IndexStats {
+            runs: self.list.len() as u64,
+            filter_bytes: self
+                .list
+                .iter()
+                .map(|r| r.filter.bytes() as u64)
+                .sum::<u64>()
+                + self.merging.as_ref().map_or(0, |m| m.filter.bytes() as u64),
+            merge_ids_left: self.merging.as_ref().map_or(0, |m| {
+                let total: u64 = self
+                    .list
+                    .iter()
+                    .filter(|r| m.inputs.contains(&r.id))
+                    .map(|r| r.entries)
+                    .sum();
+                total.saturating_sub(m.entries)
+            }),
+            merged_runs_to_delete: self.garbage.len() as u64,
+        }
     }
 
     /// Where `rid` (whose [`rid_hash`] is `h`) is: the location from the newest run
@@ -1293,6 +1330,10 @@ mod tests {
             stepped.iter().filter(|&&n| n > 0).count() >= 8,
             "{stepped:?}"
         );
+        let st = state.stats();
+        assert_eq!(st.runs, state.list.len() as u64);
+        assert_eq!(st.merged_runs_to_delete, state.garbage.len() as u64);
+        assert!(st.filter_bytes >= 64 * st.runs, "{st:?}");
         // The blocks merges leave are deleted as fast as they come: what is left is
         // the last merge's inputs (its group of three and the runs newer than them).
         assert!(state.garbage.len() <= 5, "{:?}", state.garbage);

@@ -379,6 +379,13 @@ impl RedbStore {
         w.commit().map_err(backend)
     }
 
+    /// The dedupe index at a glance, once a commit has loaded it (`None` before the
+    /// first commit since the store was opened). Waits for a commit in progress.
+    pub fn index_stats(&self) -> Option<id_runs::IndexStats> {
+        let index = self.index.lock().ok()?;
+        index.as_ref().map(Runs::stats)
+    }
+
     /// Format 5 into 6: the table of the merge under way (none), and the marker.
     fn upgrade_from_v5(&self) -> Result<(), StoreError> {
         let mut w = self.db.begin_write().map_err(backend)?;

@@ -20,7 +20,7 @@ use std::future::Future;
 use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::Bytes;
@@ -131,6 +131,25 @@ pub struct Metrics {
     rejected_busy: AtomicU64,
     queued: AtomicU64,
     push_dropped: AtomicU64,
+    /// Commits (apply + fsync, failed ones too) by duration: one counter per bucket of
+    /// [`COMMIT_BUCKETS_S`], then one for longer ones.
+    commit_buckets: [AtomicU64; COMMIT_BUCKETS_S.len() + 1],
+}
+
+/// Upper bounds of the commit duration histogram's buckets, in seconds.
+const COMMIT_BUCKETS_S: [f64; 9] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5];
+
+impl Metrics {
+    fn commit_took(&self, d: Duration) {
+        self.commit_micros
+            .fetch_add(d.as_micros() as u64, Ordering::Relaxed);
+        let s = d.as_secs_f64();
+        let b = COMMIT_BUCKETS_S
+            .iter()
+            .position(|&le| s <= le)
+            .unwrap_or(COMMIT_BUCKETS_S.len());
+        self.commit_buckets[b].fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 struct Job {
@@ -352,8 +371,7 @@ fn writer_loop(
         }
         let started = Instant::now();
         let result = store.apply(&all);
-        m.commit_micros
-            .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
+        m.commit_took(started.elapsed());
         match result {
             Ok(report) => {
                 m.commits.fetch_add(1, Ordering::Relaxed);
@@ -807,6 +825,12 @@ async fn metrics_text(State(s): State<AppState>) -> Response {
         .await
         .map(|r| r.events)
         .ok();
+    let store = s.store.clone();
+    // Waits for a commit in progress (it holds the index).
+    let index = blocking(move || Ok(store.index_stats()))
+        .await
+        .ok()
+        .flatten();
     let m = &s.metrics;
     let id = &s.cfg.node_id;
     let mut out = String::new();
@@ -966,6 +990,51 @@ async fn metrics_text(State(s): State<AppState>) -> Response {
         );
         let _ = writeln!(out, "# TYPE bursar_ledger_stored_events gauge");
         let _ = writeln!(out, "bursar_ledger_stored_events{{node=\"{id}\"}} {n}");
+    }
+    let name = "bursar_ledger_commit_seconds";
+    let _ = writeln!(
+        out,
+        "# HELP {name} Commits (apply + fsync, failed ones too) by duration."
+    );
+    let _ = writeln!(out, "# TYPE {name} histogram");
+    let mut count = 0;
+    for (i, b) in m.commit_buckets.iter().enumerate() {
+        count += l(b);
+        let le = COMMIT_BUCKETS_S
+            .get(i)
+            .map_or_else(|| "+Inf".to_string(), |le| le.to_string());
+        let _ = writeln!(out, "{name}_bucket{{node=\"{id}\",le=\"{le}\"}} {count}");
+    }
+    let sum = l(&m.commit_micros) as f64 / 1e6;
+    let _ = writeln!(out, "{name}_sum{{node=\"{id}\"}} {sum}");
+    let _ = writeln!(out, "{name}_count{{node=\"{id}\"}} {count}");
+    if let Some(ix) = index {
+        for (name, help, v) in [
+            (
+                "index_runs",
+                "Runs of the dedupe index (each a filter probe per new id).",
+                ix.runs,
+            ),
+            (
+                "index_filter_bytes",
+                "Bytes of the dedupe index's Bloom filters, held in memory.",
+                ix.filter_bytes,
+            ),
+            (
+                "index_merge_ids_left",
+                "Ids the index merge spread over commits has still to rewrite (0: none).",
+                ix.merge_ids_left,
+            ),
+            (
+                "index_merged_runs_to_delete",
+                "Merged index runs whose blocks are still to be deleted.",
+                ix.merged_runs_to_delete,
+            ),
+        ] {
+            let _ = writeln!(out, "# HELP bursar_ledger_{name} {help}");
+            let _ = writeln!(out, "# TYPE bursar_ledger_{name} gauge");
+            let _ = writeln!(out, "bursar_ledger_{name}{{node=\"{id}\"}} {v}");
+        }
     }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
 }

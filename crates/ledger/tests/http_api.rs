@@ -296,6 +296,13 @@ fn healthz_and_metrics_answer() {
         "bursar_ledger_events_duplicate_total{node=\"test-node\"} 1",
         "bursar_ledger_commits_total{node=\"test-node\"} 1",
         "bursar_ledger_stored_events{node=\"test-node\"} 1",
+        "# TYPE bursar_ledger_commit_seconds histogram",
+        "bursar_ledger_commit_seconds_bucket{node=\"test-node\",le=\"+Inf\"} 1",
+        "bursar_ledger_commit_seconds_count{node=\"test-node\"} 1",
+        // One commit of one new id: one run, nothing being merged.
+        "bursar_ledger_index_runs{node=\"test-node\"} 1",
+        "bursar_ledger_index_merge_ids_left{node=\"test-node\"} 0",
+        "bursar_ledger_index_merged_runs_to_delete{node=\"test-node\"} 0",
     ] {
         assert!(m.contains(line), "missing {line:?} in\n{m}");
     }
