@@ -9,6 +9,9 @@
 //! `cargo run --release -p bursar-agent --example hot_loop -- keyed-10k 1000000`
 //! `cargo run --release -p bursar-agent --example hot_loop -- governor-10k 1000000` (the
 //! baseline of `keyed-10k`)
+//!
+//! The keyed loops take the number of keys as a third argument (10,000 by default): how
+//! the two compare as the keys' footprint grows past the caches.
 
 use bursar_agent::testing::{
     THREE_DIMENSIONS, THREE_DIMENSIONS_COST, THREE_DIMENSIONS_DESCRIPTORS, THREE_DIMENSIONS_USAGE,
@@ -23,11 +26,17 @@ fn main() {
         Some(Ok(n)) => n,
         _ => usage(),
     };
+    let keys: u64 = match args.next().map(|v| v.parse()) {
+        None => 10_000,
+        // The walk's stride (7,919, a prime) must not divide it.
+        Some(Ok(k)) if k > 0 && k % 7_919 != 0 => k,
+        Some(_) => usage(),
+    };
     let done = match mode.as_str() {
         "admit-complete" => admit_complete(n, false),
         "admit-into-complete" => admit_complete(n, true),
-        "keyed-10k" => keyed(n),
-        "governor-10k" => governor_keyed(n),
+        "keyed-10k" => keyed(n, keys as usize),
+        "governor-10k" => governor_keyed(n, keys),
         _ => usage(),
     };
     println!("{done} operations");
@@ -35,7 +44,7 @@ fn main() {
 
 fn usage() -> ! {
     eprintln!(
-        "usage: hot_loop <admit-complete|admit-into-complete|keyed-10k|governor-10k> <operations>"
+        "usage: hot_loop <admit-complete|admit-into-complete|keyed-10k|governor-10k> <operations> [keys, for the keyed loops: 10000]"
     );
     std::process::exit(2);
 }
@@ -84,10 +93,10 @@ fn admit_complete(n: u64, into: bool) -> u64 {
     n
 }
 
-/// The bare keyed check (`Worker::try_acquire`) over 10,000 pre-resolved keys, in the
-/// criterion harness's order.
-fn keyed(n: u64) -> u64 {
-    let (e, handles) = keyed_engine(10_000);
+/// The bare keyed check (`Worker::try_acquire`) over `keys` pre-resolved keys (10,000
+/// as in the criterion harness), in the harness's order.
+fn keyed(n: u64, keys: usize) -> u64 {
+    let (e, handles) = keyed_engine(keys);
     let mut w = e.worker();
     let mut j = 0usize;
     let mut admitted = 0;
@@ -100,18 +109,18 @@ fn keyed(n: u64) -> u64 {
 }
 
 /// The baseline of `keyed-10k`: the `governor` crate's keyed limiter (DashMap store,
-/// `u64` keys, its default clock) over 10,000 keys in the same order, as the criterion
-/// harness sets it up.
-fn governor_keyed(n: u64) -> u64 {
+/// `u64` keys, its default clock) over the same keys in the same order, as the
+/// criterion harness sets it up.
+fn governor_keyed(n: u64, keys: u64) -> u64 {
     use governor::{Quota, RateLimiter};
     let gov = RateLimiter::keyed(Quota::per_second(std::num::NonZeroU32::MAX));
-    for k in 0..10_000u64 {
+    for k in 0..keys {
         let _ = gov.check_key(&k);
     }
     let mut j = 0u64;
     let mut admitted = 0;
     for _ in 0..n {
-        j = (j + 7919) % 10_000;
+        j = (j + 7919) % keys;
         admitted += u64::from(gov.check_key(std::hint::black_box(&j)).is_ok());
     }
     assert_eq!(admitted, n, "every check is admitted");
