@@ -43,9 +43,12 @@
 //!   count, the filter) and goes on from there. 1 -> the runs merged that way whose
 //!   blocks are still to be deleted, if any: `run u64 LE...`.
 //!
-//! Runs are numbered in creation order, and a merge always takes every run of the
-//! lowest levels at once (the newest runs), so a larger run number is always newer
-//! data; levels never increase from older to newer runs.
+//! Runs are numbered in creation order, and a merge always takes a suffix of the runs
+//! (those newer than the merge under way, if one is): a level's runs and every run
+//! newer than them. Its output takes the next number when it begins, newer than its
+//! inputs and older than every run made after, so a larger run number is always newer
+//! data; levels never increase from older to newer runs (counting the inputs of the
+//! merge under way as the run they will be).
 
 use std::ops::{Bound, Range};
 use std::sync::Arc;
@@ -353,33 +356,31 @@ impl RunWriter {
         }
     }
 
-    /// Goes on with a merge's output where its last step left it: `entries` written,
-    /// the last of them `last`, their filter so far.
-    fn resume(
-        id: u64,
-        entries: u64,
-        last: Vec<u8>,
-        filter: Filter,
-        block_bytes: usize,
-    ) -> RunWriter {
+    /// Goes on with merge `m`'s output where its last step left it: takes the last id
+    /// written and the filter so far out of `m` until [`RunWriter::suspend`] puts them
+    /// back.
+    fn resume(m: &mut Merging, block_bytes: usize) -> RunWriter {
         RunWriter {
-            id,
+            id: m.out,
             block: Vec::with_capacity(block_bytes),
-            last,
-            entries,
-            filter,
+            last: std::mem::take(&mut m.last),
+            entries: m.entries,
+            // An empty filter holds the place: `m` is not read until it is back.
+            filter: std::mem::replace(&mut m.filter, Filter { words: Vec::new() }),
             block_bytes,
         }
     }
 
-    /// Closes the open block and hands back what a later step needs to go on: the
+    /// Closes the open block and puts into `m` what a later step needs to go on: the
     /// ids written, the last of them, the filter.
     fn suspend(
         mut self,
         blocks: &mut redb::Table<'_, (u64, &'static [u8]), &'static [u8]>,
-    ) -> Result<(u64, Vec<u8>, Filter), StoreError> {
+        m: &mut Merging,
+    ) -> Result<(), StoreError> {
         self.close_block(blocks)?;
-        Ok((self.entries, self.last, self.filter))
+        (m.entries, m.last, m.filter) = (self.entries, self.last, self.filter);
+        Ok(())
     }
 
     fn push(
@@ -660,8 +661,6 @@ pub struct Runs {
     /// Runs merged by a merge spread over commits whose blocks are still to be
     /// deleted, oldest first (no longer runs: nothing reads them).
     garbage: Vec<u64>,
-    /// Ids rewritten by steps of merges spread over commits, since this was loaded.
-    stepped: u64,
 }
 
 /// The dedupe index's tables in one write transaction.
@@ -713,7 +712,6 @@ impl Runs {
             next_id,
             merging,
             garbage,
-            stepped: 0,
         })
     }
 
@@ -775,7 +773,8 @@ impl Runs {
     /// Writes `entries` (strictly increasing request ids; an empty location removes
     /// the id) as a new run at `level`, then merges: the merge under way takes its
     /// step, and runs of a level merge once `params.fanout` of them fit
-    /// `params.merge_entries_max` together (see the module docs).
+    /// `params.merge_entries_max` together (see the module docs). Returns how many ids
+    /// the steps of merges spread over commits rewrote.
     pub(crate) fn add_run<K: AsRef<[u8]>, V: AsRef<[u8]>>(
         &mut self,
         t: &mut Tables<'_, '_>,
@@ -783,9 +782,9 @@ impl Runs {
         level: u8,
         entries: impl Iterator<Item = Result<(K, V), StoreError>>,
         params: &Params,
-    ) -> Result<(), StoreError> {
+    ) -> Result<u64, StoreError> {
         if count == 0 {
-            return Ok(());
+            return Ok(0);
         }
         let mut w = RunWriter::new(self.next_id, count, params.block_bytes);
         self.next_id += 1;
@@ -809,14 +808,15 @@ impl Runs {
     fn compact(
         &mut self,
         t: &mut Tables<'_, '_>,
-        mut budget: u64,
+        budget: u64,
         params: &Params,
-    ) -> Result<(), StoreError> {
+    ) -> Result<u64, StoreError> {
+        let mut stepped = 0;
         // Deleting an id's share of a block costs less than writing it: the same
         // budget keeps the deletions ahead of the merges that leave them.
         self.collect(t, budget)?;
         if self.merging.is_some() {
-            budget = budget.saturating_sub(self.step(t, budget, params)?);
+            stepped += self.step(t, budget, params)?;
         }
         let fanout = params.fanout.max(2);
         loop {
@@ -835,7 +835,7 @@ impl Runs {
             let Some((from, level, total)) =
                 merge_due(&self.list[after..], fanout, below, params.merge_entries_max)
             else {
-                return Ok(());
+                return Ok(stepped);
             };
             let from = after + from;
             if total <= params.merge_step_entries {
@@ -846,7 +846,7 @@ impl Runs {
             }
             if self.merging.is_some() {
                 // One merge is spread over commits at a time.
-                return Ok(());
+                return Ok(stepped);
             }
             // Begin a merge spread over commits; this commit takes its first step.
             let m = Merging {
@@ -862,9 +862,9 @@ impl Runs {
                 .insert(UNDER_WAY, m.encode().as_slice())
                 .map_err(backend)?;
             self.merging = Some(m);
-            budget = budget.saturating_sub(self.step(t, budget, params)?);
+            stepped += self.step(t, budget.saturating_sub(stepped), params)?;
             if self.merging.is_some() {
-                return Ok(());
+                return Ok(stepped);
             }
         }
     }
@@ -917,35 +917,22 @@ impl Runs {
         budget: u64,
         params: &Params,
     ) -> Result<u64, StoreError> {
-        let Merging {
-            out: id,
-            level,
-            inputs,
-            entries,
-            last,
-            filter,
-        } = self.merging.take().expect("a merge under way");
-        let past = (entries > 0).then_some(last.as_slice());
-        let mut readers = inputs
+        let mut m = self.merging.take().expect("a merge under way");
+        let past = (m.entries > 0).then_some(m.last.as_slice());
+        let mut readers = m
+            .inputs
             .iter()
             .map(|&run| RunReader::past(run, past, t.blocks))
             .collect::<Result<Vec<_>, _>>()?;
-        let mut out = RunWriter::resume(id, entries, last, filter, params.block_bytes);
+        let mut out = RunWriter::resume(&mut m, params.block_bytes);
         let done = merge_some(t.blocks, &mut readers, &mut out, budget.max(1))?;
-        let written = out.entries - entries;
-        self.stepped += written;
+        let written = out.entries - m.entries;
         if !done {
-            let (entries, last, filter) = out.suspend(t.blocks)?;
-            self.merging = Some(Merging {
-                out: id,
-                level,
-                inputs,
-                entries,
-                last,
-                filter,
-            });
+            out.suspend(t.blocks, &mut m)?;
+            self.merging = Some(m);
             return Ok(written);
         }
+        let (level, inputs) = (m.level, m.inputs);
         let merged = out.finish(t.blocks, t.runs, level)?;
         // The inputs stop being runs now; their blocks go over the next commits
         // (deleting a million ids' blocks at once took ~0.35 s).
@@ -1175,7 +1162,6 @@ mod tests {
         let mut model = Model::new();
         let mut stepped = Vec::new();
         for (i, c) in commits.iter().enumerate() {
-            let before = state.stepped;
             let w = db.begin_write().expect("write");
             {
                 let mut blocks = w.open_table(BLOCKS).expect("blocks");
@@ -1186,18 +1172,19 @@ mod tests {
                     runs: &mut runs,
                     merge: &mut merge,
                 };
-                state
-                    .add_run(
-                        &mut t,
-                        c.len() as u64,
-                        0,
-                        c.iter().map(|(k, v)| Ok((k.as_slice(), v.as_slice()))),
-                        &params,
-                    )
-                    .expect("add");
+                stepped.push(
+                    state
+                        .add_run(
+                            &mut t,
+                            c.len() as u64,
+                            0,
+                            c.iter().map(|(k, v)| Ok((k.as_slice(), v.as_slice()))),
+                            &params,
+                        )
+                        .expect("add"),
+                );
             }
             w.commit().expect("commit");
-            stepped.push(state.stepped - before);
             for (k, v) in c {
                 if v.is_empty() {
                     model.remove(k);

@@ -242,48 +242,41 @@ impl RedbStore {
             .map_err(backend)?
             .map(|t| t.name().to_string())
             .collect();
-        if names.iter().any(|n| n == "meta") {
-            let meta = r.open_table(META).map_err(backend)?;
-            let format = meta.get("format").map_err(backend)?;
-            match format {
-                Some(v) if v.value() == FORMAT => return Ok(()),
-                Some(v) if v.value() == FORMAT_V5 => {
-                    drop(v);
-                    drop(meta);
-                    drop(r);
-                    return self.upgrade_from_v5();
-                }
-                Some(v) if v.value() == FORMAT_V4 => {
-                    drop(v);
-                    drop(meta);
-                    drop(r);
-                    return self.upgrade_from_v4();
-                }
-                Some(v) if v.value() == FORMAT_V3 => {
-                    drop(v);
-                    drop(meta);
-                    drop(r);
-                    // Two durable steps: a crash between them leaves a format 4
-                    // file, which the next open converts.
-                    self.upgrade_from_v3()?;
-                    return self.upgrade_from_v4();
-                }
-                Some(v) => {
-                    return Err(StoreError::Backend(format!(
-                        "format marker {:?} is not {:?}; refusing to open",
-                        String::from_utf8_lossy(v.value()),
-                        String::from_utf8_lossy(FORMAT)
-                    )));
-                }
-                None => {}
+        let format = if names.iter().any(|n| n == "meta") {
+            r.open_table(META)
+                .map_err(backend)?
+                .get("format")
+                .map_err(backend)?
+                .map(|v| v.value().to_vec())
+        } else {
+            None
+        };
+        // Upgrades write: no read transaction may stay open.
+        drop(r);
+        match format.as_deref() {
+            Some(FORMAT) => return Ok(()),
+            Some(FORMAT_V5) => return self.upgrade_from_v5(),
+            Some(FORMAT_V4) => return self.upgrade_from_v4(),
+            Some(FORMAT_V3) => {
+                // Two durable steps: a crash between them leaves a format 4 file,
+                // which the next open converts.
+                self.upgrade_from_v3()?;
+                return self.upgrade_from_v4();
             }
+            Some(v) => {
+                return Err(StoreError::Backend(format!(
+                    "format marker {:?} is not {:?}; refusing to open",
+                    String::from_utf8_lossy(v),
+                    String::from_utf8_lossy(FORMAT)
+                )));
+            }
+            None => {}
         }
         if existed && !names.is_empty() {
             return Err(StoreError::Backend(format!(
                 "a redb database without the ledger format marker (tables: {names:?}); refusing to open"
             )));
         }
-        drop(r);
         // A new file: create every table and the marker in one durable commit.
         let mut w = self.db.begin_write().map_err(backend)?;
         w.set_durability(Durability::Immediate).map_err(backend)?;

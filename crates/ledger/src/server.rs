@@ -819,6 +819,13 @@ async fn healthz(State(s): State<AppState>) -> Response {
     }
 }
 
+/// One metric of `kind` (`counter` or `gauge`) in Prometheus text, labelled `node`.
+fn metric(out: &mut String, node: &str, kind: &str, name: &str, help: &str, v: u64) {
+    let _ = writeln!(out, "# HELP bursar_ledger_{name} {help}");
+    let _ = writeln!(out, "# TYPE bursar_ledger_{name} {kind}");
+    let _ = writeln!(out, "bursar_ledger_{name}{{node=\"{node}\"}} {v}");
+}
+
 async fn metrics_text(State(s): State<AppState>) -> Response {
     let store = s.store.clone();
     let stored = blocking(move || store.root().map_err(store_error))
@@ -834,11 +841,8 @@ async fn metrics_text(State(s): State<AppState>) -> Response {
     let m = &s.metrics;
     let id = &s.cfg.node_id;
     let mut out = String::new();
-    let mut counter = |name: &str, help: &str, v: u64| {
-        let _ = writeln!(out, "# HELP bursar_ledger_{name} {help}");
-        let _ = writeln!(out, "# TYPE bursar_ledger_{name} counter");
-        let _ = writeln!(out, "bursar_ledger_{name}{{node=\"{id}\"}} {v}");
-    };
+    let mut counter =
+        |name: &str, help: &str, v: u64| metric(&mut out, id, "counter", name, help, v);
     let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
     counter(
         "events_received_total",
@@ -962,34 +966,34 @@ async fn metrics_text(State(s): State<AppState>) -> Response {
         ] {
             counter(name, help, l(v));
         }
-        let _ = writeln!(
-            out,
-            "# HELP bursar_ledger_cluster_members Live peers seen by membership."
-        );
-        let _ = writeln!(out, "# TYPE bursar_ledger_cluster_members gauge");
-        let _ = writeln!(
-            out,
-            "bursar_ledger_cluster_members{{node=\"{id}\"}} {}",
-            c.members().len()
+        let members = c.members().len() as u64;
+        metric(
+            &mut out,
+            id,
+            "gauge",
+            "cluster_members",
+            "Live peers seen by membership.",
+            members,
         );
     }
-    let _ = writeln!(
-        out,
-        "# HELP bursar_ledger_queue_batches Batches waiting for the writer."
-    );
-    let _ = writeln!(out, "# TYPE bursar_ledger_queue_batches gauge");
-    let _ = writeln!(
-        out,
-        "bursar_ledger_queue_batches{{node=\"{id}\"}} {}",
-        l(&m.queued)
+    let queued = l(&m.queued);
+    metric(
+        &mut out,
+        id,
+        "gauge",
+        "queue_batches",
+        "Batches waiting for the writer.",
+        queued,
     );
     if let Some(n) = stored {
-        let _ = writeln!(
-            out,
-            "# HELP bursar_ledger_stored_events Events in the store."
+        metric(
+            &mut out,
+            id,
+            "gauge",
+            "stored_events",
+            "Events in the store.",
+            n,
         );
-        let _ = writeln!(out, "# TYPE bursar_ledger_stored_events gauge");
-        let _ = writeln!(out, "bursar_ledger_stored_events{{node=\"{id}\"}} {n}");
     }
     let name = "bursar_ledger_commit_seconds";
     let _ = writeln!(
@@ -1031,9 +1035,7 @@ async fn metrics_text(State(s): State<AppState>) -> Response {
                 ix.merged_runs_to_delete,
             ),
         ] {
-            let _ = writeln!(out, "# HELP bursar_ledger_{name} {help}");
-            let _ = writeln!(out, "# TYPE bursar_ledger_{name} gauge");
-            let _ = writeln!(out, "bursar_ledger_{name}{{node=\"{id}\"}} {v}");
+            metric(&mut out, id, "gauge", name, help, v);
         }
     }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
