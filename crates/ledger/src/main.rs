@@ -13,6 +13,11 @@ use bursar_ledger::cluster::{ClusterConfig, TlsFiles, tls};
 use bursar_ledger::server::{ServerConfig, serve, serve_cluster};
 use clap::{Parser, Subcommand};
 
+/// mimalloc, not glibc's malloc: 15-27 % less CPU per ingested event, for ~30 % more
+/// peak memory (docs/BENCHMARKS.md, "A faster allocator for the node").
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// One Bursar ledger node: durable, exact usage records for billing.
 ///
 /// HTTP JSON API: POST /v1/events, GET /v1/usage, GET /v1/digest, GET /v1/export,

@@ -1,6 +1,8 @@
 //! Shared fixtures for unit tests, the conformance suite, integration tests and
 //! benchmarks. Deterministic: every generator takes a seed.
 
+pub mod http;
+
 use crate::event::{Body, Event, EventKey, HOUR_MS, Status, TokenDeltas, Tokens};
 
 /// A usage event with status `ok`, origin `agent-a` and sequence number 0.
