@@ -75,9 +75,9 @@ pub use config::{
     RuleLimit, RuleSet, SliceSource, Unmatched,
 };
 pub use engine::{
-    AdmitRequest, Admitted, Completion, Cost, Decision, Engine, KeyHandle, KeyTotals, LimitStatus,
-    Limits, MaintainReport, RejectReason, Rejected, RuleStats, SliceApplied, SliceExtension,
-    SliceUpdate, Worker,
+    AdmitRequest, Admitted, Completion, Cost, DEMAND_BUFFER_NS, Decision, Engine, KeyHandle,
+    KeyTotals, LimitStatus, Limits, MaintainReport, RejectReason, Rejected, RuleStats,
+    SliceApplied, SliceExtension, SliceUpdate, Worker,
 };
 pub use error::{AdmitError, CompleteError, ExtendError, HandleError, SliceError};
 pub use key::LimitKey;

@@ -351,6 +351,91 @@ fn the_bare_check_counts_its_demand_honours_shadow_rules_and_refuses_what_it_can
 }
 
 #[test]
+fn repeated_bare_checks_count_their_demand_within_a_millisecond_or_when_flushed() {
+    let e = engine(
+        r#"
+        [[rule]]
+        name = "rps"
+        match = { key = "*" }
+        dimension = "requests"
+        rate = 1000
+        per = "second"
+        burst = 1000
+        "#,
+    );
+    let admitted = |e: &Engine| e.stats()[0].admitted;
+    let (a, b) = (
+        e.key_handle("rps", &["a"]).unwrap(),
+        e.key_handle("rps", &["b"]).unwrap(),
+    );
+    let mut w = e.worker();
+    // The first check creates the key (slow path, counted at once); publish it so the
+    // next ones take the decision path.
+    assert!(w.try_acquire(0, &a, 1).unwrap());
+    e.maintain(0);
+    assert_eq!(admitted(&e), 1);
+    // Repeats on the key checked last are counted in the worker...
+    assert!(w.try_acquire(0, &a, 2).unwrap()); // a direct add: first on the decision path
+    assert!(w.try_acquire(10, &a, 3).unwrap());
+    assert!(w.try_acquire(20, &a, 4).unwrap());
+    assert_eq!(admitted(&e), 3, "1 + 2 added, 3 + 4 buffered");
+    // ...until the worker checks another key,
+    assert!(w.try_acquire(30, &b, 5).unwrap());
+    assert_eq!(admitted(&e), 15, "a's 7 flushed, b's 5 counted");
+    e.maintain(30);
+    // or a millisecond of engine time has passed,
+    assert!(w.try_acquire(40, &b, 1).unwrap());
+    assert!(w.try_acquire(50, &b, 1).unwrap());
+    assert_eq!(
+        admitted(&e),
+        16,
+        "b's first repeat added, the second buffered"
+    );
+    assert!(
+        w.try_acquire(40 + bursar_agent::DEMAND_BUFFER_NS, &b, 1)
+            .unwrap()
+    );
+    assert_eq!(admitted(&e), 18, "the buffered 1 and this 1, after 1 ms");
+    // or the clock went back,
+    assert!(
+        w.try_acquire(60 + bursar_agent::DEMAND_BUFFER_NS, &b, 1)
+            .unwrap()
+    );
+    assert!(w.try_acquire(10, &b, 1).unwrap());
+    assert_eq!(admitted(&e), 20);
+    // or on request,
+    assert!(w.try_acquire(20, &b, 1).unwrap());
+    assert_eq!(admitted(&e), 20);
+    w.flush_demand();
+    assert_eq!(admitted(&e), 21);
+    w.flush_demand();
+    assert_eq!(admitted(&e), 21, "flushed once");
+    // or when the worker goes.
+    assert!(w.try_acquire(20, &b, 1).unwrap());
+    assert!(w.try_acquire(20, &b, 1).unwrap());
+    assert_eq!(admitted(&e), 22);
+    drop(w);
+    assert_eq!(admitted(&e), 23);
+    // A rejection is counted at once, and the admissions before it are not held back
+    // by it.
+    let mut w = e.worker();
+    let mut n = 0;
+    while w.try_acquire(100, &a, 100).unwrap() {
+        n += 1;
+    }
+    assert!(n > 0);
+    let stats = &e.stats()[0];
+    assert_eq!(stats.rejected, 100, "the rejection at once");
+    w.flush_demand();
+    assert_eq!(admitted(&e), 23 + 100 * n);
+    // The demand the sync client reads is the same counts.
+    let mut demand = Vec::new();
+    e.key_demand(&mut demand);
+    let total: u64 = demand.iter().map(|d| d.counters.admitted()).sum();
+    assert_eq!(total, 23 + 100 * n);
+}
+
+#[test]
 fn output_is_reserved_as_max_tokens_capped_with_a_default_when_absent() {
     let e = engine(LLM);
     let d = e.admit(0, &req("a", ACME_K1, tokens(1, None))).unwrap();
