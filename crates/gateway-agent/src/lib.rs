@@ -34,7 +34,10 @@
 //! A thread that admits and completes many requests keeps a [`Worker`]
 //! (`engine.worker()`, an `Arc<Engine>`'s): `Worker::admit_into` and
 //! `Worker::complete` read the key table through the worker's cached snapshot and
-//! reuse its buffers, the cheapest path.
+//! reuse its buffers, the cheapest path. `Worker::try_acquire` is the bare keyed check
+//! (no lease, what `governor` does) on a [`KeyHandle`] resolved once; the admitted
+//! cost of repeated checks on one key reaches the key's counts within
+//! [`DEMAND_BUFFER_NS`] (see its docs).
 //!
 //! # Layout
 //!
