@@ -2934,32 +2934,12 @@ impl Engine {
             // index may not exist here: a key made from them would sit at the wrong id.
             return Err(AdmitError::Invalid("key handle made by another engine"));
         }
-        if let Some(slot) = table.lookup(key.id, key.check) {
-            match slot.try_take(now, cost, false) {
-                Take::Taken { .. } => {
-                    if demand.takes(key, now) {
-                        demand.pending += cost;
-                    } else {
-                        if demand.pending > 0 {
-                            demand.flush(table);
-                        }
-                        slot.admitted.fetch_add(cost, Ordering::Relaxed);
-                        *demand = BufferedDemand {
-                            id: key.id,
-                            check: key.check,
-                            since_ns: now,
-                            pending: 0,
-                            live: true,
-                        };
-                    }
-                    return Ok(true);
-                }
-                Take::Busy { .. } => {
-                    slot.rejected.fetch_add(cost, Ordering::Relaxed);
-                    return Ok(!self.compiled[key.rule as usize].enforce);
-                }
-                Take::Sealed => {}
-            }
+        if let Some(slot) = table.lookup(key.id, key.check)
+            && let Some(admitted) = self.acquire_on(slot, now, key.rule, cost, |slot| {
+                demand.count(table, slot, key, now, cost)
+            })
+        {
+            return Ok(admitted);
         }
         self.try_acquire_slow(table, now, key, cost, demand)
     }
@@ -2982,7 +2962,10 @@ impl Engine {
         let vals: Vec<&str> = key.values.iter().map(|v| &**v).collect();
         for _ in 0..8 {
             let slot = self.resolve_slow(now, key.id, key.rule, &vals)?;
-            if let Some(admitted) = self.acquire_on(&slot, now, key.rule, cost) {
+            let admit = |slot: &Slot| {
+                slot.admitted.fetch_add(cost, Ordering::Relaxed);
+            };
+            if let Some(admitted) = self.acquire_on(&slot, now, key.rule, cost, admit) {
                 return Ok(admitted);
             }
         }
@@ -2991,13 +2974,22 @@ impl Engine {
 
     /// One bare check on `slot`, counted as the slot's demand like an admission's
     /// (admitted or rejected cost: the sync client reports both, so a caller of
-    /// [`Worker::try_acquire`] gets its share of a fleet's limit). A shadow rule's
-    /// rejection admits. `None` if the slot was sealed.
+    /// [`Worker::try_acquire`] gets its share of a fleet's limit): `count_admitted`
+    /// counts an admission (on the slot, or in the worker's [`BufferedDemand`]), a
+    /// rejection is counted here. A shadow rule's rejection admits. `None` if the slot
+    /// was sealed.
     #[inline(always)]
-    fn acquire_on(&self, slot: &Slot, now: u64, rule: u32, cost: u64) -> Option<bool> {
+    fn acquire_on(
+        &self,
+        slot: &Slot,
+        now: u64,
+        rule: u32,
+        cost: u64,
+        count_admitted: impl FnOnce(&Slot),
+    ) -> Option<bool> {
         match slot.try_take(now, cost, false) {
             Take::Taken { .. } => {
-                slot.admitted.fetch_add(cost, Ordering::Relaxed);
+                count_admitted(slot);
                 Some(true)
             }
             Take::Busy { .. } => {
@@ -3145,15 +3137,32 @@ struct BufferedDemand {
 }
 
 impl BufferedDemand {
-    /// Whether an admission of `cost` on `key` at `now` may be buffered.
+    /// Counts `cost` admitted on `key`, whose slot in `table` is `slot`: buffered if
+    /// this holds the key and its time is not up, else added to the slot at once (what
+    /// was buffered for another key flushed first), and the key is held from now.
     #[inline(always)]
-    fn takes(&self, key: &KeyHandle, now: u64) -> bool {
-        self.live
+    fn count(&mut self, table: &KeyTable, slot: &Slot, key: &KeyHandle, now: u64, cost: u64) {
+        if self.live
             && self.id == key.id
             && self.check == key.check
             // A clock that went back gives a huge difference: add at once.
             && now.wrapping_sub(self.since_ns) < DEMAND_BUFFER_NS
             && self.pending < 1 << 60
+        {
+            self.pending += cost;
+            return;
+        }
+        if self.pending > 0 {
+            self.flush(table);
+        }
+        slot.admitted.fetch_add(cost, Ordering::Relaxed);
+        *self = BufferedDemand {
+            id: key.id,
+            check: key.check,
+            since_ns: now,
+            pending: 0,
+            live: true,
+        };
     }
 
     /// Adds what is buffered to the key's slot in `table` and forgets the key. Lost

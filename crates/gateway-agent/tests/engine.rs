@@ -433,6 +433,32 @@ fn repeated_bare_checks_count_their_demand_within_a_millisecond_or_when_flushed(
     e.key_demand(&mut demand);
     let total: u64 = demand.iter().map(|d| d.counters.admitted()).sum();
     assert_eq!(total, 23 + 100 * n);
+    // A slice that replaces the key's slot while a check is buffered loses nothing:
+    // the flush finds the key's new slot.
+    let at = 2 * bursar_agent::DEMAND_BUFFER_NS;
+    assert!(w.try_acquire(at, &b, 1).unwrap());
+    assert!(w.try_acquire(at, &b, 1).unwrap());
+    let before = admitted(&e);
+    let grant = SliceUpdate {
+        rule: "rps".into(),
+        values: vec!["b".into()],
+        rate: 2000,
+        burst: 1000,
+        epoch: 1,
+        seq: 1,
+        lease_expires_at_ns: u64::MAX / 2,
+        fleet_size: 1,
+        transfer_tokens: 0,
+    };
+    assert!(e.apply_slices(at, &[grant])[0].is_ok());
+    assert_eq!(
+        admitted(&e),
+        before,
+        "the old slot's counts retired, the buffer held"
+    );
+    w.flush_demand();
+    assert_eq!(admitted(&e), before + 1);
+    e.check_invariants(at).unwrap();
 }
 
 #[test]

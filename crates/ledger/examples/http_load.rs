@@ -101,7 +101,7 @@ fn main() {
         }
     };
     let next = Mutex::new(bodies.iter());
-    let latencies = Mutex::new(Vec::with_capacity(bodies.len()));
+    let answered = Mutex::new(Vec::with_capacity(bodies.len()));
     let cpu0 = cpu_seconds(node.pid());
     let start = Instant::now();
     std::thread::scope(|s| {
@@ -115,9 +115,11 @@ fn main() {
                     };
                     let t = Instant::now();
                     conn.post(body);
-                    mine.push((t.elapsed(), t.elapsed() + (t - start)));
+                    // Its latency, and when it was answered (from the start).
+                    let took = t.elapsed();
+                    mine.push((took, t - start + took));
                 }
-                latencies.lock().expect("lock").extend(mine);
+                answered.lock().expect("lock").extend(mine);
             });
         }
     });
@@ -127,7 +129,7 @@ fn main() {
     drop(node);
     let _ = std::fs::remove_dir_all(&dir);
     let events = o.batches * o.batch;
-    let done = latencies.into_inner().expect("lock");
+    let done = answered.into_inner().expect("lock");
     let mut lat: Vec<Duration> = done.iter().map(|&(l, _)| l).collect();
     lat.sort();
     // When each request was answered (from the start), to show how the rate moves as
