@@ -394,7 +394,9 @@ impl Slot {
     #[inline]
     fn cas(&self, cur: State, new: State) -> Result<(), State> {
         self.state
-            .compare_exchange_weak(cur.pack(), new.pack(), Ordering::AcqRel, Ordering::Acquire)
+            // Sequentially consistent (the same locked instruction on x86): the engine's
+            // change marks rely on it (`ChangeMarks` in engine.rs).
+            .compare_exchange_weak(cur.pack(), new.pack(), Ordering::SeqCst, Ordering::Acquire)
             .map(|_| ())
             .map_err(State::unpack)
     }

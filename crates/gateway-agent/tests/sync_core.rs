@@ -426,6 +426,12 @@ max_in_flight = 8
 #[derive(Clone, Debug)]
 enum WalkOp {
     Admit(u8, u8),
+    /// Envoy's RLS path: `decide_hits` on a rate rule (0 hits: a check).
+    Hits(u8, u8, u64),
+    /// Envoy's post-hoc charge on a rate rule.
+    Charge(u8, u8, u64),
+    /// Repeated bare checks through a worker (buffered demand), flushed or not.
+    Bare(u8, u8, u8, bool),
     Complete(u8),
     Grant(u8, u8, u64, bool),
     Advance(u64),
@@ -437,6 +443,10 @@ fn walk_op() -> impl proptest::strategy::Strategy<Value = WalkOp> {
     use proptest::prelude::*;
     prop_oneof![
         4 => (0u8..3, 0u8..4).prop_map(|(r, v)| WalkOp::Admit(r, v)),
+        1 => (0u8..2, 0u8..4, 0u64..3).prop_map(|(r, v, h)| WalkOp::Hits(r, v, h)),
+        1 => (0u8..2, 0u8..4, 1u64..3).prop_map(|(r, v, c)| WalkOp::Charge(r, v, c)),
+        1 => (0u8..2, 0u8..4, 1u8..4, any::<bool>())
+            .prop_map(|(r, v, n, f)| WalkOp::Bare(r, v, n, f)),
         2 => (0u8..32).prop_map(WalkOp::Complete),
         2 => (0u8..3, 0u8..4, 0u64..12, any::<bool>())
             .prop_map(|(r, v, b, short)| WalkOp::Grant(r, v, b, short)),
@@ -461,7 +471,8 @@ proptest::proptest! {
 
     /// The report tick reads only the keys that changed (`refresh_changed`); a full
     /// walk of every key (`refresh`) must give the same report, line for line, through
-    /// admissions, completions, grants (renewals included), leases ending on both
+    /// admissions (and Envoy's checks, hits and charges, and a worker's bare checks,
+    /// whose demand it buffers), completions, grants (renewals included), leases ending on both
     /// postures, evictions of idle keys, new streams, full and new-only reports, and
     /// lines rebased after a key went unnamed.
     #[test]
@@ -478,6 +489,7 @@ proptest::proptest! {
         full_t.set_rebase_after(50 * MS);
         delta_t.set_rebase_after(50 * MS);
         let mut buf = Vec::new();
+        let mut workers = [full_e.worker(), delta_e.worker()];
         let (mut now, mut seq, mut req) = (0u64, 0u64, 0u32);
         full_t.refresh(&full_e, now, &mut buf, key_of);
         delta_t.refresh(&delta_e, now, &mut buf, key_of);
@@ -495,6 +507,38 @@ proptest::proptest! {
                             cost: Cost::ONE_REQUEST,
                             ttl_ms: Some(60_000),
                         });
+                    }
+                }
+                WalkOp::Hits(r, v, hits) => {
+                    let value = format!("v{v}");
+                    for e in [&full_e, &delta_e] {
+                        let d = e.decide_hits(now, None, &[(descs[r as usize], &value)], hits);
+                        proptest::prop_assert!(d.is_ok(), "{d:?}");
+                    }
+                }
+                WalkOp::Charge(r, v, units) => {
+                    let value = format!("v{v}");
+                    for e in [&full_e, &delta_e] {
+                        let c = e.charge(now, &AdmitRequest {
+                            request_id: "charge",
+                            domain: None,
+                            descriptors: &[(descs[r as usize], &value)],
+                            cost: Cost { requests: units, ..Cost::ONE_REQUEST },
+                            ttl_ms: None,
+                        });
+                        proptest::prop_assert!(c.is_ok(), "{c:?}");
+                    }
+                }
+                WalkOp::Bare(r, v, n, flush) => {
+                    let value = format!("v{v}");
+                    for w in &mut workers {
+                        let k = w.engine().key_handle(rules[r as usize], &[&value]).unwrap();
+                        for _ in 0..n {
+                            proptest::prop_assert!(w.try_acquire(now, &k, 1).is_ok());
+                        }
+                        if flush {
+                            w.flush_demand();
+                        }
                     }
                 }
                 WalkOp::Complete(q) => {
