@@ -540,6 +540,13 @@ struct Rare {
 }
 
 impl Entry {
+    /// A word from the first and third of the entry's lines, the ones a recomputation
+    /// reads (for loops that only bring entries into cache).
+    #[inline]
+    fn warm_lines(&self) -> u64 {
+        self.agent as u64 ^ self.cur_seq
+    }
+
     fn new(agent: u32) -> Entry {
         Entry {
             agent,
