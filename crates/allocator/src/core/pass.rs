@@ -20,6 +20,10 @@ use super::*;
 /// a thread costs more than half the batch.
 pub(super) const PARALLEL_MIN_ENTRIES: usize = 1 << 16;
 
+/// Keys whose entries a batch below [`PARALLEL_MIN_ENTRIES`] loads ahead of
+/// recomputing them (`recompute_batch`).
+const WARM_KEYS: usize = 32;
+
 /// What a key costs besides its entries, in entries: each half of the benchmark's
 /// fleet (1,000 agents, 100,000 keys, Zipf-spread), timed alone, split by entries only
 /// and by entries plus 4 a key, put the balance between the two.
@@ -495,19 +499,24 @@ impl Allocator {
     /// are forgotten.
     pub(super) fn recompute_batch(&mut self, now: u64, ks: &mut [u32], entries: usize) {
         if entries < self.parallel_min_entries {
-            // Every line of every entry of the batch, loaded in one tight loop first:
-            // the keys' entries were last read a report interval ago (cold), and loads
-            // with nothing between them overlap their misses, where the recomputation
-            // would take them one key at a time.
-            let warm = ks
-                .iter()
-                .filter_map(|&k| self.keys[k as usize].as_ref())
-                .flat_map(|key| key.entries.iter())
-                .fold(0u64, |acc, e| acc ^ e.warm_lines());
-            std::hint::black_box(warm);
-            for &k in ks.iter() {
-                self.key_mut(k).dirty = false;
-                self.recompute(now, k);
+            // The lines a recomputation reads of every entry of `WARM_KEYS` keys,
+            // loaded in one tight loop before those keys are recomputed: the entries
+            // were last read a report interval ago (cold), and loads with nothing
+            // between them overlap their misses, where the recomputation would take
+            // them one key at a time. A few keys at a time, so that what is loaded is
+            // still in cache when its key's turn comes in a batch of thousands (the
+            // default `recompute_delay_ms` gathers ~40 reports' keys).
+            for chunk in ks.chunks(WARM_KEYS) {
+                let warm = chunk
+                    .iter()
+                    .filter_map(|&k| self.keys[k as usize].as_ref())
+                    .flat_map(|key| key.entries.iter())
+                    .fold(0u64, |acc, e| acc ^ e.warm_lines());
+                std::hint::black_box(warm);
+                for &k in chunk {
+                    self.key_mut(k).dirty = false;
+                    self.recompute(now, k);
+                }
             }
             return;
         }
