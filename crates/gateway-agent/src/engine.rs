@@ -2758,11 +2758,11 @@ impl Engine {
     /// replaced slots included), each marked walked; into `gone`, the keys evicted
     /// since `gone_cursor` (which it advances) that have no live slot now, read from
     /// their final slot. The walk reads the table's cells, and the slots only of keys in
-    /// a bucket of ids marked since the last walk ([`ChangeMarks`]; every slot at every
-    /// [`FULL_WALK_EVERY`]th walk), and of those appends only the ones whose counts
-    /// differ from their walk mark. Returns false, appending nothing, if evictions since `gone_cursor`
-    /// were forgotten ([`GONE_MAX`]) or no [`Engine::sync_key_demand`] came first:
-    /// then read every key with that.
+    /// a bucket of ids marked since the last walk (every change a walk reports marks
+    /// its key's bucket; every slot at every sixteenth walk), and of those appends only
+    /// the ones whose counts differ from their walk mark. Returns false, appending
+    /// nothing, if evictions since `gone_cursor` were forgotten ([`GONE_MAX`]) or no
+    /// [`Engine::sync_key_demand`] came first: then read every key with that.
     pub fn changed_key_demand(
         &self,
         gone_cursor: &mut u64,
