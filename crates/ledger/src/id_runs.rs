@@ -16,11 +16,11 @@
 //! calls for it, a larger one is begun there and each commit rewrites its share
 //! (at least `merge_step_entries` ids, and [`STEP_PER_ID`] for each id the commit
 //! adds, so merges keep up with any ingest rate). Until its last step the merge's
-//! output is not a run (no meta in [`RUNS`]): every lookup still reads its inputs, and
+//! output is not a run (no meta in `RUNS`): every lookup still reads its inputs, and
 //! a reader's snapshot never sees half a merge. The last step publishes the output and
 //! drops the inputs' metas in one transaction; their blocks, which nothing reads any
 //! more, are deleted over the commits after it. One such merge is under way
-//! at a time (recorded in [`MERGE`]); merges of lower levels go on beside it, and a
+//! at a time (recorded in `MERGE`); merges of lower levels go on beside it, and a
 //! merge that would make a run of a higher level than its output waits for it.
 //!
 //! Lookups stay exact at any time distance: every run has a blocked Bloom filter
@@ -33,11 +33,11 @@
 //! (conflicts, tests).
 //!
 //! Tables:
-//! - [`BLOCKS`]: (run, last request id of the block) -> block: entries
+//! - `BLOCKS`: (run, last request id of the block) -> block: entries
 //!   `rid_len u16 LE, loc_len u16 LE, rid, loc` in request-id order;
-//! - [`RUNS`]: run -> meta: `version u8 (1), level u8, entries u64 LE, filter words
+//! - `RUNS`: run -> meta: `version u8 (1), level u8, entries u64 LE, filter words
 //!   (u64 LE)`;
-//! - [`MERGE`]: 0 -> the merge under way, if any: `version u8 (1), level u8 (of its
+//! - `MERGE`: 0 -> the merge under way, if any: `version u8 (1), level u8 (of its
 //!   output), output run u64 LE, input runs u64 LE...` (oldest first). How far it got
 //!   is the output's blocks themselves: a restart reads them back (the last id, the
 //!   count, the filter) and goes on from there. 1 -> the runs merged that way whose
@@ -64,9 +64,9 @@ pub(crate) const RUNS: TableDefinition<u64, &[u8]> = TableDefinition::new("id_ru
 /// The merge under way, and the merged runs whose blocks are still to be deleted
 /// (see the module docs).
 pub(crate) const MERGE: TableDefinition<u8, &[u8]> = TableDefinition::new("id_merge");
-/// [`MERGE`]'s key of the merge under way.
+/// `MERGE`'s key of the merge under way.
 const UNDER_WAY: u8 = 0;
-/// [`MERGE`]'s key of the merged runs whose blocks are still to be deleted.
+/// `MERGE`'s key of the merged runs whose blocks are still to be deleted.
 const GARBAGE: u8 = 1;
 
 /// A merge under way rewrites at least this many ids for each id its commit adds.

@@ -109,7 +109,7 @@ pub enum BatchError {
 /// `events_max` events, all valid, or an error naming the first problem.
 ///
 /// Three tiers, one set of rules: a hand-written scanner for the shape agents send
-/// ([`scan_batch`]: plain strings, unsigned integers, no `null`s) reads each event into
+/// (`scan_batch`: plain strings, unsigned integers, no `null`s) reads each event into
 /// the same typed fields as the serde path; anything it does not handle (an escape, a
 /// negative number, a `null`, bad JSON...) goes to the serde typed path; if that fails
 /// too, the body is parsed again through `serde_json::Value` ([`parse_event`]) only to

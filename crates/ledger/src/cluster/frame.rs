@@ -103,10 +103,10 @@ mod types {
         }
     }
 
-    /// A digest on the wire: [`Digest::to_bytes`].
+    /// A digest on the wire: [`crate::digest::Digest::to_bytes`].
     pub type WireDigest = Vec<u8>;
 
-    /// A batch of events in the compact encoding ([`encode_events`]).
+    /// A batch of events in the compact encoding ([`super::encode_events`]).
     #[derive(
         rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq, Eq, Default,
     )]
