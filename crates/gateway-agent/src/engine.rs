@@ -808,6 +808,14 @@ impl ChangeMarks {
         }
     }
 
+    /// Adds `n` to `counter` (one of the counts of the key stored under `id`) and marks
+    /// the key changed: the one way a count moves, so that no add goes unmarked.
+    #[inline(always)]
+    fn count(&self, counter: &AtomicU64, id: u64, n: u64) {
+        counter.fetch_add(n, Ordering::SeqCst);
+        self.mark(id);
+    }
+
     /// Clears every flag, returning which were set (a bit per bucket); the slots read
     /// after it show every change whose mark it cleared.
     fn take(&self) -> ChangedBuckets {
@@ -1628,8 +1636,7 @@ impl Engine {
     /// ([`ChangeMarks`]: the add is sequentially consistent, a locked add either way).
     #[inline(always)]
     fn count(&self, counter: &AtomicU64, id: u64, n: u64) {
-        counter.fetch_add(n, Ordering::SeqCst);
-        self.changed.mark(id);
+        self.changed.count(counter, id, n);
     }
 
     /// Counts `cost(rule)` as blocked demand on every later candidate rule the request
@@ -3299,8 +3306,7 @@ impl BufferedDemand {
         if self.pending > 0 {
             self.flush(marks, table);
         }
-        slot.admitted.fetch_add(cost, Ordering::SeqCst);
-        marks.mark(key.id);
+        marks.count(&slot.admitted, key.id, cost);
         *self = BufferedDemand {
             id: key.id,
             check: key.check,
@@ -3318,8 +3324,7 @@ impl BufferedDemand {
         if self.pending > 0
             && let Some(slot) = table.lookup(self.id, self.check)
         {
-            slot.admitted.fetch_add(self.pending, Ordering::SeqCst);
-            marks.mark(self.id);
+            marks.count(&slot.admitted, self.id, self.pending);
         }
         *self = BufferedDemand::default();
     }
