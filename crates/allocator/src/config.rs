@@ -59,7 +59,8 @@ pub struct AllocatorConfig {
     pub measure_window_ms: u64,
     /// A key is recomputed at most this long after its demand changed: reports arriving
     /// together are allocated together (and many agents reporting a new key at once
-    /// split it). Default 10 ms.
+    /// split it). Recomputations run on a tick of a quarter of it, so a changed key is
+    /// recomputed 3/4 to 1 delay after its change. Default 10 ms.
     pub recompute_delay_ms: u64,
     /// Keys with more agents than this are recomputed whole at most every
     /// `large_key_recompute_ms`; in between, a report re-targets only the reporting

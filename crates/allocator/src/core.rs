@@ -32,7 +32,9 @@
 //! A report marks the keys whose demand moved (beyond `demand_change_permille`); marked
 //! keys sit in a heap by due time and are recomputed whole in
 //! [`Allocator::handle_timeout`] `recompute_delay_ms` later, so reports that arrive
-//! together are allocated together. A key held by more than `large_key_entries` agents
+//! together are allocated together. Due times fall on a tick of a quarter of the delay
+//! (an acknowledged shrink makes its key due at the next tick), so the allocator wakes
+//! at most four times per delay and an agent's grants from one pass leave together. A key held by more than `large_key_entries` agents
 //! is recomputed whole at most every `large_key_recompute_ms * ceil(sqrt(n / large))`;
 //! in between, a report re-targets only the reporting agent's entry against the key's
 //! last water level ([`crate::waterfill::Fill`]). Both paths grant through one function
@@ -75,6 +77,9 @@ pub use reload::{ReloadSummary, RuleStatus};
 const MAX_SENT: usize = 6;
 // `Entry::push_sent` merges the oldest two inside the boxed older grants.
 const _: () = assert!(MAX_SENT >= 2);
+
+/// Recompute ticks per `recompute_delay_ms` ([`Allocator::recompute_due`]).
+const RECOMPUTE_TICKS_PER_DELAY: u64 = 4;
 
 /// [`Entry::term_seq`] when the latest grant is not of this allocator's term (or none
 /// was sent): no seq of a term reaches it.
@@ -1696,9 +1701,30 @@ impl Allocator {
         self.entry_count -= 1;
     }
 
+    /// When a key whose demand changed at `now` is due: `recompute_delay_ms` later,
+    /// rounded down to the recompute tick (a quarter of the delay). Keys marked within
+    /// one tick of each other are then recomputed in one pass, and the grants they owe
+    /// one agent leave in one message: without the tick every report had its own due
+    /// time, so a fleet reporting continuously woke the allocator once per report and
+    /// each agent took its grants piecemeal. A key is still recomputed at most the delay
+    /// after it changed, and at least three quarters of it.
+    fn recompute_due(&self, now: u64) -> u64 {
+        let at = now.saturating_add(AllocatorConfig::ns(self.cfg.recompute_delay_ms));
+        match self.recompute_tick_ns() {
+            0 => at,
+            tick => (at - at % tick).max(now),
+        }
+    }
+
+    /// The recompute tick ([`Allocator::recompute_due`]); 0 for none.
+    fn recompute_tick_ns(&self) -> u64 {
+        AllocatorConfig::ns(self.cfg.recompute_delay_ms) / RECOMPUTE_TICKS_PER_DELAY
+    }
+
     fn mark_dirty(&mut self, k: u32, at: u64) {
         let large = self.cfg.large_key_entries;
         let every = AllocatorConfig::ns(self.cfg.large_key_recompute_ms);
+        let tick = self.recompute_tick_ns();
         let key = self.keys[k as usize].as_mut().expect("live key");
         // A large key is recomputed whole at most every `large_key_recompute_ms` times
         // the square root of how many times larger than `large_key_entries` it is; in
@@ -1709,6 +1735,11 @@ impl Allocator {
             at.max(key.last_full_ns.saturating_add(every.saturating_mul(scale)))
         } else {
             at
+        };
+        // Up to the tick, with the other keys due then.
+        let at = match tick {
+            0 => at,
+            _ => at.div_ceil(tick).saturating_mul(tick),
         };
         if !key.dirty || at < key.due_ns {
             key.dirty = true;
@@ -1999,7 +2030,7 @@ impl Allocator {
                 None => self.create_entry(a, k),
             };
             self.apply_held(k, pos, &h.grant, 0);
-            self.mark_dirty(k, now + AllocatorConfig::ns(self.cfg.recompute_delay_ms));
+            self.mark_dirty(k, self.recompute_due(now));
         }
         Ok(())
     }
@@ -2231,7 +2262,7 @@ impl Allocator {
         ag.report_recv_ns = now;
         ag.last_heard_ns = now;
         ag.connected = true;
-        let soon = now + AllocatorConfig::ns(self.cfg.recompute_delay_ms);
+        let soon = self.recompute_due(now);
         let frequent = self.reports_frequently(a);
         surged.clear();
         for (kr, r) in report.keys.iter().zip(resolved.drain(..)) {
@@ -3595,6 +3626,38 @@ mod tests {
         e.older = Some(Box::new(smallvec::smallvec![newer]));
         let err = a.check_invariants().unwrap_err();
         assert!(err.contains("out of order"), "{err}");
+    }
+
+    #[test]
+    fn keys_changed_within_one_tick_are_recomputed_in_one_pass_within_the_delay() {
+        let delay = quick_config().recompute_delay_ms * MS;
+        let tick = delay / RECOMPUTE_TICKS_PER_DELAY;
+        // Half a millisecond past a tick, so that the second change, a millisecond
+        // later, falls in the same tick.
+        let now = 5 * SEC + MS / 2;
+        let mut a = warm_allocator(1, now);
+        join(&mut a, now, "a", "x");
+        let due = a.poll_timeout();
+        join(&mut a, now + MS, "b", "y");
+        assert_eq!(a.poll_timeout(), due, "one wake for both keys");
+        assert_eq!(due % tick, 0, "on a tick");
+        assert!(
+            due >= now + MS + delay * 3 / 4 && due <= now + delay,
+            "within 3/4 to 1 delay of both changes: due {} ns after the first",
+            due - now
+        );
+        assert!(
+            settle(&mut a, due - 1).is_empty(),
+            "nothing before the tick"
+        );
+        let gs = settle(&mut a, due);
+        assert_eq!(gs.len(), 2, "both keys in one pass: {gs:?}");
+        // An acknowledged grant frees nothing here, but marks its key: due at the next
+        // tick, not at once.
+        let ga = last_for(&gs, "a");
+        a.handle_ack(due + MS / 4, &ack(&ga, 1, 0)).unwrap();
+        assert_eq!(a.poll_timeout(), due + tick, "at the next tick");
+        assert!(settle(&mut a, due + MS / 4).is_empty());
     }
 
     #[test]
