@@ -1,9 +1,12 @@
-//! The discrete-event core: one event queue ordered by `(time, seq)`, simulated links,
-//! agents that are real [`bursar_agent::Engine`]s driven the way the agent's sync
-//! client drives them, the real [`bursar_allocator::Allocator`], and the checker.
+//! The discrete-event core: simulated links, agents that are real
+//! [`bursar_agent::Engine`]s driven the way the agent's sync client drives them, the
+//! real [`bursar_allocator::Allocator`], and the checker. Two sides, each with its
+//! event queue ordered by `(time, seq)`: the agents' (and the workload's) and the
+//! allocator's (`side.rs`), run in rounds no longer than the shortest link's latency,
+//! on one thread or two.
 //!
 //! Nothing here reads a clock or an unseeded source of randomness: a scenario and a
-//! seed give the same [`Report`] bit for bit.
+//! seed give the same [`Report`] bit for bit, on one thread or two.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
@@ -26,6 +29,9 @@ use crate::policy::{POLICIES, Policy, Proportional};
 use crate::rng::Rng;
 use crate::scenario::{FaultKind, NetworkSpec, Overrides, Scenario, WorkloadKind};
 use crate::wire;
+
+mod side;
+use side::{AllocSide, Net};
 
 const MS: u64 = 1_000_000;
 const SEC: u64 = 1_000 * MS;
@@ -180,6 +186,46 @@ pub struct Counters {
     pub allocator_refusals: BTreeMap<String, u64>,
 }
 
+impl Counters {
+    /// Adds `other`'s counts to these.
+    fn absorb(&mut self, other: Counters) {
+        let Counters {
+            events,
+            requests,
+            to_allocator,
+            to_agents,
+            grants,
+            extensions,
+            measure_requests,
+            peer,
+            to_allocator_bytes,
+            to_agents_bytes,
+            peer_bytes,
+            lost,
+            grants_refused,
+            completions_refused,
+            allocator_refusals,
+        } = other;
+        self.events += events;
+        self.requests += requests;
+        self.to_allocator += to_allocator;
+        self.to_agents += to_agents;
+        self.grants += grants;
+        self.extensions += extensions;
+        self.measure_requests += measure_requests;
+        self.peer += peer;
+        self.to_allocator_bytes += to_allocator_bytes;
+        self.to_agents_bytes += to_agents_bytes;
+        self.peer_bytes += peer_bytes;
+        self.lost += lost;
+        self.grants_refused += grants_refused;
+        self.completions_refused += completions_refused;
+        for (k, n) in allocator_refusals {
+            *self.allocator_refusals.entry(k).or_default() += n;
+        }
+    }
+}
+
 /// Resolution of the admitted-rate series ([`Series`]).
 pub const SERIES_BIN_NS: u64 = 100 * MS;
 /// Keys whose overshoot, bound and slices [`Series`] records (the first ones).
@@ -323,9 +369,9 @@ struct Agent {
     next_request: u64,
     /// Report phase within the interval.
     phase: u64,
-    /// Earliest delivery time of the next message on each direction (FIFO links).
+    /// Earliest delivery time of the next message up its link (FIFO links; the
+    /// allocator's side keeps the other direction's).
     up_free_at: u64,
-    down_free_at: u64,
     rng: Rng,
     id_buf: String,
     /// Cost admitted per key since the last hit sync (the Gubernator-like policy).
@@ -427,6 +473,11 @@ impl Queue {
             .push(Reverse((at, self.seq << QUEUE_SLOT_BITS | slot as u64)));
     }
 
+    /// The earliest event's time.
+    fn peek_time(&self) -> Option<u64> {
+        self.heap.peek().map(|Reverse((at, _))| *at)
+    }
+
     /// The earliest event and its time.
     fn pop(&mut self) -> Option<(u64, Ev)> {
         let Reverse((at, key)) = self.heap.pop()?;
@@ -464,23 +515,49 @@ pub struct Progress {
     pub events: u64,
 }
 
+/// Gateway-key pairs from which a run uses two threads by default ([`Sim::set_threads`]):
+/// below it a run is over in seconds, and its rounds' hand-offs cost more than the
+/// second thread saves.
+const TWO_THREADS_MIN_PAIRS: usize = 100_000;
+
+/// Threads a run of `sc` uses unless told ([`Sim::set_threads`]).
+fn default_threads(sc: &Scenario) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if cores >= 2 && sc.gateways.saturating_mul(sc.keys) >= TWO_THREADS_MIN_PAIRS {
+        2
+    } else {
+        1
+    }
+}
+
 /// One simulation: build it with [`Sim::new`], run it with [`Sim::run`].
 pub struct Sim {
     sc: Scenario,
-    /// Each gateway's link to the allocator (`[network]` with its `[[link]]`s).
-    links: Vec<NetworkSpec>,
+    /// Each gateway's link to the allocator (`[network]` with its `[[link]]`s) and the
+    /// partitions.
+    net: Arc<Net>,
     seed: u64,
     config: Config,
     acfg: AllocatorConfig,
-    alloc: Option<Allocator>,
     policy: Policy,
-    naive: Option<Proportional>,
     agent_names: Vec<Arc<str>>,
     key_names: Vec<Arc<KeyName>>,
+    /// The allocator's term, as the agents' streams know it (the allocator's side
+    /// keeps the same number).
     term: u64,
-    alloc_wake: u64,
+    /// The allocator's side ([`side`]): here between rounds, on its thread during one.
+    side: Option<Box<AllocSide>>,
+    /// Messages to the allocator sent this round: (delivery time, event).
+    to_alloc: Vec<(u64, Ev)>,
+    /// Events that read or change both sides (samples, allocator crashes and restarts):
+    /// each runs between rounds.
+    globals: Queue,
+    /// Threads a run uses: 2 runs the allocator's side beside the agents'
+    /// ([`Sim::set_threads`]).
+    threads: usize,
     agents: Vec<Agent>,
     keys: Vec<KeyState>,
+    /// The agents' events (arrivals, deliveries to agents, their timers).
     queue: Queue,
     now: u64,
     /// Traffic starts here (after the first term's learning lease).
@@ -489,12 +566,9 @@ pub struct Sim {
     next_engine_check: u64,
     end: u64,
     rng: Rng,
+    /// Draws of the links up to the allocator and between peers.
     net_rng: Rng,
     zipf_cdf: Vec<f64>,
-    /// Partitions: (start, end, agents).
-    partitions: Vec<(u64, u64, Vec<usize>)>,
-    /// Allocator partitions (every agent loses it; the allocator keeps running).
-    allocator_cut: Vec<(u64, u64)>,
     overdraft_rate: u64,
     counters: Counters,
     violations: u64,
@@ -565,7 +639,6 @@ impl Sim {
                     next_request: 0,
                     phase: r.below(report_ns),
                     up_free_at: 0,
-                    down_free_at: 0,
                     rng: r,
                     id_buf: String::new(),
                     hits: BTreeMap::new(),
@@ -630,24 +703,42 @@ impl Sim {
                 (acfg.lease_ms - acfg.drift_margin_ms) * MS,
             )
         });
-        let agent_names = (0..sc.gateways)
+        let agent_names: Vec<Arc<str>> = (0..sc.gateways)
             .map(|i| Arc::from(format!("gw-{i}")))
             .collect();
-        let key_names = keys.iter().map(|k| Arc::new(k.name.clone())).collect();
+        let key_names: Vec<Arc<KeyName>> = keys.iter().map(|k| Arc::new(k.name.clone())).collect();
+        let net = Arc::new(Net {
+            links: sc.link_specs(),
+            partitions,
+            allocator_cut,
+        });
+        let side = AllocSide::new(
+            (policy == Policy::Bursar).then_some(alloc),
+            naive,
+            rng.fork(4),
+            Arc::clone(&net),
+            policy,
+            &acfg,
+            report_ns,
+            end,
+            agent_names.clone(),
+            key_names.clone(),
+        );
         let mut sim = Sim {
             policy,
-            naive,
             agent_names,
             key_names,
             overdraft_rate: sc.limit.rate_per_s * sc.allocator.overdraft_permille as u64 / 1000,
-            links: sc.link_specs(),
+            net,
             sc: sc.clone(),
             seed,
             config,
             acfg,
-            alloc: (policy == Policy::Bursar).then_some(alloc),
             term: 1,
-            alloc_wake: u64::MAX,
+            side: Some(Box::new(side)),
+            to_alloc: Vec::new(),
+            globals: Queue::default(),
+            threads: default_threads(sc),
             agents,
             keys,
             queue: Queue::default(),
@@ -658,8 +749,6 @@ impl Sim {
             net_rng: rng.fork(2),
             rng: rng.fork(3),
             zipf_cdf,
-            partitions,
-            allocator_cut,
             counters: Counters::default(),
             violations: 0,
             violation_messages: Vec::new(),
@@ -668,7 +757,7 @@ impl Sim {
             progress: None,
             samples: 0,
         };
-        sim.schedule_wake();
+        sim.side_mut().schedule_wake();
         if policy == Policy::Doorman {
             sim.push(t0 - report_ns, Ev::NaiveTick);
         }
@@ -717,8 +806,35 @@ impl Sim {
         Ok(sim)
     }
 
+    /// Queues an event where it runs: the agents' side, the allocator's (a message to
+    /// it crosses over at the end of the round), or between rounds.
     fn push(&mut self, at: u64, ev: Ev) {
-        self.queue.push(at, ev);
+        match ev {
+            Ev::ToAlloc(..) => self.to_alloc.push((at, ev)),
+            Ev::Sample | Ev::AllocCrash | Ev::AllocRestart => self.globals.push(at, ev),
+            Ev::AllocWake(_) | Ev::NaiveTick => self.side_mut().queue.push(at, ev),
+            ev => self.queue.push(at, ev),
+        }
+    }
+
+    /// The allocator's side, between rounds.
+    fn side_mut(&mut self) -> &mut AllocSide {
+        self.side
+            .as_mut()
+            .expect("the allocator's side is here between rounds")
+    }
+
+    fn side(&self) -> &AllocSide {
+        self.side
+            .as_ref()
+            .expect("the allocator's side is here between rounds")
+    }
+
+    /// Runs the allocator's side on a thread of its own beside the agents' (`2`), or
+    /// both on the calling thread (`1`, the default). The report is the same either
+    /// way; two threads finish a large fleet sooner (docs/simulation.md, "Speed").
+    pub fn set_threads(&mut self, threads: usize) {
+        self.threads = threads.clamp(1, 2);
     }
 
     fn violation(&mut self, msg: String) {
@@ -789,27 +905,156 @@ impl Sim {
         self.report()
     }
 
+    /// Runs the rounds ([`side`]): global events at their time, then both sides up to
+    /// the next round's limit, then the messages the round produced cross over.
     fn run_loop(&mut self) {
-        while let Some((at, ev)) = self.queue.pop() {
-            if at > self.end {
+        let lookahead = self.net.lookahead_ns().max(1);
+        if self.threads < 2 {
+            self.rounds(lookahead, None);
+            return;
+        }
+        let (to_worker, work) = std::sync::mpsc::channel::<(Box<AllocSide>, u64)>();
+        let (done, from_worker) = std::sync::mpsc::channel::<Box<AllocSide>>();
+        std::thread::scope(|s| {
+            s.spawn(move || {
+                for (mut side, limit) in work {
+                    side.run_until(limit);
+                    if done.send(side).is_err() {
+                        break;
+                    }
+                }
+            });
+            self.rounds(lookahead, Some((&to_worker, &from_worker)));
+            drop(to_worker);
+        });
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn rounds(
+        &mut self,
+        lookahead: u64,
+        worker: Option<(
+            &std::sync::mpsc::Sender<(Box<AllocSide>, u64)>,
+            &std::sync::mpsc::Receiver<Box<AllocSide>>,
+        )>,
+    ) {
+        let mut next_progress = self.progress.as_ref().map_or(u64::MAX, |(every, _)| *every);
+        loop {
+            // What the last round sent crosses over, in the order it was sent.
+            let mut side = self.side.take().expect("the allocator's side is here");
+            for (at, ev) in self.to_alloc.drain(..) {
+                side.queue.push(at, ev);
+            }
+            for (at, ev) in side.out.drain(..) {
+                self.queue.push(at, ev);
+            }
+            let global = self.globals.peek_time().unwrap_or(u64::MAX);
+            let t = self
+                .queue
+                .peek_time()
+                .unwrap_or(u64::MAX)
+                .min(side.queue.peek_time().unwrap_or(u64::MAX))
+                .min(global);
+            if t > self.end {
+                self.side = Some(side);
                 break;
             }
+            if global == t {
+                // Both sides are here: a global event sees (and may change) both.
+                self.side = Some(side);
+                let (_, ev) = self.globals.pop().expect("peeked");
+                self.now = t;
+                self.side_mut().now = self.side().now.max(t);
+                self.counters.events += 1;
+                self.step_global(ev);
+                continue;
+            }
+            // Nothing either side does before `t + lookahead` reaches the other before
+            // then: both run up to there (and to the next global event) at once.
+            let limit = t
+                .saturating_add(lookahead)
+                .min(global)
+                .min(self.end.saturating_add(1));
+            match worker {
+                Some((to, from)) => {
+                    to.send((side, limit))
+                        .expect("the allocator's side thread is running");
+                    self.run_until(limit);
+                    self.side = Some(from.recv().expect("the allocator's side came back"));
+                }
+                None => {
+                    side.run_until(limit);
+                    self.side = Some(side);
+                    self.run_until(limit);
+                }
+            }
+            let events = self.counters.events + self.side().counters.events;
+            while events >= next_progress {
+                if let Some((every, f)) = &mut self.progress {
+                    f(Progress {
+                        virtual_s: self.now.saturating_sub(self.t0) as f64 / SEC as f64,
+                        duration_s: (self.end - self.t0) as f64 / SEC as f64,
+                        events: next_progress,
+                    });
+                    next_progress += *every;
+                }
+            }
+        }
+        self.now = self.end;
+        self.side_mut().now = self.end;
+        self.sample();
+    }
+
+    /// Handles the agents' side's events before `limit`, in order.
+    fn run_until(&mut self, limit: u64) {
+        while self.queue.peek_time().is_some_and(|t| t < limit) {
+            let (at, ev) = self.queue.pop().expect("peeked");
             debug_assert!(at >= self.now, "time went backwards");
             self.now = at;
             self.counters.events += 1;
             self.step(ev);
-            if let Some((every, f)) = &mut self.progress
-                && self.counters.events.is_multiple_of(*every)
-            {
-                f(Progress {
-                    virtual_s: self.now.saturating_sub(self.t0) as f64 / SEC as f64,
-                    duration_s: (self.end - self.t0) as f64 / SEC as f64,
-                    events: self.counters.events,
-                });
-            }
         }
-        self.now = self.end;
-        self.sample();
+    }
+
+    /// An event that reads or changes both sides, between rounds.
+    fn step_global(&mut self, ev: Ev) {
+        match ev {
+            Ev::Sample => {
+                self.sample();
+                self.push(self.now + SAMPLE_NS, Ev::Sample);
+            }
+            Ev::AllocCrash | Ev::AllocRestart if self.policy.fixed_slices() => {}
+            Ev::AllocCrash => self.side_mut().crash(),
+            Ev::AllocRestart => {
+                self.term += 1;
+                let (term, now) = (self.term, self.now);
+                let side = self.side.as_mut().expect("between rounds");
+                side.term = term;
+                if self.policy == Policy::Doorman {
+                    side.naive = Some(Proportional::new(
+                        self.sc.limit.rate_per_s,
+                        self.sc.limit.burst,
+                        (self.acfg.lease_ms - self.acfg.drift_margin_ms) * MS,
+                    ));
+                } else {
+                    match Allocator::new(&self.config, self.acfg.clone(), term, now) {
+                        Ok(a) => side.alloc = Some(a),
+                        Err(e) => self.violation(format!("allocator restart refused: {e}")),
+                    }
+                }
+                self.side_mut().schedule_wake();
+                // Every agent's stream broke: each reconnects after a short backoff.
+                for i in 0..self.agents.len() {
+                    let a = &mut self.agents[i];
+                    if a.engine.is_some() {
+                        let at = self.now + a.rng.below(RECONNECT_MAX_NS);
+                        let inc = a.incarnation;
+                        self.push(at, Ev::Hello(i as u32, inc));
+                    }
+                }
+            }
+            _ => unreachable!("an event of one side between rounds"),
+        }
     }
 
     fn step(&mut self, ev: Ev) {
@@ -819,10 +1064,6 @@ impl Sim {
                 self.arrival(k);
                 self.schedule_arrival(k);
             }
-            // A stream dies with its allocator: nothing sent to a crashed one reaches the
-            // next term.
-            Ev::ToAlloc(_, term, _) if term != self.term => self.counters.lost += 1,
-            Ev::ToAlloc(i, _, m) => self.deliver_to_alloc(i, *m),
             Ev::ToAgent(i, g) => self.deliver_to_agent(i, g),
             Ev::ToAgentExt(i, x) => self.deliver_extension(i, &x),
             Ev::ToAgentMeasure(i, m) => self.deliver_measure(i, *m),
@@ -864,31 +1105,6 @@ impl Sim {
                     self.send_hello(i);
                 }
             }
-            Ev::AllocWake(term) => {
-                if term != self.term || self.now != self.alloc_wake {
-                    return;
-                }
-                self.alloc_wake = u64::MAX;
-                if let Some(a) = self.alloc.as_mut() {
-                    if a.poll_timeout() <= self.now {
-                        a.handle_timeout(self.now);
-                    }
-                    self.after_alloc_input();
-                }
-            }
-            Ev::Sample => {
-                self.sample();
-                self.push(self.now + SAMPLE_NS, Ev::Sample);
-            }
-            Ev::NaiveTick => {
-                let mut grants = Vec::new();
-                if let Some(n) = self.naive.as_mut() {
-                    n.tick(&self.agent_names, &self.key_names, &mut grants);
-                }
-                self.send_grants(grants);
-                let every = self.sc.allocator.report_interval_ms * MS;
-                self.push(self.now + every, Ev::NaiveTick);
-            }
             Ev::Complete(i, inc, k, n, input, output) => {
                 if self.live(i, inc) {
                     let a = &mut self.agents[i as usize];
@@ -924,38 +1140,6 @@ impl Sim {
                 }
             }
             Ev::Hits(i, hits) => self.deliver_hits(i, &hits),
-            Ev::AllocCrash if self.policy.fixed_slices() => {}
-            Ev::AllocRestart if self.policy.fixed_slices() => {}
-            Ev::AllocCrash => {
-                self.alloc = None;
-                self.naive = None;
-                self.alloc_wake = u64::MAX;
-            }
-            Ev::AllocRestart => {
-                self.term += 1;
-                if self.policy == Policy::Doorman {
-                    self.naive = Some(Proportional::new(
-                        self.sc.limit.rate_per_s,
-                        self.sc.limit.burst,
-                        (self.acfg.lease_ms - self.acfg.drift_margin_ms) * MS,
-                    ));
-                } else {
-                    match Allocator::new(&self.config, self.acfg.clone(), self.term, self.now) {
-                        Ok(a) => self.alloc = Some(a),
-                        Err(e) => self.violation(format!("allocator restart refused: {e}")),
-                    }
-                }
-                self.schedule_wake();
-                // Every agent's stream broke: each reconnects after a short backoff.
-                for i in 0..self.agents.len() {
-                    let a = &mut self.agents[i];
-                    if a.engine.is_some() {
-                        let at = self.now + a.rng.below(RECONNECT_MAX_NS);
-                        let inc = a.incarnation;
-                        self.push(at, Ev::Hello(i as u32, inc));
-                    }
-                }
-            }
             Ev::AgentCrash(i) => {
                 let a = &mut self.agents[i as usize];
                 a.engine = None;
@@ -982,6 +1166,7 @@ impl Sim {
                 }
                 self.push(self.now + phase % MAINTAIN_NS, Ev::Maintain(i, inc));
             }
+            _ => unreachable!("an allocator's or a global event on the agents' side"),
         }
     }
 
@@ -1214,33 +1399,24 @@ impl Sim {
 
     /// Is the link between `agent` and the allocator cut at `t`?
     fn cut(&self, agent: usize, t: u64) -> bool {
-        self.peer_cut(agent, t) || self.allocator_cut.iter().any(|(a, b)| *a <= t && t < *b)
+        self.net.cut(agent, t)
     }
 
-    /// Is `agent` cut off by a `partition` fault at `t` (from the allocator, and from
-    /// its peers under the Gubernator-like policy)? An allocator partition leaves
-    /// peer links alone.
     fn peer_cut(&self, agent: usize, t: u64) -> bool {
-        self.partitions
-            .iter()
-            .any(|(a, b, set)| *a <= t && t < *b && set.contains(&agent))
+        self.net.peer_cut(agent, t)
     }
 
-    /// Delivery time on a link, or `None` if the message is lost.
-    fn link_delay(&mut self, agent: usize, up: bool) -> Option<u64> {
-        let n = &self.links[agent];
-        if self.cut(agent, self.now) || self.net_rng.chance(n.loss) {
+    /// Delivery time on agent `agent`'s link up to the allocator, or `None` if the
+    /// message is lost (the allocator's side draws the links down).
+    fn link_delay(&mut self, agent: usize) -> Option<u64> {
+        let n = &self.net.links[agent];
+        if self.net.cut(agent, self.now) || self.net_rng.chance(n.loss) {
             self.counters.lost += 1;
             return None;
         }
         let mut at = self.now + (delay_ms(n, &mut self.net_rng) * MS as f64) as u64;
         if !n.reorder {
-            let a = &mut self.agents[agent];
-            let free = if up {
-                &mut a.up_free_at
-            } else {
-                &mut a.down_free_at
-            };
+            let free = &mut self.agents[agent].up_free_at;
             at = at.max(*free);
             *free = at;
         }
@@ -1254,120 +1430,9 @@ impl Sim {
             ToAlloc::Report(r) => wire::report_bytes(r),
             ToAlloc::Ack(a) => wire::ack_bytes(a),
         };
-        if let Some(at) = self.link_delay(i as usize, true) {
+        if let Some(at) = self.link_delay(i as usize) {
             let term = self.term;
             self.push(at, Ev::ToAlloc(i, term, Box::new(m)));
-        }
-    }
-
-    fn deliver_to_alloc(&mut self, i: u32, m: ToAlloc) {
-        if self.cut(i as usize, self.now) {
-            self.counters.lost += 1;
-            return;
-        }
-        let now = self.now;
-        if self.policy == Policy::Doorman {
-            let Some(n) = self.naive.as_mut() else {
-                self.counters.lost += 1;
-                return;
-            };
-            match &m {
-                ToAlloc::Hello(h) => n.hello(i, h.incarnation),
-                ToAlloc::Report(r) => {
-                    for k in &r.keys {
-                        if let Some(key) = k
-                            .key
-                            .values
-                            .first()
-                            .and_then(|v| key_of(v, self.keys.len()))
-                        {
-                            n.report(
-                                i,
-                                key,
-                                r.incarnation,
-                                r.agent_time_ns,
-                                k.counting_since_ns,
-                                k.admitted + k.rejected,
-                            );
-                        }
-                    }
-                }
-                ToAlloc::Ack(_) => {}
-            }
-            return;
-        }
-        let Some(alloc) = self.alloc.as_mut() else {
-            self.counters.lost += 1;
-            return;
-        };
-        let r = match &m {
-            ToAlloc::Hello(h) => alloc.handle_hello(now, h),
-            ToAlloc::Report(r) => alloc.handle_report(now, r),
-            ToAlloc::Ack(a) => alloc.handle_ack(now, a),
-        };
-        if let Err(e) = r {
-            let dbg = format!("{e:?}");
-            let name: String = dbg.chars().take_while(|c| c.is_alphanumeric()).collect();
-            *self.counters.allocator_refusals.entry(name).or_default() += 1;
-        }
-        self.after_alloc_input();
-    }
-
-    fn after_alloc_input(&mut self) {
-        let Some(alloc) = self.alloc.as_mut() else {
-            return;
-        };
-        let grants: Vec<Grant> = alloc.drain_grants().collect();
-        let extensions = alloc.drain_extensions();
-        let measures = alloc.drain_measure_requests();
-        let unknown = alloc.drain_unknown_handles();
-        self.send_grants(grants);
-        self.send_extensions(extensions);
-        self.send_measures(measures);
-        for u in unknown {
-            let (agent, bytes) = (Arc::clone(&u.agent), wire::unknown_keys_bytes(&u));
-            self.send_one(&agent, bytes, |i| Ev::ToAgentUnknown(i, Box::new(u)));
-        }
-        self.schedule_wake();
-    }
-
-    /// Sends drained grants as the allocator's shell does (`shell/driver.rs`,
-    /// `route`): batched per agent stream (agent and incarnation), at most
-    /// `max_keys_per_message` grants per message.
-    fn send_grants(&mut self, grants: Vec<Grant>) {
-        let mut batches: BTreeMap<(usize, u64), Vec<Grant>> = BTreeMap::new();
-        for g in grants {
-            let Some(i) = self.agent_index(&g.agent) else {
-                continue;
-            };
-            batches.entry((i, g.incarnation)).or_default().push(g);
-        }
-        let max = self.acfg.max_keys_per_message.max(1);
-        for ((i, _), mut rest) in batches {
-            loop {
-                let tail = rest.split_off(rest.len().min(max));
-                self.counters.to_agents += 1;
-                self.counters.grants += rest.len() as u64;
-                self.counters.to_agents_bytes += wire::grants_bytes(&rest);
-                if let Some(at) = self.link_delay(i, false) {
-                    self.push(at, Ev::ToAgent(i as u32, rest));
-                }
-                if tail.is_empty() {
-                    break;
-                }
-                rest = tail;
-            }
-        }
-    }
-
-    /// Sends drained measure requests, one message each, after the grants and
-    /// extensions (as the shell's `route`).
-    fn send_measures(&mut self, measures: Vec<MeasureRequest>) {
-        for m in measures {
-            let (agent, bytes) = (Arc::clone(&m.agent), wire::measure_request_bytes(&m));
-            if self.send_one(&agent, bytes, |i| Ev::ToAgentMeasure(i, Box::new(m))) {
-                self.counters.measure_requests += 1;
-            }
         }
     }
 
@@ -1450,31 +1515,6 @@ impl Sim {
         }
     }
 
-    /// Sends drained lease extensions, one message each, after the grants (as the
-    /// shell's `route`).
-    fn send_extensions(&mut self, extensions: Vec<LeaseExtension>) {
-        for x in extensions {
-            let (agent, bytes) = (Arc::clone(&x.agent), wire::extension_bytes(&x));
-            if self.send_one(&agent, bytes, |i| Ev::ToAgentExt(i, Box::new(x))) {
-                self.counters.extensions += 1;
-            }
-        }
-    }
-
-    /// One message to agent `agent` (`bytes` encoded), counted, on its link: false if
-    /// no such agent.
-    fn send_one(&mut self, agent: &str, bytes: u64, ev: impl FnOnce(u32) -> Ev) -> bool {
-        let Some(i) = self.agent_index(agent) else {
-            return false;
-        };
-        self.counters.to_agents += 1;
-        self.counters.to_agents_bytes += bytes;
-        if let Some(at) = self.link_delay(i, false) {
-            self.push(at, ev(i as u32));
-        }
-        true
-    }
-
     /// The static policy: `(R/N, B/N)` per key, starting full, leased for ever. The
     /// Gubernator-like policy: the whole `(R, B)` per key, likewise.
     fn static_slices(&mut self, i: u32) {
@@ -1538,7 +1578,7 @@ impl Sim {
             self.counters.peer += 1;
             self.counters.peer_bytes += bytes;
             // A peer link is as slow and as lossy as the worse of its two ends.
-            let (a, b) = (&self.links[i as usize], &self.links[j]);
+            let (a, b) = (&self.net.links[i as usize], &self.net.links[j]);
             let n = NetworkSpec {
                 latency_ms: a.latency_ms.max(b.latency_ms),
                 jitter_ms: a.jitter_ms.max(b.jitter_ms),
@@ -1593,24 +1633,6 @@ impl Sim {
         }
         for msg in refused {
             self.violation(msg);
-        }
-    }
-
-    fn agent_index(&self, name: &str) -> Option<usize> {
-        // Agent names are `gw-<index>`.
-        let i: usize = name.strip_prefix("gw-")?.parse().ok()?;
-        (i < self.agents.len()).then_some(i)
-    }
-
-    fn schedule_wake(&mut self) {
-        let Some(alloc) = self.alloc.as_ref() else {
-            return;
-        };
-        let t = alloc.poll_timeout().max(self.now);
-        if t < self.alloc_wake && t <= self.end {
-            self.alloc_wake = t;
-            let term = self.term;
-            self.push(t, Ev::AllocWake(term));
         }
     }
 
@@ -1792,17 +1814,14 @@ impl Sim {
         let span = self.now.saturating_sub(from) as f64;
         self.samples += 1;
         let period = SEC as f64;
+        let alloc = self.side.as_ref().and_then(|s| s.alloc.as_ref());
         for key in self.keys.iter_mut() {
-            let (rate, burst) = match self
-                .alloc
-                .as_ref()
-                .and_then(|a| a.overshoot_bound(&key.name))
-            {
+            let (rate, burst) = match alloc.and_then(|a| a.overshoot_bound(&key.name)) {
                 Some(b) => (b.rate + b.overdraft_rate.max(self.overdraft_rate), b.burst),
                 // The allocator is down (its last bound stands) or has not met the key.
                 // Baselines state no bound beyond the contract's `(R, B)`.
                 None if self.policy != Policy::Bursar => (self.overdraft_rate, 0),
-                None if self.alloc.is_none() => (key.bound_rate, key.bound_burst),
+                None if alloc.is_none() => (key.bound_rate, key.bound_burst),
                 None => (self.overdraft_rate, 0),
             };
             // Conservative between samples: the larger rate over the whole span, and
@@ -1820,7 +1839,7 @@ impl Sim {
         // `entries / CHECK_ENTRIES_PER_SAMPLE` samples beyond: a check walks every entry,
         // and at fleet scale (millions of entries) checking every 50 ms cost more than
         // the allocation it checks.
-        if let Some(a) = &self.alloc
+        if let Some(a) = self.side.as_ref().and_then(|s| s.alloc.as_ref())
             && self
                 .samples
                 .is_multiple_of((a.entry_count() / CHECK_ENTRIES_PER_SAMPLE).max(1) as u64)
@@ -1895,6 +1914,10 @@ impl Sim {
     }
 
     fn report(&mut self) -> Report {
+        // The allocator's side counted its own events, messages down and losses.
+        if let Some(side) = self.side.as_mut() {
+            self.counters.absorb(std::mem::take(&mut side.counters));
+        }
         let b = self.sc.limit.burst as f64;
         let mut outcomes: Vec<KeyOutcome> = Vec::new();
         let mut over_max: f64 = 0.0;
@@ -2150,6 +2173,42 @@ mod tests {
     }
 
     #[test]
+    fn one_thread_or_two_the_report_is_the_same() {
+        // Faults on both sides (an allocator crash and restart, partitions, loss,
+        // jitter), every policy, and a zero-latency link (rounds of one instant).
+        let mut zero = small("steady");
+        zero.network.latency_ms = 0.0;
+        zero.network.jitter_ms = 0.5;
+        let cases = [
+            (small("allocator-crash"), "bursar"),
+            (small("partition-set"), "bursar"),
+            (small("lossy"), "bursar"),
+            (small("agent-crash"), "bursar"),
+            (small("llm-zipf"), "bursar"),
+            (small("shift"), "doorman"),
+            (small("partition-set"), "gubernator"),
+            (small("shift"), "static"),
+            (zero, "bursar"),
+        ];
+        for (sc, policy) in cases {
+            let reports: Vec<Report> = [1, 2]
+                .into_iter()
+                .map(|threads| {
+                    let mut sim = Sim::new(&sc, 3, policy).unwrap();
+                    sim.set_threads(threads);
+                    sim.run()
+                })
+                .collect();
+            assert!(
+                reports[0].counters.to_agents > 0 || policy != "bursar",
+                "{}: the allocator sent nothing",
+                sc.name
+            );
+            assert_eq!(reports[0], reports[1], "{} under {policy}", sc.name);
+        }
+    }
+
+    #[test]
     fn progress_reports_move_forward_and_change_nothing_in_the_run() {
         let sc = small("shift");
         let quiet = run(&sc, 5).unwrap();
@@ -2213,7 +2272,7 @@ mod tests {
         let mut sim = Sim::new(&sc, 1, "bursar").unwrap();
         sim.run_loop();
         let offered = sc.workload.load * sc.limit.rate_per_s as f64;
-        let alloc = sim.alloc.as_ref().unwrap();
+        let alloc = sim.side().alloc.as_ref().unwrap();
         for k in &sim.keys {
             let st = alloc.key_status(&k.name).unwrap();
             assert!(

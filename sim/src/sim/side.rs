@@ -1,0 +1,344 @@
+//! The allocator's side of a run: the events that reach the allocator (messages from
+//! agents, its timer, the Doorman-like baseline's tick), the allocator or baseline
+//! itself, and the links down to the agents.
+//!
+//! Neither side can affect the other sooner than the shortest link's latency (every
+//! message between them crosses a link), so the run proceeds in rounds of that length
+//! (`Sim::run_loop`): each side handles its own events of the round, the two at once on
+//! two threads when the run asks for them, and the messages a round produced cross over
+//! at its end. The rounds, and what crosses when, depend on the scenario and seed only:
+//! a run replays bit for bit on one thread or two.
+
+use super::*;
+
+/// What both sides read of the network: each gateway's link to the allocator and the
+/// partitions in force over time.
+pub(super) struct Net {
+    pub(super) links: Vec<NetworkSpec>,
+    /// Partitions: (start, end, agents).
+    pub(super) partitions: Vec<(u64, u64, Vec<usize>)>,
+    /// Allocator partitions (every agent loses it; the allocator keeps running).
+    pub(super) allocator_cut: Vec<(u64, u64)>,
+}
+
+impl Net {
+    /// Is `agent` cut off from the allocator at `t`?
+    pub(super) fn cut(&self, agent: usize, t: u64) -> bool {
+        self.peer_cut(agent, t) || self.allocator_cut.iter().any(|(a, b)| *a <= t && t < *b)
+    }
+
+    /// Is `agent` cut off by a `partition` fault at `t` (from the allocator, and from
+    /// its peers under the Gubernator-like policy)? An allocator partition leaves
+    /// peer links alone.
+    pub(super) fn peer_cut(&self, agent: usize, t: u64) -> bool {
+        self.partitions
+            .iter()
+            .any(|(a, b, set)| *a <= t && t < *b && set.contains(&agent))
+    }
+
+    /// The shortest time a message takes on any agent-allocator link, ns: how far one
+    /// side may run ahead of what it has heard from the other.
+    pub(super) fn lookahead_ns(&self) -> u64 {
+        self.links
+            .iter()
+            .map(|n| (n.latency_ms * MS as f64) as u64)
+            .min()
+            .unwrap_or(0)
+    }
+}
+
+/// The allocator's side of a run (see the module's docs).
+pub(super) struct AllocSide {
+    pub(super) queue: Queue,
+    pub(super) now: u64,
+    pub(super) alloc: Option<Allocator>,
+    pub(super) naive: Option<Proportional>,
+    /// The allocator's term (the agents' side keeps the same number, to stamp its
+    /// messages with).
+    pub(super) term: u64,
+    pub(super) alloc_wake: u64,
+    /// Draws of the links down to the agents (the agents' side draws its own).
+    rng: Rng,
+    /// Earliest delivery time of the next message down each agent's link (FIFO links).
+    down_free_at: Vec<u64>,
+    /// What this side counted: messages and bytes down, losses, allocator refusals,
+    /// events. Added to the agents' side's counters for the report.
+    pub(super) counters: Counters,
+    /// Messages to agents sent this round, in the order sent: (delivery time, event).
+    pub(super) out: Vec<(u64, Ev)>,
+    net: Arc<Net>,
+    policy: Policy,
+    max_keys_per_message: usize,
+    report_ns: u64,
+    /// The run's end: no timer is queued past it.
+    end: u64,
+    agent_names: Vec<Arc<str>>,
+    key_names: Vec<Arc<KeyName>>,
+}
+
+impl AllocSide {
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn new(
+        alloc: Option<Allocator>,
+        naive: Option<Proportional>,
+        rng: Rng,
+        net: Arc<Net>,
+        policy: Policy,
+        acfg: &AllocatorConfig,
+        report_ns: u64,
+        end: u64,
+        agent_names: Vec<Arc<str>>,
+        key_names: Vec<Arc<KeyName>>,
+    ) -> AllocSide {
+        AllocSide {
+            queue: Queue::default(),
+            now: 0,
+            alloc,
+            naive,
+            term: 1,
+            alloc_wake: u64::MAX,
+            rng,
+            down_free_at: vec![0; agent_names.len()],
+            counters: Counters::default(),
+            out: Vec::new(),
+            net,
+            policy,
+            max_keys_per_message: acfg.max_keys_per_message.max(1),
+            report_ns,
+            end,
+            agent_names,
+            key_names,
+        }
+    }
+
+    /// Queues an event of this side, or sends one to the agents' side (at the end of
+    /// the round).
+    pub(super) fn push(&mut self, at: u64, ev: Ev) {
+        match ev {
+            Ev::ToAlloc(..) | Ev::AllocWake(_) | Ev::NaiveTick => self.queue.push(at, ev),
+            ev => self.out.push((at, ev)),
+        }
+    }
+
+    /// Handles this side's events before `limit`, in order; returns how many.
+    pub(super) fn run_until(&mut self, limit: u64) -> u64 {
+        let mut n = 0;
+        while self.queue.peek_time().is_some_and(|t| t < limit) {
+            let (at, ev) = self.queue.pop().expect("peeked");
+            debug_assert!(at >= self.now, "time went backwards");
+            self.now = at;
+            n += 1;
+            self.step(ev);
+        }
+        self.counters.events += n;
+        n
+    }
+
+    fn step(&mut self, ev: Ev) {
+        match ev {
+            // A stream dies with its allocator: nothing sent to a crashed one reaches the
+            // next term.
+            Ev::ToAlloc(_, term, _) if term != self.term => self.counters.lost += 1,
+            Ev::ToAlloc(i, _, m) => self.deliver(i, *m),
+            Ev::AllocWake(term) => {
+                if term != self.term || self.now != self.alloc_wake {
+                    return;
+                }
+                self.alloc_wake = u64::MAX;
+                if let Some(a) = self.alloc.as_mut() {
+                    if a.poll_timeout() <= self.now {
+                        a.handle_timeout(self.now);
+                    }
+                    self.after_input();
+                }
+            }
+            Ev::NaiveTick => {
+                let mut grants = Vec::new();
+                if let Some(n) = self.naive.as_mut() {
+                    n.tick(&self.agent_names, &self.key_names, &mut grants);
+                }
+                self.send_grants(grants);
+                self.push(self.now + self.report_ns, Ev::NaiveTick);
+            }
+            _ => unreachable!("an agent's event on the allocator's side"),
+        }
+    }
+
+    /// The allocator crashed: everything it held is gone.
+    pub(super) fn crash(&mut self) {
+        self.alloc = None;
+        self.naive = None;
+        self.alloc_wake = u64::MAX;
+    }
+
+    /// Delivery time on agent `agent`'s link down, or `None` if the message is lost.
+    fn link_delay(&mut self, agent: usize) -> Option<u64> {
+        let n = &self.net.links[agent];
+        if self.net.cut(agent, self.now) || self.rng.chance(n.loss) {
+            self.counters.lost += 1;
+            return None;
+        }
+        let mut at = self.now + (delay_ms(n, &mut self.rng) * MS as f64) as u64;
+        if !n.reorder {
+            let free = &mut self.down_free_at[agent];
+            at = at.max(*free);
+            *free = at;
+        }
+        Some(at)
+    }
+
+    fn deliver(&mut self, i: u32, m: ToAlloc) {
+        if self.net.cut(i as usize, self.now) {
+            self.counters.lost += 1;
+            return;
+        }
+        let now = self.now;
+        if self.policy == Policy::Doorman {
+            let Some(n) = self.naive.as_mut() else {
+                self.counters.lost += 1;
+                return;
+            };
+            match &m {
+                ToAlloc::Hello(h) => n.hello(i, h.incarnation),
+                ToAlloc::Report(r) => {
+                    for k in &r.keys {
+                        if let Some(key) = k
+                            .key
+                            .values
+                            .first()
+                            .and_then(|v| key_of(v, self.key_names.len()))
+                        {
+                            n.report(
+                                i,
+                                key,
+                                r.incarnation,
+                                r.agent_time_ns,
+                                k.counting_since_ns,
+                                k.admitted + k.rejected,
+                            );
+                        }
+                    }
+                }
+                ToAlloc::Ack(_) => {}
+            }
+            return;
+        }
+        let Some(alloc) = self.alloc.as_mut() else {
+            self.counters.lost += 1;
+            return;
+        };
+        let r = match &m {
+            ToAlloc::Hello(h) => alloc.handle_hello(now, h),
+            ToAlloc::Report(r) => alloc.handle_report(now, r),
+            ToAlloc::Ack(a) => alloc.handle_ack(now, a),
+        };
+        if let Err(e) = r {
+            let dbg = format!("{e:?}");
+            let name: String = dbg.chars().take_while(|c| c.is_alphanumeric()).collect();
+            *self.counters.allocator_refusals.entry(name).or_default() += 1;
+        }
+        self.after_input();
+    }
+
+    fn after_input(&mut self) {
+        let Some(alloc) = self.alloc.as_mut() else {
+            return;
+        };
+        let grants: Vec<Grant> = alloc.drain_grants().collect();
+        let extensions = alloc.drain_extensions();
+        let measures = alloc.drain_measure_requests();
+        let unknown = alloc.drain_unknown_handles();
+        self.send_grants(grants);
+        self.send_extensions(extensions);
+        self.send_measures(measures);
+        for u in unknown {
+            let (agent, bytes) = (Arc::clone(&u.agent), wire::unknown_keys_bytes(&u));
+            self.send_one(&agent, bytes, |i| Ev::ToAgentUnknown(i, Box::new(u)));
+        }
+        self.schedule_wake();
+    }
+
+    /// Sends drained grants as the allocator's shell does (`shell/driver.rs`,
+    /// `route`): batched per agent stream (agent and incarnation), at most
+    /// `max_keys_per_message` grants per message.
+    fn send_grants(&mut self, grants: Vec<Grant>) {
+        let mut batches: BTreeMap<(usize, u64), Vec<Grant>> = BTreeMap::new();
+        for g in grants {
+            let Some(i) = self.agent_index(&g.agent) else {
+                continue;
+            };
+            batches.entry((i, g.incarnation)).or_default().push(g);
+        }
+        let max = self.max_keys_per_message;
+        for ((i, _), mut rest) in batches {
+            loop {
+                let tail = rest.split_off(rest.len().min(max));
+                self.counters.to_agents += 1;
+                self.counters.grants += rest.len() as u64;
+                self.counters.to_agents_bytes += wire::grants_bytes(&rest);
+                if let Some(at) = self.link_delay(i) {
+                    self.push(at, Ev::ToAgent(i as u32, rest));
+                }
+                if tail.is_empty() {
+                    break;
+                }
+                rest = tail;
+            }
+        }
+    }
+
+    /// Sends drained measure requests, one message each, after the grants and
+    /// extensions (as the shell's `route`).
+    fn send_measures(&mut self, measures: Vec<MeasureRequest>) {
+        for m in measures {
+            let (agent, bytes) = (Arc::clone(&m.agent), wire::measure_request_bytes(&m));
+            if self.send_one(&agent, bytes, |i| Ev::ToAgentMeasure(i, Box::new(m))) {
+                self.counters.measure_requests += 1;
+            }
+        }
+    }
+
+    /// Sends drained lease extensions, one message each, after the grants (as the
+    /// shell's `route`).
+    fn send_extensions(&mut self, extensions: Vec<LeaseExtension>) {
+        for x in extensions {
+            let (agent, bytes) = (Arc::clone(&x.agent), wire::extension_bytes(&x));
+            if self.send_one(&agent, bytes, |i| Ev::ToAgentExt(i, Box::new(x))) {
+                self.counters.extensions += 1;
+            }
+        }
+    }
+
+    /// One message to agent `agent` (`bytes` encoded), counted, on its link: false if
+    /// no such agent.
+    fn send_one(&mut self, agent: &str, bytes: u64, ev: impl FnOnce(u32) -> Ev) -> bool {
+        let Some(i) = self.agent_index(agent) else {
+            return false;
+        };
+        self.counters.to_agents += 1;
+        self.counters.to_agents_bytes += bytes;
+        if let Some(at) = self.link_delay(i) {
+            self.push(at, ev(i as u32));
+        }
+        true
+    }
+
+    fn agent_index(&self, name: &str) -> Option<usize> {
+        // Agent names are `gw-<index>`.
+        let i: usize = name.strip_prefix("gw-")?.parse().ok()?;
+        (i < self.agent_names.len()).then_some(i)
+    }
+
+    /// Queues the allocator's next timer (if earlier than the one queued).
+    pub(super) fn schedule_wake(&mut self) {
+        let Some(alloc) = self.alloc.as_ref() else {
+            return;
+        };
+        let t = alloc.poll_timeout().max(self.now);
+        if t < self.alloc_wake && t <= self.end {
+            self.alloc_wake = t;
+            let term = self.term;
+            self.push(t, Ev::AllocWake(term));
+        }
+    }
+}
