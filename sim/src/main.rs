@@ -104,10 +104,10 @@ enum Cmd {
         /// overshoot.svg).
         #[arg(long)]
         plot: Option<PathBuf>,
-        /// Threads: 1 runs everything on one; 2 runs the allocator's side of the
-        /// simulation beside the agents'. The report is the same either way. Default:
-        /// 2 for fleets of at least 100,000 gateway-key pairs on a machine with two
-        /// cores or more, else 1.
+        /// Threads: 1 runs everything on one; 2 shares each round of the simulation
+        /// (the allocator, shards of the gateways) out between two. The report is the
+        /// same either way. Default: 2 for fleets of at least 100,000 gateway-key pairs
+        /// on a machine with two cores or more, else 1.
         #[arg(long, value_parser = clap::value_parser!(u64).range(1..=2))]
         threads: Option<u64>,
     },

@@ -1,9 +1,9 @@
 //! The discrete-event core: simulated links, agents that are real
 //! [`bursar_agent::Engine`]s driven the way the agent's sync client drives them, the
-//! real [`bursar_allocator::Allocator`], and the checker. Two sides, each with its
-//! event queue ordered by `(time, seq)`: the agents' (and the workload's) and the
-//! allocator's (`side.rs`), run in rounds no longer than the shortest link's latency,
-//! on one thread or two.
+//! real [`bursar_allocator::Allocator`], and the checker. Event queues ordered by
+//! `(time, seq)`: the workload's, the allocator's side's (`side.rs`) and one per shard
+//! of the gateways (`shard.rs`), run in rounds no longer than the shortest link's
+//! latency, on one thread or two.
 //!
 //! Nothing here reads a clock or an unseeded source of randomness: a scenario and a
 //! seed give the same [`Report`] bit for bit, on one thread or two.
@@ -30,7 +30,9 @@ use crate::rng::Rng;
 use crate::scenario::{FaultKind, NetworkSpec, Overrides, Scenario, WorkloadKind};
 use crate::wire;
 
+mod shard;
 mod side;
+use shard::{KeyInfo, Offer, SHARDS, Shard, Shared};
 use side::{AllocSide, Net};
 
 const MS: u64 = 1_000_000;
@@ -393,8 +395,12 @@ enum ToAlloc {
 }
 
 enum Ev {
+    /// The workload's next request on key `.0` is due.
     Arrival(u32),
+    /// The workload's rate on key `.0` may change.
     Rearm(u32),
+    /// A request reaches gateway `.0`: key, input, reserved output, actual output.
+    Request(u32, u32, u64, u64, u64),
     /// A message on the stream to the allocator of the given term.
     ToAlloc(u32, u64, Box<ToAlloc>),
     /// One grants message (one agent stream's batch).
@@ -427,6 +433,37 @@ enum Ev {
     HitSync(u32, u64),
     /// The Gubernator-like policy: a peer's hits (key, cost) reach agent `.0`.
     Hits(u32, Arc<[(u32, u64)]>),
+}
+
+/// The gateway an event happens at, or is sent to (sent by, for messages to the
+/// allocator); `None` for the workload's, the allocator's and global events.
+fn agent_of(ev: &Ev) -> Option<u32> {
+    match ev {
+        Ev::Request(i, ..)
+        | Ev::ToAlloc(i, ..)
+        | Ev::ToAgent(i, _)
+        | Ev::ToAgentExt(i, _)
+        | Ev::ToAgentMeasure(i, _)
+        | Ev::ToAgentUnknown(i, _)
+        | Ev::MeasureEnd(i, _)
+        | Ev::Report(i, _)
+        | Ev::NewKeyPoll(i, _)
+        | Ev::Maintain(i, _)
+        | Ev::Hello(i, _)
+        | Ev::AgentCrash(i)
+        | Ev::AgentRestart(i)
+        | Ev::StaticSlices(i, _)
+        | Ev::Complete(i, ..)
+        | Ev::HitSync(i, _)
+        | Ev::Hits(i, _) => Some(*i),
+        Ev::Arrival(_)
+        | Ev::Rearm(_)
+        | Ev::AllocWake(_)
+        | Ev::Sample
+        | Ev::AllocCrash
+        | Ev::AllocRestart
+        | Ev::NaiveTick => None,
+    }
 }
 
 /// Which keys a sync client's read takes from its engine ([`Sim::read_keys`]).
@@ -501,6 +538,54 @@ fn delay_ms(n: &NetworkSpec, rng: &mut Rng) -> f64 {
         }
 }
 
+/// One round's work for one thread: the allocator's side or a shard.
+enum Task {
+    Side(Box<AllocSide>),
+    Shard(Box<Shard>),
+}
+
+impl Task {
+    fn run(&mut self, shared: &Shared, limit: u64) {
+        match self {
+            Task::Side(s) => {
+                s.run_until(limit);
+            }
+            Task::Shard(s) => s.run_until(shared, limit),
+        }
+    }
+}
+
+/// A round's tasks, shared out between two threads: each takes the next task until
+/// none is left. Which thread runs which changes nothing in the run.
+#[derive(Default)]
+struct Pool {
+    todo: std::sync::Mutex<Vec<Task>>,
+    done: std::sync::Mutex<Vec<Task>>,
+}
+
+impl Pool {
+    /// This round's tasks, taken in their order.
+    fn set(&self, mut tasks: Vec<Task>) {
+        tasks.reverse();
+        *self.todo.lock().expect("no task panicked") = tasks;
+    }
+
+    /// Runs tasks until none is left.
+    fn work(&self, shared: &Shared, limit: u64) {
+        loop {
+            let Some(mut t) = self.todo.lock().expect("no task panicked").pop() else {
+                return;
+            };
+            t.run(shared, limit);
+            self.done.lock().expect("no task panicked").push(t);
+        }
+    }
+
+    fn take(&self) -> Vec<Task> {
+        std::mem::take(&mut *self.done.lock().expect("no task panicked"))
+    }
+}
+
 /// [`Sim::on_progress`]'s callback.
 type ProgressFn = Box<dyn FnMut(Progress)>;
 
@@ -540,25 +625,26 @@ pub struct Sim {
     config: Config,
     acfg: AllocatorConfig,
     policy: Policy,
-    agent_names: Vec<Arc<str>>,
-    key_names: Vec<Arc<KeyName>>,
     /// The allocator's term, as the agents' streams know it (the allocator's side
     /// keeps the same number).
     term: u64,
-    /// The allocator's side ([`side`]): here between rounds, on its thread during one.
+    /// The allocator's side (`side.rs`): here between rounds, on a thread during one.
     side: Option<Box<AllocSide>>,
-    /// Messages to the allocator sent this round: (delivery time, event).
-    to_alloc: Vec<(u64, Ev)>,
+    /// The agents' side in `SHARDS` shards (`shard.rs`): here between rounds. Boxed:
+    /// each moves to a task and back every round, a pointer's copy.
+    #[allow(clippy::vec_box)]
+    shards: Vec<Box<Shard>>,
+    /// What the shards read.
+    shared: Arc<Shared>,
+    /// The workload's events (when each key's next request is due), drawn ahead of the
+    /// round they fall in.
+    workload: Queue,
     /// Events that read or change both sides (samples, allocator crashes and restarts):
     /// each runs between rounds.
     globals: Queue,
-    /// Threads a run uses: 2 runs the allocator's side beside the agents'
-    /// ([`Sim::set_threads`]).
+    /// Threads a run uses ([`Sim::set_threads`]).
     threads: usize,
-    agents: Vec<Agent>,
     keys: Vec<KeyState>,
-    /// The agents' events (arrivals, deliveries to agents, their timers).
-    queue: Queue,
     now: u64,
     /// Traffic starts here (after the first term's learning lease).
     t0: u64,
@@ -566,8 +652,6 @@ pub struct Sim {
     next_engine_check: u64,
     end: u64,
     rng: Rng,
-    /// Draws of the links up to the allocator and between peers.
-    net_rng: Rng,
     zipf_cdf: Vec<f64>,
     overdraft_rate: u64,
     counters: Counters,
@@ -619,7 +703,7 @@ impl Sim {
         let t0 = (sc.allocator.lease_ms + sc.allocator.reclaim_margin_ms + 200) * MS;
         let end = t0 + (sc.duration_s * SEC as f64) as u64;
         let report_ns = sc.allocator.report_interval_ms * MS;
-        let agents = (0..sc.gateways)
+        let agents: Vec<Agent> = (0..sc.gateways)
             .map(|i| {
                 let mut r = rng.fork(1_000 + i as u64);
                 Agent {
@@ -724,10 +808,30 @@ impl Sim {
             agent_names.clone(),
             key_names.clone(),
         );
-        let mut sim = Sim {
+        let mut shards: Vec<Box<Shard>> = (0..SHARDS)
+            .map(|s| Box::new(Shard::new(s, rng.fork(2 + (s as u64) * (1 << 40)))))
+            .collect();
+        for (i, a) in agents.into_iter().enumerate() {
+            shards[i % SHARDS].agents.push(a);
+        }
+        let shared = Arc::new(Shared {
+            sc: sc.clone(),
+            acfg: acfg.clone(),
+            config: config.clone(),
             policy,
+            keys: keys
+                .iter()
+                .map(|k| KeyInfo {
+                    name: k.name.clone(),
+                    value: k.value.clone(),
+                })
+                .collect(),
             agent_names,
             key_names,
+            net: Arc::clone(&net),
+        });
+        let mut sim = Sim {
+            policy,
             overdraft_rate: sc.limit.rate_per_s * sc.allocator.overdraft_permille as u64 / 1000,
             net,
             sc: sc.clone(),
@@ -736,17 +840,16 @@ impl Sim {
             acfg,
             term: 1,
             side: Some(Box::new(side)),
-            to_alloc: Vec::new(),
+            shards,
+            shared,
+            workload: Queue::default(),
             globals: Queue::default(),
             threads: default_threads(sc),
-            agents,
             keys,
-            queue: Queue::default(),
             now: 0,
             t0,
             next_engine_check: 20,
             end,
-            net_rng: rng.fork(2),
             rng: rng.fork(3),
             zipf_cdf,
             counters: Counters::default(),
@@ -761,8 +864,8 @@ impl Sim {
         if policy == Policy::Doorman {
             sim.push(t0 - report_ns, Ev::NaiveTick);
         }
-        for i in 0..sim.agents.len() {
-            let a = &mut sim.agents[i];
+        for i in 0..sc.gateways {
+            let a = sim.agent_mut(i);
             let hello_at = a.rng.below(50 * MS);
             let phase = a.phase;
             if policy.fixed_slices() {
@@ -797,7 +900,7 @@ impl Sim {
                 FaultKind::AgentJoin => {
                     for &i in &f.agents {
                         // Not started yet: its first-incarnation events find no engine.
-                        sim.agents[i].engine = None;
+                        sim.agent_mut(i).engine = None;
                         sim.push(a, Ev::AgentRestart(i as u32));
                     }
                 }
@@ -810,11 +913,25 @@ impl Sim {
     /// it crosses over at the end of the round), or between rounds.
     fn push(&mut self, at: u64, ev: Ev) {
         match ev {
-            Ev::ToAlloc(..) => self.to_alloc.push((at, ev)),
+            Ev::ToAlloc(..) | Ev::AllocWake(_) | Ev::NaiveTick => {
+                self.side_mut().queue.push(at, ev)
+            }
             Ev::Sample | Ev::AllocCrash | Ev::AllocRestart => self.globals.push(at, ev),
-            Ev::AllocWake(_) | Ev::NaiveTick => self.side_mut().queue.push(at, ev),
-            ev => self.queue.push(at, ev),
+            Ev::Arrival(_) | Ev::Rearm(_) => self.workload.push(at, ev),
+            ev => {
+                let i = agent_of(&ev).expect("an agent's event") as usize;
+                self.shards[i % SHARDS].queue.push(at, ev)
+            }
         }
+    }
+
+    /// Gateway `i`, between rounds.
+    fn agent(&self, i: usize) -> &Agent {
+        &self.shards[i % SHARDS].agents[i / SHARDS]
+    }
+
+    fn agent_mut(&mut self, i: usize) -> &mut Agent {
+        &mut self.shards[i % SHARDS].agents[i / SHARDS]
     }
 
     /// The allocator's side, between rounds.
@@ -830,9 +947,11 @@ impl Sim {
             .expect("the allocator's side is here between rounds")
     }
 
-    /// Runs the allocator's side on a thread of its own beside the agents' (`2`), or
-    /// both on the calling thread (`1`, the default). The report is the same either
-    /// way; two threads finish a large fleet sooner (docs/simulation.md, "Speed").
+    /// Shares each round's work (the allocator's side, the gateways' shards) out
+    /// between two threads (`2`), or runs it all on the calling thread (`1`). The
+    /// report is the same either way; two threads finish a large fleet sooner
+    /// (docs/simulation.md, "Speed"). The default: two for fleets of at least 100,000
+    /// gateway-key pairs on a machine with two cores or more.
     pub fn set_threads(&mut self, threads: usize) {
         self.threads = threads.clamp(1, 2);
     }
@@ -855,7 +974,7 @@ impl Sim {
     /// Costs a walk of the first [`SERIES_AGENTS_MAX`] engines' keys every 50 ms.
     pub fn record_series(&mut self) {
         let bins = (self.end - self.t0).div_ceil(SERIES_BIN_NS) as usize;
-        let agents = self.agents.len().min(SERIES_AGENTS_MAX);
+        let agents = self.sc.gateways.min(SERIES_AGENTS_MAX);
         self.series = Some(Series {
             rate_per_s: self.sc.limit.rate_per_s as f64,
             limit_rate_per_s: (self.sc.limit.rate_per_s * self.keys.len() as u64) as f64,
@@ -875,10 +994,7 @@ impl Sim {
                     ..KeySeries::default()
                 })
                 .collect(),
-            agents: self.agents[..agents]
-                .iter()
-                .map(|a| a.name.clone())
-                .collect(),
+            agents: (0..agents).map(|i| self.agent(i).name.clone()).collect(),
         });
     }
 
@@ -905,27 +1021,33 @@ impl Sim {
         self.report()
     }
 
-    /// Runs the rounds ([`side`]): global events at their time, then both sides up to
-    /// the next round's limit, then the messages the round produced cross over.
+    /// Runs the rounds: global events at their time; then the workload's requests
+    /// up to the round's limit, drawn and sent to their gateways' shards; then the
+    /// shards and the allocator's side, each up to the limit (on one thread, or shared
+    /// out between two); then what the round sent crosses over and the checker takes
+    /// the round's requests in time order.
     fn run_loop(&mut self) {
         let lookahead = self.net.lookahead_ns().max(1);
         if self.threads < 2 {
             self.rounds(lookahead, None);
             return;
         }
-        let (to_worker, work) = std::sync::mpsc::channel::<(Box<AllocSide>, u64)>();
-        let (done, from_worker) = std::sync::mpsc::channel::<Box<AllocSide>>();
+        let pool = Pool::default();
+        let (start, started) = std::sync::mpsc::channel::<u64>();
+        let (finished, finish) = std::sync::mpsc::channel::<()>();
+        let shared = Arc::clone(&self.shared);
         std::thread::scope(|s| {
+            let pool = &pool;
             s.spawn(move || {
-                for (mut side, limit) in work {
-                    side.run_until(limit);
-                    if done.send(side).is_err() {
+                for limit in started {
+                    pool.work(&shared, limit);
+                    if finished.send(()).is_err() {
                         break;
                     }
                 }
             });
-            self.rounds(lookahead, Some((&to_worker, &from_worker)));
-            drop(to_worker);
+            self.rounds(lookahead, Some((pool, &start, &finish)));
+            drop(start);
         });
     }
 
@@ -934,65 +1056,71 @@ impl Sim {
         &mut self,
         lookahead: u64,
         worker: Option<(
-            &std::sync::mpsc::Sender<(Box<AllocSide>, u64)>,
-            &std::sync::mpsc::Receiver<Box<AllocSide>>,
+            &Pool,
+            &std::sync::mpsc::Sender<u64>,
+            &std::sync::mpsc::Receiver<()>,
         )>,
     ) {
         let mut next_progress = self.progress.as_ref().map_or(u64::MAX, |(every, _)| *every);
+        let mut offers: Vec<Offer> = Vec::new();
         loop {
-            // What the last round sent crosses over, in the order it was sent.
-            let mut side = self.side.take().expect("the allocator's side is here");
-            for (at, ev) in self.to_alloc.drain(..) {
-                side.queue.push(at, ev);
-            }
-            for (at, ev) in side.out.drain(..) {
-                self.queue.push(at, ev);
-            }
+            self.cross_over(&mut offers);
             let global = self.globals.peek_time().unwrap_or(u64::MAX);
             let t = self
-                .queue
-                .peek_time()
+                .shards
+                .iter()
+                .filter_map(|s| s.queue.peek_time())
+                .chain(self.side().queue.peek_time())
+                .chain(self.workload.peek_time())
+                .min()
                 .unwrap_or(u64::MAX)
-                .min(side.queue.peek_time().unwrap_or(u64::MAX))
                 .min(global);
             if t > self.end {
-                self.side = Some(side);
                 break;
             }
             if global == t {
-                // Both sides are here: a global event sees (and may change) both.
-                self.side = Some(side);
+                // Every side is here: a global event sees (and may change) them all.
                 let (_, ev) = self.globals.pop().expect("peeked");
                 self.now = t;
-                self.side_mut().now = self.side().now.max(t);
+                let side = self.side_mut();
+                side.now = side.now.max(t);
                 self.counters.events += 1;
                 self.step_global(ev);
                 continue;
             }
             // Nothing either side does before `t + lookahead` reaches the other before
-            // then: both run up to there (and to the next global event) at once.
+            // then: all run up to there (and to the next global event) at once.
             let limit = t
                 .saturating_add(lookahead)
                 .min(global)
                 .min(self.end.saturating_add(1));
-            match worker {
-                Some((to, from)) => {
-                    to.send((side, limit))
-                        .expect("the allocator's side thread is running");
-                    self.run_until(limit);
-                    self.side = Some(from.recv().expect("the allocator's side came back"));
+            self.draw_workload(limit);
+            let mut tasks: Vec<Task> = Vec::with_capacity(SHARDS + 1);
+            tasks.push(Task::Side(self.side.take().expect("here between rounds")));
+            tasks.extend(self.shards.drain(..).map(Task::Shard));
+            let tasks = match worker {
+                Some((pool, start, finish)) => {
+                    pool.set(tasks);
+                    start.send(limit).expect("the worker thread is running");
+                    pool.work(&self.shared, limit);
+                    finish.recv().expect("the worker thread finished its part");
+                    pool.take()
                 }
                 None => {
-                    side.run_until(limit);
-                    self.side = Some(side);
-                    self.run_until(limit);
+                    for t in tasks.iter_mut() {
+                        t.run(&self.shared, limit);
+                    }
+                    tasks
                 }
-            }
-            let events = self.counters.events + self.side().counters.events;
+            };
+            self.put_back(tasks);
+            let events = self.counters.events
+                + self.side().counters.events
+                + self.shards.iter().map(|s| s.counters.events).sum::<u64>();
             while events >= next_progress {
                 if let Some((every, f)) = &mut self.progress {
                     f(Progress {
-                        virtual_s: self.now.saturating_sub(self.t0) as f64 / SEC as f64,
+                        virtual_s: limit.min(self.end).saturating_sub(self.t0) as f64 / SEC as f64,
                         duration_s: (self.end - self.t0) as f64 / SEC as f64,
                         events: next_progress,
                     });
@@ -1005,14 +1133,67 @@ impl Sim {
         self.sample();
     }
 
-    /// Handles the agents' side's events before `limit`, in order.
-    fn run_until(&mut self, limit: u64) {
-        while self.queue.peek_time().is_some_and(|t| t < limit) {
-            let (at, ev) = self.queue.pop().expect("peeked");
-            debug_assert!(at >= self.now, "time went backwards");
+    /// Draws the workload's requests before `limit` and sends each to its gateway's
+    /// shard.
+    fn draw_workload(&mut self, limit: u64) {
+        while self.workload.peek_time().is_some_and(|t| t < limit) {
+            let (at, ev) = self.workload.pop().expect("peeked");
             self.now = at;
             self.counters.events += 1;
-            self.step(ev);
+            match ev {
+                Ev::Rearm(k) => self.schedule_arrival(k),
+                Ev::Arrival(k) => {
+                    self.arrival(k);
+                    self.schedule_arrival(k);
+                }
+                _ => unreachable!("only the workload's events are in its queue"),
+            }
+        }
+    }
+
+    /// The side and the shards come back from a round, in their places.
+    fn put_back(&mut self, tasks: Vec<Task>) {
+        let mut shards: Vec<Box<Shard>> = Vec::with_capacity(SHARDS);
+        for t in tasks {
+            match t {
+                Task::Side(s) => self.side = Some(s),
+                Task::Shard(s) => shards.push(s),
+            }
+        }
+        shards.sort_by_key(|s| s.index);
+        self.shards = shards;
+    }
+
+    /// What the last round sent crosses over, in a fixed order (shard by shard, each
+    /// in the order sent); the checker takes the round's requests in time order.
+    fn cross_over(&mut self, offers: &mut Vec<Offer>) {
+        let mut side = self.side.take().expect("here between rounds");
+        for (at, ev) in side.out.drain(..) {
+            let i = agent_of(&ev).expect("sent to an agent") as usize;
+            self.shards[i % SHARDS].queue.push(at, ev);
+        }
+        let mut peers = Vec::new();
+        let mut violations = Vec::new();
+        for shard in self.shards.iter_mut() {
+            for (at, ev) in shard.to_alloc.drain(..) {
+                side.queue.push(at, ev);
+            }
+            peers.append(&mut shard.to_peers);
+            offers.append(&mut shard.offers);
+            violations.append(&mut shard.violations);
+        }
+        self.side = Some(side);
+        for (at, ev) in peers {
+            let i = agent_of(&ev).expect("sent to an agent") as usize;
+            self.shards[i % SHARDS].queue.push(at, ev);
+        }
+        // Stable: one gateway's requests at one instant keep their order.
+        offers.sort_by_key(|o| (o.at, o.agent));
+        for o in offers.drain(..) {
+            self.offer(&o);
+        }
+        for msg in violations {
+            self.violation(msg);
         }
     }
 
@@ -1043,11 +1224,15 @@ impl Sim {
                     }
                 }
                 self.side_mut().schedule_wake();
+                for shard in self.shards.iter_mut() {
+                    shard.term = term;
+                }
                 // Every agent's stream broke: each reconnects after a short backoff.
-                for i in 0..self.agents.len() {
-                    let a = &mut self.agents[i];
+                for i in 0..self.sc.gateways {
+                    let now = self.now;
+                    let a = self.agent_mut(i);
                     if a.engine.is_some() {
-                        let at = self.now + a.rng.below(RECONNECT_MAX_NS);
+                        let at = now + a.rng.below(RECONNECT_MAX_NS);
                         let inc = a.incarnation;
                         self.push(at, Ev::Hello(i as u32, inc));
                     }
@@ -1055,124 +1240,6 @@ impl Sim {
             }
             _ => unreachable!("an event of one side between rounds"),
         }
-    }
-
-    fn step(&mut self, ev: Ev) {
-        match ev {
-            Ev::Rearm(k) => self.schedule_arrival(k),
-            Ev::Arrival(k) => {
-                self.arrival(k);
-                self.schedule_arrival(k);
-            }
-            Ev::ToAgent(i, g) => self.deliver_to_agent(i, g),
-            Ev::ToAgentExt(i, x) => self.deliver_extension(i, &x),
-            Ev::ToAgentMeasure(i, m) => self.deliver_measure(i, *m),
-            Ev::ToAgentUnknown(i, u) => self.deliver_unknown(i, &u),
-            Ev::MeasureEnd(i, inc) => {
-                if self.live(i, inc) {
-                    // An earlier end that a later request moved finds nothing ended.
-                    let now = self.now;
-                    let sync = &mut self.agents[i as usize].sync;
-                    if let Some(handles) = sync.take_ended_measurement(now) {
-                        self.send_measure_reports(i, &handles, Measure::End);
-                    }
-                }
-            }
-            Ev::Report(i, inc) => {
-                if self.live(i, inc) {
-                    self.send_reports(i, false);
-                    let every = self.sc.allocator.report_interval_ms * MS;
-                    self.push(self.now + every, Ev::Report(i, inc));
-                }
-            }
-            Ev::NewKeyPoll(i, inc) => {
-                if self.live(i, inc) {
-                    self.agents[i as usize].poll_pending = false;
-                    self.send_reports(i, true);
-                }
-            }
-            Ev::Maintain(i, inc) => {
-                if self.live(i, inc) {
-                    let a = &self.agents[i as usize];
-                    if let Some(e) = &a.engine {
-                        e.maintain(a.clock(self.now));
-                    }
-                    self.push(self.now + MAINTAIN_NS, Ev::Maintain(i, inc));
-                }
-            }
-            Ev::Hello(i, inc) => {
-                if self.live(i, inc) {
-                    self.send_hello(i);
-                }
-            }
-            Ev::Complete(i, inc, k, n, input, output) => {
-                if self.live(i, inc) {
-                    let a = &mut self.agents[i as usize];
-                    if self.policy == Policy::Gubernator {
-                        *a.hits.entry(k).or_default() += input + output;
-                    }
-                    a.id_buf.clear();
-                    let _ = write!(a.id_buf, "r{n}");
-                    let usage = Usage {
-                        input_tokens: input,
-                        output_tokens: output,
-                        ..Usage::default()
-                    };
-                    let at = a.clock(self.now);
-                    if let Some(e) = &a.engine
-                        && e.complete(at, &a.id_buf, usage, CompletionStatus::Ok)
-                            .is_err()
-                    {
-                        self.counters.completions_refused += 1;
-                    }
-                }
-            }
-            Ev::StaticSlices(i, inc) => {
-                if self.live(i, inc) {
-                    self.static_slices(i);
-                }
-            }
-            Ev::HitSync(i, inc) => {
-                if self.live(i, inc) {
-                    self.sync_hits(i);
-                    let every = self.sc.allocator.report_interval_ms * MS;
-                    self.push(self.now + every, Ev::HitSync(i, inc));
-                }
-            }
-            Ev::Hits(i, hits) => self.deliver_hits(i, &hits),
-            Ev::AgentCrash(i) => {
-                let a = &mut self.agents[i as usize];
-                a.engine = None;
-                a.sync = tracks(0, &self.acfg);
-                a.hits.clear();
-                a.poll_pending = false;
-            }
-            Ev::AgentRestart(i) => {
-                let a = &mut self.agents[i as usize];
-                a.incarnation += 1;
-                a.engine = Some(Engine::new(self.config.clone(), Arc::new(DiscardSink)));
-                a.sync = tracks(a.clock(self.now), &self.acfg);
-                let inc = a.incarnation;
-                let phase = a.phase;
-                let report_ns = self.sc.allocator.report_interval_ms * MS;
-                if self.policy.fixed_slices() {
-                    self.push(self.now, Ev::StaticSlices(i, inc));
-                    if self.policy == Policy::Gubernator {
-                        self.push(self.now + phase % report_ns + 1, Ev::HitSync(i, inc));
-                    }
-                } else {
-                    self.push(self.now, Ev::Hello(i, inc));
-                    self.push(self.now + phase % report_ns + 1, Ev::Report(i, inc));
-                }
-                self.push(self.now + phase % MAINTAIN_NS, Ev::Maintain(i, inc));
-            }
-            _ => unreachable!("an allocator's or a global event on the agents' side"),
-        }
-    }
-
-    fn live(&self, i: u32, inc: u64) -> bool {
-        let a = &self.agents[i as usize];
-        a.incarnation == inc && a.engine.is_some()
     }
 
     // ---- workload ----
@@ -1271,11 +1338,14 @@ impl Sim {
         }
     }
 
+    /// A request arrives on key `k`: the workload picks its gateway and draws its
+    /// costs, and sends it to the gateway's shard (at this instant: the round it falls
+    /// in has not run yet).
     fn arrival(&mut self, k: u32) {
         let i = self.pick_agent(k);
         let w = &self.sc.workload;
         // (input, reserved output, actual output); the cost is input + actual output.
-        let (input, reserved, output) = if w.llm {
+        let costs = if w.llm {
             let median = ((w.cost_min * w.cost_max) as f64).sqrt();
             let x = median * (w.input_sigma * self.rng.normal()).exp();
             let input = (x as u64).clamp(w.cost_min, w.cost_max);
@@ -1289,16 +1359,15 @@ impl Sim {
                 0,
             )
         };
-        let cost = input + output;
-        let llm = w.llm;
-        let complete_after = (output as f64 * w.ms_per_output_token * MS as f64) as u64;
-        let now = self.now;
-        let a = &mut self.agents[i];
-        let Some(engine) = &a.engine else {
-            return; // a dead gateway gets no traffic (its clients went elsewhere)
-        };
-        self.counters.requests += 1;
-        let key = &mut self.keys[k as usize];
+        let (input, reserved, output) = costs;
+        self.push(self.now, Ev::Request(i as u32, k, input, reserved, output));
+    }
+
+    /// The checker's account of one request, in time order over every shard: what was
+    /// offered, what one ideal bucket would have admitted, what the fleet admitted.
+    fn offer(&mut self, o: &Offer) {
+        let (now, cost) = (o.at, o.cost);
+        let key = &mut self.keys[o.key as usize];
         key.offered += cost;
         key.first_offer.get_or_insert(now);
         let bin = ((now - self.t0) / BIN_NS) as usize;
@@ -1325,485 +1394,24 @@ impl Sim {
                 *b += cost;
             }
         }
-        a.next_request += 1;
-        a.id_buf.clear();
-        let _ = write!(a.id_buf, "r{}", a.next_request);
-        let at = a.clock(now);
-        let req = AdmitRequest {
-            request_id: &a.id_buf,
-            domain: None,
-            descriptors: &[("org", &key.value)],
-            cost: Cost {
-                requests: 1,
-                input_tokens: input,
-                max_output_tokens: Some(reserved),
-            },
-            ttl_ms: None,
-        };
-        match engine.admit(at, &req) {
-            Ok(Decision::Admitted(_)) => {
-                key.admitted += cost;
-                if late {
-                    key.late_admitted += cost;
-                }
-                if let Some(s) = self.series.as_mut()
-                    && let Some(b) = s.admitted.get_mut(sbin)
-                {
-                    *b += cost;
-                }
-                key.first_admit.get_or_insert(now);
-                key.verifier.debit(now, cost);
-                if let Some((fleet, _)) = key.bins.as_mut()
-                    && let Some(b) = fleet.get_mut(bin)
-                {
-                    *b += cost;
-                }
-                if llm {
-                    let (inc, n) = (a.incarnation, a.next_request);
-                    self.push(
-                        now + complete_after,
-                        Ev::Complete(i as u32, inc, k, n, input, output),
-                    );
-                    return;
-                }
-                if self.policy == Policy::Gubernator {
-                    *a.hits.entry(k).or_default() += cost;
-                }
-                let usage = Usage {
-                    input_tokens: cost,
-                    ..Usage::default()
-                };
-                if let Err(e) = engine.complete(at, &a.id_buf, usage, CompletionStatus::Ok) {
-                    let msg = format!("complete refused on {}: {e}", a.name);
-                    self.violation(msg);
-                }
-            }
-            Ok(Decision::Rejected(_)) => {
-                // A key the agent has not reported yet is reported at its next poll.
-                if !self.policy.fixed_slices() && !a.sync.contains(&k) && !a.poll_pending {
-                    a.poll_pending = true;
-                    let poll = self.sc.allocator.new_key_poll_ms * MS;
-                    let at = now + poll - (now + a.phase) % poll;
-                    let inc = a.incarnation;
-                    self.push(at, Ev::NewKeyPoll(i as u32, inc));
-                }
-            }
-            Err(e) => {
-                let msg = format!("admit refused on {}: {e}", a.name);
-                self.violation(msg);
-            }
-        }
-    }
-
-    // ---- network ----
-
-    /// Is the link between `agent` and the allocator cut at `t`?
-    fn cut(&self, agent: usize, t: u64) -> bool {
-        self.net.cut(agent, t)
-    }
-
-    fn peer_cut(&self, agent: usize, t: u64) -> bool {
-        self.net.peer_cut(agent, t)
-    }
-
-    /// Delivery time on agent `agent`'s link up to the allocator, or `None` if the
-    /// message is lost (the allocator's side draws the links down).
-    fn link_delay(&mut self, agent: usize) -> Option<u64> {
-        let n = &self.net.links[agent];
-        if self.net.cut(agent, self.now) || self.net_rng.chance(n.loss) {
-            self.counters.lost += 1;
-            return None;
-        }
-        let mut at = self.now + (delay_ms(n, &mut self.net_rng) * MS as f64) as u64;
-        if !n.reorder {
-            let free = &mut self.agents[agent].up_free_at;
-            at = at.max(*free);
-            *free = at;
-        }
-        Some(at)
-    }
-
-    fn send_to_alloc(&mut self, i: u32, m: ToAlloc) {
-        self.counters.to_allocator += 1;
-        self.counters.to_allocator_bytes += match &m {
-            ToAlloc::Hello(h) => wire::hello_bytes(h),
-            ToAlloc::Report(r) => wire::report_bytes(r),
-            ToAlloc::Ack(a) => wire::ack_bytes(a),
-        };
-        if let Some(at) = self.link_delay(i as usize) {
-            let term = self.term;
-            self.push(at, Ev::ToAlloc(i, term, Box::new(m)));
-        }
-    }
-
-    /// An unknown-handle notice reaches agent `i` (as `sync.rs`): those keys are named
-    /// by name again, counting from when they were last named.
-    fn deliver_unknown(&mut self, i: u32, u: &UnknownHandles) {
-        if self.reaches(i as usize, u.incarnation) {
-            self.agents[i as usize].sync.forget_handles(&u.key_handles);
-        }
-    }
-
-    /// Whether a message to agent `iu`'s incarnation `incarnation` arrives now: its
-    /// link is not cut, it is running, and it is that incarnation (the shells send only
-    /// on the stream of the incarnation a message names). Counted as lost if not.
-    fn reaches(&mut self, iu: usize, incarnation: u64) -> bool {
-        let a = &self.agents[iu];
-        let ok = !self.cut(iu, self.now) && a.engine.is_some() && a.incarnation == incarnation;
-        if !ok {
-            self.counters.lost += 1;
-        }
-        ok
-    }
-
-    /// A measure request reaches agent `i` (as `sync.rs`): the keys' start report at
-    /// once, their end when the window closes.
-    fn deliver_measure(&mut self, i: u32, m: MeasureRequest) {
-        let iu = i as usize;
-        if !self.reaches(iu, m.incarnation) {
+        if !o.admitted {
             return;
         }
-        let max = self.acfg.max_keys_per_message.max(1);
-        let mut handles = m.key_handles;
-        handles.truncate(max);
-        self.send_measure_reports(i, &handles, Measure::Start);
-        let a = &mut self.agents[iu];
-        if let Some(at) = a
-            .sync
-            .open_measurement(&handles, self.now, m.window_ms, max)
+        key.admitted += cost;
+        if late {
+            key.late_admitted += cost;
+        }
+        if let Some(s) = self.series.as_mut()
+            && let Some(b) = s.admitted.get_mut(sbin)
         {
-            let inc = a.incarnation;
-            self.push(at, Ev::MeasureEnd(i, inc));
+            *b += cost;
         }
-    }
-
-    /// The reports of a requested measurement for `handles`' keys (those the agent's
-    /// stream knows), marked `measure`.
-    fn send_measure_reports(&mut self, i: u32, handles: &[u64], measure: Measure) {
-        let mut keys = Vec::new();
-        let names = &self.keys;
-        self.agents[i as usize]
-            .sync
-            .measure_report(handles, |l| keys.push(key_report(l, names)));
-        if !keys.is_empty() {
-            self.send_report_lines(i, keys, measure);
-        }
-    }
-
-    /// Report lines in messages of at most `max_keys_per_message` lines (one, empty,
-    /// for none), as the sync client sends them.
-    fn send_report_lines(&mut self, i: u32, keys: Vec<KeyReport>, measure: Measure) {
-        let iu = i as usize;
-        let max = self.acfg.max_keys_per_message.max(1);
-        let (name, incarnation) = (self.agents[iu].name.clone(), self.agents[iu].incarnation);
-        let mut rest = keys;
-        loop {
-            let tail = rest.split_off(rest.len().min(max));
-            let ts = self.stamp(iu);
-            let r = AllocReport {
-                agent: name.clone(),
-                incarnation,
-                agent_time_ns: ts,
-                keys: rest,
-                measure,
-            };
-            self.send_to_alloc(i, ToAlloc::Report(r));
-            if tail.is_empty() {
-                break;
-            }
-            rest = tail;
-        }
-    }
-
-    /// The static policy: `(R/N, B/N)` per key, starting full, leased for ever. The
-    /// Gubernator-like policy: the whole `(R, B)` per key, likewise.
-    fn static_slices(&mut self, i: u32) {
-        let n = self.sc.gateways as u64;
-        let a = &self.agents[i as usize];
-        let Some(engine) = &a.engine else {
-            return;
-        };
-        let at = a.clock(self.now);
-        let (rate, burst) = if self.policy == Policy::Gubernator {
-            (self.sc.limit.rate_per_s, self.sc.limit.burst)
-        } else {
-            (
-                self.sc.limit.rate_per_s / n,
-                (self.sc.limit.burst / n).max(1),
-            )
-        };
-        let updates: Vec<_> = self
-            .key_names
-            .iter()
-            .map(|k| {
-                Grant {
-                    agent: self.agent_names[i as usize].clone(),
-                    incarnation: a.incarnation,
-                    key: k.clone(),
-                    rate,
-                    burst,
-                    epoch: 1,
-                    seq: 1,
-                    lease_expires_at_ns: at + 1_000_000 * SEC,
-                    fleet_size: n as u32,
-                    transfer_tokens: burst,
-                    key_handle: 0,
-                }
-                .to_slice_update()
-            })
-            .collect();
-        let refused = engine
-            .apply_slices(at, &updates)
-            .iter()
-            .filter(|r| r.is_err())
-            .count();
-        self.counters.grants_refused += refused as u64;
-    }
-
-    /// The Gubernator-like policy: agent `i` sends the hits it admitted since its last
-    /// sync, one batch to every other live agent. A partition cuts the named agents off
-    /// from every peer (there is no allocator to lose); loss and latency are drawn per
-    /// message as on the allocator links. Hits commute, so links need not be FIFO.
-    fn sync_hits(&mut self, i: u32) {
-        let a = &mut self.agents[i as usize];
-        if a.hits.is_empty() {
-            return;
-        }
-        let hits: Arc<[(u32, u64)]> = std::mem::take(&mut a.hits).into_iter().collect();
-        let bytes = wire::hits_bytes(hits.iter().map(|&(k, h)| (&self.keys[k as usize].name, h)));
-        for j in 0..self.agents.len() {
-            if j == i as usize || self.agents[j].engine.is_none() {
-                continue;
-            }
-            self.counters.peer += 1;
-            self.counters.peer_bytes += bytes;
-            // A peer link is as slow and as lossy as the worse of its two ends.
-            let (a, b) = (&self.net.links[i as usize], &self.net.links[j]);
-            let n = NetworkSpec {
-                latency_ms: a.latency_ms.max(b.latency_ms),
-                jitter_ms: a.jitter_ms.max(b.jitter_ms),
-                loss: a.loss.max(b.loss),
-                // Peer batches are not held in order (each is its own message).
-                reorder: true,
-            };
-            if self.peer_cut(i as usize, self.now)
-                || self.peer_cut(j, self.now)
-                || self.net_rng.chance(n.loss)
-            {
-                self.counters.lost += 1;
-                continue;
-            }
-            let at = self.now + (delay_ms(&n, &mut self.net_rng) * MS as f64) as u64;
-            self.push(at, Ev::Hits(j as u32, hits.clone()));
-        }
-    }
-
-    /// A peer's hits reach agent `i`: its own bucket for each key is debited by them
-    /// with `Engine::charge` (past zero if need be: the debt is kept, later requests
-    /// wait).
-    fn deliver_hits(&mut self, i: u32, hits: &[(u32, u64)]) {
-        let iu = i as usize;
-        if self.peer_cut(iu, self.now) || self.agents[iu].engine.is_none() {
-            self.counters.lost += 1;
-            return;
-        }
-        let a = &self.agents[iu];
-        let at = a.clock(self.now);
-        let Some(engine) = &a.engine else {
-            return;
-        };
-        let mut refused = Vec::new();
-        for &(k, h) in hits {
-            let req = AdmitRequest {
-                request_id: "peer-hits",
-                domain: None,
-                descriptors: &[("org", &self.keys[k as usize].value)],
-                cost: Cost {
-                    requests: 0,
-                    input_tokens: h,
-                    max_output_tokens: Some(0),
-                },
-                ttl_ms: None,
-            };
-            match engine.charge(at, &req) {
-                Ok(1) => {}
-                Ok(n) => refused.push(format!("{} charged {n} buckets for {h} hits", a.name)),
-                Err(e) => refused.push(format!("{} refused {h} peer hits: {e}", a.name)),
-            }
-        }
-        for msg in refused {
-            self.violation(msg);
-        }
-    }
-
-    // ---- agent side, as crates/gateway-agent/src/shell/sync.rs does it ----
-
-    /// Reads agent `i`'s engine into its sync tracks, as the sync client does: every
-    /// key (`refresh`, at a hello), the keys changed since the last walk
-    /// (`refresh_changed`, the report tick), or the keys created since the last read
-    /// (`refresh_new`, the new-key poll); the last two read everything when the engine
-    /// cannot say.
-    fn read_keys(&mut self, i: usize, read: Read) {
-        let nkeys = self.keys.len();
-        let a = &mut self.agents[i];
-        let Some(engine) = &a.engine else {
-            return;
-        };
-        let now = a.clock(self.now);
-        let (buf, key_of) = (&mut self.demand_buf, |d: &KeyDemand| engine_key(d, nkeys));
-        match read {
-            Read::All => a.sync.refresh(engine, now, buf, key_of),
-            Read::Changed => a.sync.refresh_changed(engine, now, buf, key_of),
-            Read::New => a.sync.refresh_new(engine, now, buf, key_of),
-        }
-    }
-
-    fn stamp(&mut self, i: usize) -> u64 {
-        let a = &mut self.agents[i];
-        let t = (a.clock(self.now)).max(a.last_ts + 1);
-        a.last_ts = t;
-        t
-    }
-
-    fn send_hello(&mut self, i: u32) {
-        let iu = i as usize;
-        self.read_keys(iu, Read::All);
-        let a = &mut self.agents[iu];
-        // A new stream starts with a full report and knows no handle of the last one.
-        a.sync.new_stream();
-        let held = a
-            .sync
-            .held()
-            .map(|(&k, g)| HeldSlice {
-                key: self.keys[k as usize].name.clone(),
-                grant: held_grant(g),
-            })
-            .collect();
-        let hello = Hello {
-            agent: a.name.clone(),
-            incarnation: a.incarnation,
-            agent_time_ns: 0,
-            weight: 1,
-            report_interval_ms: self.sc.allocator.report_interval_ms,
-            held,
-        };
-        let ts = self.stamp(iu);
-        self.send_to_alloc(
-            i,
-            ToAlloc::Hello(Hello {
-                agent_time_ns: ts,
-                ..hello
-            }),
-        );
-    }
-
-    fn send_reports(&mut self, i: u32, only_new: bool) {
-        let iu = i as usize;
-        if only_new {
-            self.read_keys(iu, Read::New);
-        } else {
-            self.read_keys(iu, Read::Changed);
-        }
-        let a = &mut self.agents[iu];
-        let full = !only_new
-            && a.sync
-                .next_report_is_full(self.sc.allocator.full_report_every as u64);
-        let mut keys = Vec::new();
-        let names = &self.keys;
-        a.sync
-            .report(full, only_new, |l| keys.push(key_report(l, names)));
-        // Concurrency shrinks whose in-flight work drained, acknowledged with the
-        // report (as the client's report tick).
-        let drained = a.sync.drained_acks();
-        if !drained.is_empty() {
-            let ack = Ack {
-                agent: a.name.clone(),
-                incarnation: a.incarnation,
-                slices: drained
-                    .into_iter()
-                    .map(|x| {
-                        let k = x.key as usize;
-                        slice_ack(x, || self.keys[k].name.clone())
-                    })
-                    .collect(),
-            };
-            self.send_to_alloc(i, ToAlloc::Ack(ack));
-        }
-        if keys.is_empty() && only_new {
-            return;
-        }
-        self.send_report_lines(i, keys, Measure::None);
-    }
-
-    /// One grants message reaches agent `i`: applied with one `apply_slices` call and
-    /// acknowledged in one ack, as the agent's sync client does (`apply`).
-    fn deliver_to_agent(&mut self, i: u32, grants: Vec<Grant>) {
-        let iu = i as usize;
-        // A batch is one stream's: its first grant names the incarnation.
-        let incarnation = grants
-            .first()
-            .map_or(self.agents[iu].incarnation, |g| g.incarnation);
-        if !self.reaches(iu, incarnation) {
-            return;
-        }
-        let nkeys = self.keys.len();
-        let a = &mut self.agents[iu];
-        let Some(engine) = &a.engine else {
-            return;
-        };
-        let at = a.clock(self.now);
-        let updates: Vec<_> = grants.iter().map(Grant::to_slice_update).collect();
-        let keys: Vec<u32> = grants
-            .iter()
-            .map(|g| {
-                g.key
-                    .values
-                    .first()
-                    .and_then(|v| key_of(v, nkeys))
-                    .unwrap_or(u32::MAX)
-            })
-            .collect();
-        let handles: Vec<u64> = grants.iter().map(|g| g.key_handle).collect();
-        // The sync client's own `apply` (folding replaced slots into the tracks,
-        // holding back a concurrency shrink's ack until its work drains).
-        let outcomes = a.sync.apply(engine, at, updates, keys, &handles);
-        let mut slices = Vec::with_capacity(grants.len());
-        for (g, outcome) in grants.iter().zip(outcomes) {
-            match outcome {
-                Applied::Ack(x) => slices.push(slice_ack(x, || (*g.key).clone())),
-                Applied::Draining | Applied::Held => {}
-                Applied::Refused(_) => self.counters.grants_refused += 1,
-            }
-        }
-        if slices.is_empty() {
-            return;
-        }
-        let ack = Ack {
-            agent: a.name.clone(),
-            incarnation: a.incarnation,
-            slices,
-        };
-        self.send_to_alloc(i, ToAlloc::Ack(ack));
-    }
-
-    /// A lease extension reaches agent `i` (as `sync.rs`: `Engine::extend_slices`; no
-    /// answer).
-    fn deliver_extension(&mut self, i: u32, x: &LeaseExtension) {
-        let iu = i as usize;
-        if !self.reaches(iu, x.incarnation) {
-            return;
-        }
-        let a = &self.agents[iu];
-        let Some(engine) = &a.engine else {
-            return;
-        };
-        let ext = SliceExtension {
-            epoch: x.epoch,
-            through_seq: x.through_seq,
-            lease_expires_at_ns: x.lease_expires_at_ns,
-        };
-        if engine.extend_slices(a.clock(self.now), ext).is_err() {
-            self.counters.grants_refused += 1;
+        key.first_admit.get_or_insert(now);
+        key.verifier.debit(now, cost);
+        if let Some((fleet, _)) = key.bins.as_mut()
+            && let Some(b) = fleet.get_mut(bin)
+        {
+            *b += cost;
         }
     }
 
@@ -1853,16 +1461,14 @@ impl Sim {
         // beyond: a check walks (and maps) every key of every engine, 7 % of a
         // fleet-scale run at 4,000 keys per engine.
         if self.samples >= self.next_engine_check {
-            let keys: usize = self
-                .agents
-                .iter()
-                .filter_map(|a| a.engine.as_ref())
+            let keys: usize = (0..self.sc.gateways)
+                .filter_map(|i| self.agent(i).engine.as_ref())
                 .map(|e| e.key_count())
                 .sum();
             self.next_engine_check =
                 self.samples + 20 * (keys / CHECK_ENTRIES_PER_SAMPLE).max(1) as u64;
-            for i in 0..self.agents.len() {
-                let a = &self.agents[i];
+            for i in 0..self.sc.gateways {
+                let a = self.agent(i);
                 if let Some(e) = &a.engine
                     && let Err(err) = e.check_invariants(a.clock(self.now))
                 {
@@ -1884,7 +1490,8 @@ impl Sim {
             ks.overshoot.push(key.verifier.deficit_tokens());
             ks.bound.push(key.allowance);
         }
-        for (i, a) in self.agents.iter().take(s.agents.len()).enumerate() {
+        for i in 0..s.agents.len() {
+            let a = &self.shards[i % SHARDS].agents[i / SHARDS];
             self.demand_buf.clear();
             if let Some(e) = &a.engine {
                 e.key_demand(&mut self.demand_buf);
@@ -1914,9 +1521,12 @@ impl Sim {
     }
 
     fn report(&mut self) -> Report {
-        // The allocator's side counted its own events, messages down and losses.
+        // The allocator's side and the shards counted their own events and messages.
         if let Some(side) = self.side.as_mut() {
             self.counters.absorb(std::mem::take(&mut side.counters));
+        }
+        for shard in self.shards.iter_mut() {
+            self.counters.absorb(std::mem::take(&mut shard.counters));
         }
         let b = self.sc.limit.burst as f64;
         let mut outcomes: Vec<KeyOutcome> = Vec::new();
@@ -2079,7 +1689,7 @@ fn engine_key(d: &KeyDemand, n: usize) -> Option<u32> {
 
 /// A report line as the sync client sends it: by the handle a grant carried, else by
 /// name.
-fn key_report(l: Line<'_, u32>, names: &[KeyState]) -> KeyReport {
+fn key_report(l: Line<'_, u32>, names: &[KeyInfo]) -> KeyReport {
     KeyReport {
         key: if l.key_handle != 0 {
             KeyName::default()
@@ -2525,10 +2135,11 @@ mod tests {
         let mut sc = small("partition-drift");
         sc.gateways = 3;
         let sim = Sim::new(&sc, 2, "bursar").unwrap();
-        let rates: Vec<f64> = sim.agents.iter().map(|a| a.drift_ppm).collect();
+        let agents: Vec<&Agent> = (0..sc.gateways).map(|i| sim.agent(i)).collect();
+        let rates: Vec<f64> = agents.iter().map(|a| a.drift_ppm).collect();
         assert!(rates.iter().all(|d| d.abs() <= 50_000.0));
         assert!(rates.iter().any(|d| *d != 0.0));
-        for a in &sim.agents {
+        for a in agents {
             let (t1, t2) = (10 * SEC, 20 * SEC);
             let dt = (a.clock(t2) - a.clock(t1)) as f64;
             assert!((dt / (10 * SEC) as f64 - (1.0 + a.drift_ppm / 1e6)).abs() < 1e-6);

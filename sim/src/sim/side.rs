@@ -4,10 +4,11 @@
 //!
 //! Neither side can affect the other sooner than the shortest link's latency (every
 //! message between them crosses a link), so the run proceeds in rounds of that length
-//! (`Sim::run_loop`): each side handles its own events of the round, the two at once on
-//! two threads when the run asks for them, and the messages a round produced cross over
-//! at its end. The rounds, and what crosses when, depend on the scenario and seed only:
-//! a run replays bit for bit on one thread or two.
+//! (`Sim::run_loop`): the allocator's side and each shard of the agents' side
+//! (`shard.rs`) handle their own events of the round, shared out between two threads
+//! when the run asks for them, and the messages a round produced cross over at its end.
+//! The rounds, and what crosses when, depend on the scenario and seed only: a run
+//! replays bit for bit on one thread or two.
 
 use super::*;
 
