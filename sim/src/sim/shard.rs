@@ -61,6 +61,9 @@ pub(super) struct Shard {
     pub(super) offers: Vec<Offer>,
     /// Violations this round, in order.
     pub(super) violations: Vec<String>,
+    /// A sample at this time asked for the engines' invariants to be checked: done
+    /// first in the next round, on the state the sample saw.
+    pub(super) check_at: Option<u64>,
     demand_buf: Vec<KeyDemand>,
 }
 
@@ -78,6 +81,7 @@ impl Shard {
             to_peers: Vec::new(),
             offers: Vec::new(),
             violations: Vec::new(),
+            check_at: None,
             demand_buf: Vec::new(),
         }
     }
@@ -99,6 +103,16 @@ impl Shard {
 
     /// Handles this shard's events before `limit`, in order.
     pub(super) fn run_until(&mut self, sh: &Shared, limit: u64) {
+        if let Some(at) = self.check_at.take() {
+            for a in &self.agents {
+                if let Some(e) = &a.engine
+                    && let Err(err) = e.check_invariants(a.clock(at))
+                {
+                    let msg = format!("{} invariant at {} ms: {err}", a.name, at / MS);
+                    self.violations.push(msg);
+                }
+            }
+        }
         let mut n = 0;
         while self.queue.peek_time().is_some_and(|t| t < limit) {
             let (at, ev) = self.queue.pop().expect("peeked");

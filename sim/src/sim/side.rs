@@ -67,6 +67,11 @@ pub(super) struct AllocSide {
     pub(super) counters: Counters,
     /// Messages to agents sent this round, in the order sent: (delivery time, event).
     pub(super) out: Vec<(u64, Ev)>,
+    /// A sample at this time asked for the allocator's invariants to be checked: done
+    /// first in the next round, on the state the sample saw.
+    pub(super) check_at: Option<u64>,
+    /// What those checks found.
+    pub(super) violations: Vec<String>,
     net: Arc<Net>,
     policy: Policy,
     max_keys_per_message: usize,
@@ -102,6 +107,8 @@ impl AllocSide {
             down_free_at: vec![0; agent_names.len()],
             counters: Counters::default(),
             out: Vec::new(),
+            check_at: None,
+            violations: Vec::new(),
             net,
             policy,
             max_keys_per_message: acfg.max_keys_per_message.max(1),
@@ -123,6 +130,13 @@ impl AllocSide {
 
     /// Handles this side's events before `limit`, in order; returns how many.
     pub(super) fn run_until(&mut self, limit: u64) -> u64 {
+        if let Some(at) = self.check_at.take()
+            && let Some(a) = &self.alloc
+            && let Err(e) = a.check_invariants()
+        {
+            let msg = format!("allocator invariant at {} ms: {e}", at / MS);
+            self.violations.push(msg);
+        }
         let mut n = 0;
         while self.queue.peek_time().is_some_and(|t| t < limit) {
             let (at, ev) = self.queue.pop().expect("peeked");
