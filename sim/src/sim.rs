@@ -32,8 +32,10 @@ use crate::wire;
 
 mod shard;
 mod side;
+mod workload;
 use shard::{KeyInfo, Offer, SHARDS, Shard, Shared};
 use side::{AllocSide, Net};
+use workload::Workload;
 
 const MS: u64 = 1_000_000;
 const SEC: u64 = 1_000 * MS;
@@ -542,6 +544,8 @@ fn delay_ms(n: &NetworkSpec, rng: &mut Rng) -> f64 {
 enum Task {
     Side(Box<AllocSide>),
     Shard(Box<Shard>),
+    /// Draws the next round's requests (up to its `horizon`).
+    Workload(Box<Workload>),
 }
 
 impl Task {
@@ -551,6 +555,10 @@ impl Task {
                 s.run_until(limit);
             }
             Task::Shard(s) => s.run_until(shared, limit),
+            Task::Workload(w) => {
+                let horizon = w.horizon;
+                w.draw_until(shared, horizon);
+            }
         }
     }
 }
@@ -636,9 +644,8 @@ pub struct Sim {
     shards: Vec<Box<Shard>>,
     /// What the shards read.
     shared: Arc<Shared>,
-    /// The workload's events (when each key's next request is due), drawn ahead of the
-    /// round they fall in.
-    workload: Queue,
+    /// The workload (`workload.rs`): here between rounds, a task during one.
+    workload: Option<Box<Workload>>,
     /// Events that read or change both sides (samples, allocator crashes and restarts):
     /// each runs between rounds.
     globals: Queue,
@@ -651,8 +658,6 @@ pub struct Sim {
     /// Sample number of the next check of the engines' invariants.
     next_engine_check: u64,
     end: u64,
-    rng: Rng,
-    zipf_cdf: Vec<f64>,
     overdraft_rate: u64,
     counters: Counters,
     violations: u64,
@@ -842,7 +847,7 @@ impl Sim {
             side: Some(Box::new(side)),
             shards,
             shared,
-            workload: Queue::default(),
+            workload: Some(Box::new(Workload::new(rng.fork(3), zipf_cdf, t0, end))),
             globals: Queue::default(),
             threads: default_threads(sc),
             keys,
@@ -850,8 +855,6 @@ impl Sim {
             t0,
             next_engine_check: 20,
             end,
-            rng: rng.fork(3),
-            zipf_cdf,
             counters: Counters::default(),
             violations: 0,
             violation_messages: Vec::new(),
@@ -917,12 +920,19 @@ impl Sim {
                 self.side_mut().queue.push(at, ev)
             }
             Ev::Sample | Ev::AllocCrash | Ev::AllocRestart => self.globals.push(at, ev),
-            Ev::Arrival(_) | Ev::Rearm(_) => self.workload.push(at, ev),
+            Ev::Arrival(_) | Ev::Rearm(_) => self.workload_mut().queue.push(at, ev),
             ev => {
                 let i = agent_of(&ev).expect("an agent's event") as usize;
                 self.shards[i % SHARDS].queue.push(at, ev)
             }
         }
+    }
+
+    /// The workload, between rounds.
+    fn workload_mut(&mut self) -> &mut Workload {
+        self.workload
+            .as_mut()
+            .expect("the workload is here between rounds")
     }
 
     /// Gateway `i`, between rounds.
@@ -1071,7 +1081,7 @@ impl Sim {
                 .iter()
                 .filter_map(|s| s.queue.peek_time())
                 .chain(self.side().queue.peek_time())
-                .chain(self.workload.peek_time())
+                .chain(self.workload.as_ref().and_then(|w| w.queue.peek_time()))
                 .min()
                 .unwrap_or(u64::MAX)
                 .min(global);
@@ -1094,10 +1104,18 @@ impl Sim {
                 .saturating_add(lookahead)
                 .min(global)
                 .min(self.end.saturating_add(1));
-            self.draw_workload(limit);
-            let mut tasks: Vec<Task> = Vec::with_capacity(SHARDS + 1);
+            // Requests due in this round that were not drawn ahead (the first round,
+            // after a gap) are drawn now; the next round's are drawn during this one.
+            let mut wl = self.workload.take().expect("here between rounds");
+            if wl.queue.peek_time().is_some_and(|w| w < limit) {
+                wl.draw_until(&self.shared, limit);
+                self.requests_to_shards(&mut wl);
+            }
+            wl.horizon = limit.saturating_add(lookahead);
+            let mut tasks: Vec<Task> = Vec::with_capacity(SHARDS + 2);
             tasks.push(Task::Side(self.side.take().expect("here between rounds")));
             tasks.extend(self.shards.drain(..).map(Task::Shard));
+            tasks.push(Task::Workload(wl));
             let tasks = match worker {
                 Some((pool, start, finish)) => {
                     pool.set(tasks);
@@ -1115,6 +1133,7 @@ impl Sim {
             };
             self.put_back(tasks);
             let events = self.counters.events
+                + self.workload.as_ref().map_or(0, |w| w.events)
                 + self.side().counters.events
                 + self.shards.iter().map(|s| s.counters.events).sum::<u64>();
             while events >= next_progress {
@@ -1134,21 +1153,11 @@ impl Sim {
         self.finish_checks();
     }
 
-    /// Draws the workload's requests before `limit` and sends each to its gateway's
-    /// shard.
-    fn draw_workload(&mut self, limit: u64) {
-        while self.workload.peek_time().is_some_and(|t| t < limit) {
-            let (at, ev) = self.workload.pop().expect("peeked");
-            self.now = at;
-            self.counters.events += 1;
-            match ev {
-                Ev::Rearm(k) => self.schedule_arrival(k),
-                Ev::Arrival(k) => {
-                    self.arrival(k);
-                    self.schedule_arrival(k);
-                }
-                _ => unreachable!("only the workload's events are in its queue"),
-            }
+    /// Sends the requests the workload drew to their gateways' shards, in order.
+    fn requests_to_shards(&mut self, wl: &mut Workload) {
+        for (at, ev) in wl.out.drain(..) {
+            let i = agent_of(&ev).expect("a request names its gateway") as usize;
+            self.shards[i % SHARDS].queue.push(at, ev);
         }
     }
 
@@ -1159,6 +1168,7 @@ impl Sim {
             match t {
                 Task::Side(s) => self.side = Some(s),
                 Task::Shard(s) => shards.push(s),
+                Task::Workload(w) => self.workload = Some(w),
             }
         }
         shards.sort_by_key(|s| s.index);
@@ -1174,6 +1184,9 @@ impl Sim {
             let i = agent_of(&ev).expect("sent to an agent") as usize;
             self.shards[i % SHARDS].queue.push(at, ev);
         }
+        let mut wl = self.workload.take().expect("here between rounds");
+        self.requests_to_shards(&mut wl);
+        self.workload = Some(wl);
         let mut peers = Vec::new();
         for shard in self.shards.iter_mut() {
             for (at, ev) in shard.to_alloc.drain(..) {
@@ -1241,127 +1254,6 @@ impl Sim {
             }
             _ => unreachable!("an event of one side between rounds"),
         }
-    }
-
-    // ---- workload ----
-
-    /// Offered tokens per second on key `k` at `t`, and the next time that may change.
-    fn offered_rate(&self, k: u32, t: u64) -> (f64, u64) {
-        let w = &self.sc.workload;
-        let r = self.sc.limit.rate_per_s as f64;
-        let rel = t.saturating_sub(self.t0);
-        match w.kind {
-            WorkloadKind::Uniform | WorkloadKind::Zipf | WorkloadKind::Shift => {
-                (w.load * r, u64::MAX)
-            }
-            WorkloadKind::Whale => {
-                let at = (w.whale_at_s * SEC as f64) as u64;
-                if k != 0 {
-                    (w.load * r, u64::MAX)
-                } else if rel < at {
-                    (w.load * r, self.t0 + at)
-                } else {
-                    (w.whale_load * r, u64::MAX)
-                }
-            }
-            WorkloadKind::Diurnal => {
-                // Piecewise constant in 50 ms steps (Poisson within each step).
-                let step = 50 * MS;
-                let start = t - t % step;
-                let x = start.saturating_sub(self.t0) as f64 / SEC as f64;
-                let phase = std::f64::consts::TAU * x / w.diurnal_period_s;
-                let f = 1.0 + w.diurnal_amplitude * phase.sin();
-                (w.load * r * f, start + step)
-            }
-            WorkloadKind::Cold => {
-                let at = (k as f64 * w.cold_stagger_ms * MS as f64) as u64;
-                if rel < at {
-                    (0.0, self.t0 + at)
-                } else {
-                    (w.load * r, u64::MAX)
-                }
-            }
-        }
-    }
-
-    fn schedule_arrival(&mut self, k: u32) {
-        let (rate, change) = self.offered_rate(k, self.now);
-        let w = &self.sc.workload;
-        let mean_cost = if w.llm {
-            // Lognormal mean (ignoring the clamp) plus the mean actual output.
-            let median = ((w.cost_min * w.cost_max) as f64).sqrt();
-            median * (w.input_sigma * w.input_sigma / 2.0).exp() + 0.55 * w.output_max_tokens as f64
-        } else {
-            (w.cost_min + w.cost_max) as f64 / 2.0
-        };
-        let per_s = rate / mean_cost;
-        let next = if per_s > 0.0 {
-            let dt = self.rng.exp(SEC as f64 / per_s);
-            self.now + (dt as u64).max(1)
-        } else {
-            u64::MAX
-        };
-        if next >= change {
-            if change <= self.end {
-                self.push(change, Ev::Rearm(k));
-            }
-        } else if next <= self.end {
-            self.push(next, Ev::Arrival(k));
-        }
-    }
-
-    fn pick_agent(&mut self, k: u32) -> usize {
-        let g = self.sc.gateways;
-        match self.sc.workload.kind {
-            WorkloadKind::Uniform
-            | WorkloadKind::Whale
-            | WorkloadKind::Cold
-            | WorkloadKind::Diurnal => self.rng.below(g as u64) as usize,
-            WorkloadKind::Zipf => {
-                let u = self.rng.unit();
-                let rank = self.zipf_cdf.partition_point(|&c| c <= u).min(g - 1);
-                (rank + k as usize * 7) % g
-            }
-            WorkloadKind::Shift => {
-                let every = (self.sc.workload.shift_every_s * SEC as f64) as u64;
-                let phase = (self.now - self.t0) / every.max(1);
-                let half = g / 2;
-                // Below 1, a request goes to the quiet half with the rest of the share
-                // (no draw at 1: the default replays as it did).
-                let share = self.sc.workload.shift_share;
-                let busy = share >= 1.0 || self.rng.unit() < share;
-                if phase.is_multiple_of(2) == busy {
-                    self.rng.below(half as u64) as usize
-                } else {
-                    half + self.rng.below((g - half) as u64) as usize
-                }
-            }
-        }
-    }
-
-    /// A request arrives on key `k`: the workload picks its gateway and draws its
-    /// costs, and sends it to the gateway's shard (at this instant: the round it falls
-    /// in has not run yet).
-    fn arrival(&mut self, k: u32) {
-        let i = self.pick_agent(k);
-        let w = &self.sc.workload;
-        // (input, reserved output, actual output); the cost is input + actual output.
-        let costs = if w.llm {
-            let median = ((w.cost_min * w.cost_max) as f64).sqrt();
-            let x = median * (w.input_sigma * self.rng.normal()).exp();
-            let input = (x as u64).clamp(w.cost_min, w.cost_max);
-            let reserved = w.output_max_tokens;
-            let output = reserved * (10 + self.rng.below(91)) / 100;
-            (input, reserved, output)
-        } else {
-            (
-                w.cost_min + self.rng.below(w.cost_max - w.cost_min + 1),
-                0,
-                0,
-            )
-        };
-        let (input, reserved, output) = costs;
-        self.push(self.now, Ev::Request(i as u32, k, input, reserved, output));
     }
 
     /// The checker's account of one request, in time order over every shard: what was
@@ -1534,6 +1426,9 @@ impl Sim {
         }
         for shard in self.shards.iter_mut() {
             self.counters.absorb(std::mem::take(&mut shard.counters));
+        }
+        if let Some(w) = self.workload.as_mut() {
+            self.counters.events += std::mem::take(&mut w.events);
         }
         let b = self.sc.limit.burst as f64;
         let mut outcomes: Vec<KeyOutcome> = Vec::new();
