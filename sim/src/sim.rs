@@ -563,25 +563,50 @@ impl Task {
     }
 }
 
-/// A round's tasks, shared out between two threads: each takes the next task until
-/// none is left. Which thread runs which changes nothing in the run.
+/// A round's tasks, shared out between two threads. Each task has a home thread
+/// (the calling thread: the allocator's side, the workload and the first
+/// [`HOME_SHARDS`] shards; the other thread: the other shards), so that what a task
+/// allocates is mostly freed by the thread that allocated it (glibc's malloc locks the
+/// arena of a chunk freed from another thread's) and stays in that core's caches; a
+/// thread with nothing left at home takes the other's last task. Which thread runs
+/// which changes nothing in the run.
 #[derive(Default)]
 struct Pool {
-    todo: std::sync::Mutex<Vec<Task>>,
+    todo: [std::sync::Mutex<Vec<Task>>; 2],
     done: std::sync::Mutex<Vec<Task>>,
 }
 
+/// Shards whose home is the calling thread (with the allocator's side and the
+/// workload: together about half a round's work at fleet scale).
+const HOME_SHARDS: usize = 2;
+
 impl Pool {
-    /// This round's tasks, taken in their order.
-    fn set(&self, mut tasks: Vec<Task>) {
-        tasks.reverse();
-        *self.todo.lock().expect("no task panicked") = tasks;
+    /// This round's tasks, to their home threads.
+    fn set(&self, tasks: Vec<Task>) {
+        let (mut home, mut away) = (Vec::new(), Vec::new());
+        for t in tasks {
+            match &t {
+                Task::Shard(s) if s.index >= HOME_SHARDS => away.push(t),
+                _ => home.push(t),
+            }
+        }
+        // Taken from the end: each thread's first task first.
+        home.reverse();
+        away.reverse();
+        *self.todo[0].lock().expect("no task panicked") = home;
+        *self.todo[1].lock().expect("no task panicked") = away;
     }
 
-    /// Runs tasks until none is left.
-    fn work(&self, shared: &Shared, limit: u64) {
+    /// Runs thread `me`'s tasks, then the other's, until none is left.
+    fn work(&self, me: usize, shared: &Shared, limit: u64) {
         loop {
-            let Some(mut t) = self.todo.lock().expect("no task panicked").pop() else {
+            let next = self.todo[me].lock().expect("no task panicked").pop();
+            let next = next.or_else(|| {
+                let mut other = self.todo[1 - me].lock().expect("no task panicked");
+                // The other thread's last task: it takes its own from the end.
+                (!other.is_empty()).then(|| other.remove(0))
+            });
+            let Some(mut t) = next else {
                 return;
             };
             t.run(shared, limit);
@@ -1050,7 +1075,7 @@ impl Sim {
             let pool = &pool;
             s.spawn(move || {
                 for limit in started {
-                    pool.work(&shared, limit);
+                    pool.work(1, &shared, limit);
                     if finished.send(()).is_err() {
                         break;
                     }
@@ -1120,7 +1145,7 @@ impl Sim {
                 Some((pool, start, finish)) => {
                     pool.set(tasks);
                     start.send(limit).expect("the worker thread is running");
-                    pool.work(&self.shared, limit);
+                    pool.work(0, &self.shared, limit);
                     finish.recv().expect("the worker thread finished its part");
                     pool.take()
                 }
