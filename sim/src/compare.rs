@@ -6,7 +6,7 @@ use serde::Serialize;
 
 use crate::policy::POLICIES;
 use crate::scenario::Scenario;
-use crate::sim::{Report, Sim, SimError};
+use crate::sim::{Job, Report, SimError, run_jobs};
 
 /// One policy's outcome over the seeds.
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -56,11 +56,16 @@ pub fn span(values: impl Iterator<Item = f64>) -> (f64, f64) {
 /// Runs `sc` under every policy for every seed.
 pub fn compare(sc: &Scenario, seeds: &[u64]) -> Result<Comparison, SimError> {
     let mut policies = Vec::with_capacity(POLICIES.len());
+    // Every run at once, one per core; each policy's reports in seed order.
+    let jobs: Vec<Job<'_>> = POLICIES
+        .iter()
+        .flat_map(|(name, _)| seeds.iter().map(move |&seed| (sc, seed, *name)))
+        .collect();
+    let mut all: Vec<Report> = Vec::with_capacity(jobs.len());
+    run_jobs(&jobs, |_, r| all.push(r))?;
+    let mut all = all.into_iter();
     for (name, _) in POLICIES {
-        let mut reports: Vec<Report> = Vec::with_capacity(seeds.len());
-        for &seed in seeds {
-            reports.push(Sim::new(sc, seed, name)?.run());
-        }
+        let reports: Vec<Report> = all.by_ref().take(seeds.len()).collect();
         let su = || reports.iter().map(|r| &r.summary);
         let n = reports.len().max(1) as f64;
         let whole = span(su().map(|s| s.utilization_vs_ideal));

@@ -1684,6 +1684,67 @@ pub fn run(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
     Ok(Sim::new(sc, seed, "bursar")?.run())
 }
 
+/// One run of [`run_jobs`]: a scenario, a seed and a policy.
+pub type Job<'a> = (&'a Scenario, u64, &'a str);
+
+/// Runs independent `jobs` side by side, one per core (each run on one thread), and
+/// hands `done` each job's index and report in job order, as soon as it and every
+/// earlier one have finished. The reports are the runs' own: which thread ran which
+/// changes nothing. Stops at the first job that cannot start (in job order) and
+/// returns its error.
+pub fn run_jobs(jobs: &[Job<'_>], mut done: impl FnMut(usize, Report)) -> Result<(), SimError> {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(jobs.len());
+    let run_one = |(sc, seed, policy): Job<'_>, threads: usize| {
+        Sim::new(sc, seed, policy).map(|mut sim| {
+            if threads > 1 {
+                sim.set_threads(1);
+            }
+            sim.run()
+        })
+    };
+    if threads <= 1 {
+        for (i, job) in jobs.iter().enumerate() {
+            done(i, run_one(*job, 1)?);
+        }
+        return Ok(());
+    }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let failed = std::sync::atomic::AtomicBool::new(false);
+    let (tx, rx) = std::sync::mpsc::channel::<(usize, Result<Report, SimError>)>();
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            let (tx, next, failed) = (tx.clone(), &next, &failed);
+            s.spawn(move || {
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if i >= jobs.len() || failed.load(std::sync::atomic::Ordering::Relaxed) {
+                        return;
+                    }
+                    let r = run_one(jobs[i], threads);
+                    failed.fetch_or(r.is_err(), std::sync::atomic::Ordering::Relaxed);
+                    if tx.send((i, r)).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+        drop(tx);
+        // Reports in job order: each waits here until those before it are out.
+        let mut waiting = BTreeMap::new();
+        let mut want = 0;
+        for (i, r) in rx {
+            waiting.insert(i, r);
+            while let Some(r) = waiting.remove(&want) {
+                done(want, r?);
+                want += 1;
+            }
+        }
+        Ok(())
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1743,6 +1804,30 @@ mod tests {
             );
             assert_eq!(reports[0], reports[1], "{} under {policy}", sc.name);
         }
+    }
+
+    #[test]
+    fn jobs_run_side_by_side_come_back_in_order_as_run_alone() {
+        let (a, b) = (small("steady"), small("shift"));
+        let jobs: Vec<Job<'_>> = vec![(&a, 1, "bursar"), (&b, 2, "doorman"), (&a, 3, "bursar")];
+        let mut got = Vec::new();
+        run_jobs(&jobs, |i, r| got.push((i, r))).unwrap();
+        let alone: Vec<(usize, Report)> = jobs
+            .iter()
+            .enumerate()
+            .map(|(i, &(sc, seed, policy))| (i, Sim::new(sc, seed, policy).unwrap().run()))
+            .collect();
+        assert_eq!(got, alone);
+        // A job that cannot start is an error, and nothing after it is handed back.
+        let bad: Vec<Job<'_>> = vec![
+            (&a, 1, "bursar"),
+            (&a, 2, "no-such-policy"),
+            (&b, 3, "bursar"),
+        ];
+        let mut seen = Vec::new();
+        let err = run_jobs(&bad, |i, _| seen.push(i)).unwrap_err();
+        assert!(matches!(err, SimError::Policy(_)), "{err:?}");
+        assert_eq!(seen, vec![0]);
     }
 
     #[test]

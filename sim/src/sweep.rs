@@ -12,7 +12,7 @@ use serde::Serialize;
 
 use crate::compare::span;
 use crate::scenario::{Overrides, Scenario, ScenarioError};
-use crate::sim::{Report, Sim, SimError, replay_command};
+use crate::sim::{Job, Report, Sim, SimError, replay_command, run_jobs};
 
 /// What to vary. Empty lists keep the scenario's value.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -234,15 +234,22 @@ pub fn sweep(
         built.push(sc);
     }
     let mut out = Vec::with_capacity(points.len());
-    for (p, sc) in points.iter().zip(&built) {
-        let mut reports: Vec<Report> = Vec::with_capacity(seeds.len());
-        for &seed in seeds {
-            let sim = Sim::new(sc, seed, policy).map_err(|source| SweepError::Sim {
-                flags: p.flags(),
-                source,
-            })?;
-            reports.push(sim.run());
+    // Every run at once, one per core; a point is summed up (and shown) as soon as its
+    // seeds and every earlier point's are done.
+    let jobs: Vec<Job<'_>> = built
+        .iter()
+        .flat_map(|sc| seeds.iter().map(move |&seed| (sc, seed, policy)))
+        .collect();
+    let mut reports: Vec<Report> = Vec::with_capacity(seeds.len());
+    let mut point = 0;
+    run_jobs(&jobs, |_, r| {
+        reports.push(r);
+        if reports.len() < seeds.len() {
+            return;
         }
+        let reports = std::mem::take(&mut reports);
+        let (p, sc) = (&points[point], &built[point]);
+        point += 1;
         let failing = |r: &Report| {
             r.summary.violations > 0
                 || r.summary.overshoot_max_fraction_of_burst
@@ -290,7 +297,12 @@ pub fn sweep(
         };
         progress(&o);
         out.push(o);
-    }
+    })
+    .map_err(|source| SweepError::Sim {
+        // The first point not summed up is the one whose run could not start.
+        flags: points[point.min(points.len() - 1)].flags(),
+        source,
+    })?;
     let sc0 = &built[0];
     Ok(SweepReport {
         scenario: scenario.name.clone(),
