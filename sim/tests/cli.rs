@@ -41,6 +41,39 @@ fn list_names_every_built_in() {
 }
 
 #[test]
+fn threads_are_one_or_two_and_either_gives_the_same_report() {
+    for bad in ["0", "3", "two"] {
+        let (code, _, err) = sim(&["run", "steady", "--threads", bad]);
+        assert_eq!(code, 2, "{bad}: {err}");
+        assert!(err.contains("--threads"), "{err}");
+    }
+    let dir = scratch("threads");
+    let reports: Vec<serde_json::Value> = ["1", "2"]
+        .iter()
+        .map(|t| {
+            let path = dir.path().join(format!("t{t}.json"));
+            let args = [
+                "run",
+                "lossy",
+                "--duration-s",
+                "3",
+                "--threads",
+                t,
+                "--json",
+            ];
+            let (code, _, err) = sim(&[&args[..], &[path.to_str().unwrap()]].concat());
+            assert_eq!(code, 0, "{err}");
+            let mut v: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+            v.as_object_mut().unwrap().remove("speed"); // wall time: the one thing that differs
+            v
+        })
+        .collect();
+    assert_eq!(reports[0], reports[1]);
+    assert!(reports[0]["counters"]["events"].as_u64().unwrap() > 0);
+}
+
+#[test]
 fn a_missing_file_and_an_unknown_field_are_clear_errors() {
     let (code, _, err) = sim(&["run", "/nonexistent/x.toml"]);
     assert_eq!(code, 2);
