@@ -517,6 +517,15 @@ impl Queue {
         self.heap.peek().map(|Reverse((at, _))| *at)
     }
 
+    /// The earliest event and its time, if it is due before `limit` (a round's end).
+    fn pop_before(&mut self, limit: u64) -> Option<(u64, Ev)> {
+        if self.peek_time()? < limit {
+            self.pop()
+        } else {
+            None
+        }
+    }
+
     /// The earliest event and its time.
     fn pop(&mut self) -> Option<(u64, Ev)> {
         let Reverse((at, key)) = self.heap.pop()?;
@@ -551,9 +560,7 @@ enum Task {
 impl Task {
     fn run(&mut self, shared: &Shared, limit: u64) {
         match self {
-            Task::Side(s) => {
-                s.run_until(limit);
-            }
+            Task::Side(s) => s.run_until(limit),
             Task::Shard(s) => s.run_until(shared, limit),
             Task::Workload(w) => {
                 let horizon = w.horizon;
@@ -650,24 +657,14 @@ fn default_threads(sc: &Scenario) -> usize {
 
 /// One simulation: build it with [`Sim::new`], run it with [`Sim::run`].
 pub struct Sim {
-    sc: Scenario,
-    /// Each gateway's link to the allocator (`[network]` with its `[[link]]`s) and the
-    /// partitions.
-    net: Arc<Net>,
     seed: u64,
-    config: Config,
-    acfg: AllocatorConfig,
-    policy: Policy,
-    /// The allocator's term, as the agents' streams know it (the allocator's side
-    /// keeps the same number).
-    term: u64,
     /// The allocator's side (`side.rs`): here between rounds, on a thread during one.
     side: Option<Box<AllocSide>>,
     /// The agents' side in `SHARDS` shards (`shard.rs`): here between rounds. Boxed:
     /// each moves to a task and back every round, a pointer's copy.
     #[allow(clippy::vec_box)]
     shards: Vec<Box<Shard>>,
-    /// What the shards read.
+    /// The scenario, the rules, the network: what every part of the run reads.
     shared: Arc<Shared>,
     /// The workload (`workload.rs`): here between rounds, a task during one.
     workload: Option<Box<Workload>>,
@@ -846,8 +843,8 @@ impl Sim {
         }
         let shared = Arc::new(Shared {
             sc: sc.clone(),
-            acfg: acfg.clone(),
-            config: config.clone(),
+            acfg,
+            config,
             policy,
             keys: keys
                 .iter()
@@ -858,17 +855,11 @@ impl Sim {
                 .collect(),
             agent_names,
             key_names,
-            net: Arc::clone(&net),
+            net,
         });
         let mut sim = Sim {
-            policy,
             overdraft_rate: sc.limit.rate_per_s * sc.allocator.overdraft_permille as u64 / 1000,
-            net,
-            sc: sc.clone(),
             seed,
-            config,
-            acfg,
-            term: 1,
             side: Some(Box::new(side)),
             shards,
             shared,
@@ -1009,10 +1000,10 @@ impl Sim {
     /// Costs a walk of the first [`SERIES_AGENTS_MAX`] engines' keys every 50 ms.
     pub fn record_series(&mut self) {
         let bins = (self.end - self.t0).div_ceil(SERIES_BIN_NS) as usize;
-        let agents = self.sc.gateways.min(SERIES_AGENTS_MAX);
+        let agents = self.shared.sc.gateways.min(SERIES_AGENTS_MAX);
         self.series = Some(Series {
-            rate_per_s: self.sc.limit.rate_per_s as f64,
-            limit_rate_per_s: (self.sc.limit.rate_per_s * self.keys.len() as u64) as f64,
+            rate_per_s: self.shared.sc.limit.rate_per_s as f64,
+            limit_rate_per_s: (self.shared.sc.limit.rate_per_s * self.keys.len() as u64) as f64,
             bin_s: SERIES_BIN_NS as f64 / SEC as f64,
             offered: vec![0; bins],
             admitted: vec![0; bins],
@@ -1024,7 +1015,7 @@ impl Sim {
                 .take(SERIES_KEYS_MAX)
                 .map(|k| KeySeries {
                     name: k.name.to_string(),
-                    burst: self.sc.limit.burst,
+                    burst: self.shared.sc.limit.burst,
                     slices: vec![Vec::new(); agents],
                     ..KeySeries::default()
                 })
@@ -1062,7 +1053,7 @@ impl Sim {
     /// out between two); then what the round sent crosses over and the checker takes
     /// the round's requests in time order.
     fn run_loop(&mut self) {
-        let lookahead = self.net.lookahead_ns().max(1);
+        let lookahead = self.shared.net.lookahead_ns().max(1);
         if self.threads < 2 {
             self.rounds(lookahead, None);
             return;
@@ -1132,10 +1123,8 @@ impl Sim {
             // Requests due in this round that were not drawn ahead (the first round,
             // after a gap) are drawn now; the next round's are drawn during this one.
             let mut wl = self.workload.take().expect("here between rounds");
-            if wl.queue.peek_time().is_some_and(|w| w < limit) {
-                wl.draw_until(&self.shared, limit);
-                self.requests_to_shards(&mut wl);
-            }
+            wl.draw_until(&self.shared, limit);
+            self.requests_to_shards(&mut wl);
             wl.horizon = limit.saturating_add(lookahead);
             let mut tasks: Vec<Task> = Vec::with_capacity(SHARDS + 2);
             tasks.push(Task::Side(self.side.take().expect("here between rounds")));
@@ -1243,21 +1232,21 @@ impl Sim {
                 self.sample();
                 self.push(self.now + SAMPLE_NS, Ev::Sample);
             }
-            Ev::AllocCrash | Ev::AllocRestart if self.policy.fixed_slices() => {}
+            Ev::AllocCrash | Ev::AllocRestart if self.shared.policy.fixed_slices() => {}
             Ev::AllocCrash => self.side_mut().crash(),
             Ev::AllocRestart => {
-                self.term += 1;
-                let (term, now) = (self.term, self.now);
+                let now = self.now;
                 let side = self.side.as_mut().expect("between rounds");
-                side.term = term;
-                if self.policy == Policy::Doorman {
+                side.term += 1;
+                let term = side.term;
+                if self.shared.policy == Policy::Doorman {
                     side.naive = Some(Proportional::new(
-                        self.sc.limit.rate_per_s,
-                        self.sc.limit.burst,
-                        (self.acfg.lease_ms - self.acfg.drift_margin_ms) * MS,
+                        self.shared.sc.limit.rate_per_s,
+                        self.shared.sc.limit.burst,
+                        (self.shared.acfg.lease_ms - self.shared.acfg.drift_margin_ms) * MS,
                     ));
                 } else {
-                    match Allocator::new(&self.config, self.acfg.clone(), term, now) {
+                    match Allocator::new(&self.shared.config, self.shared.acfg.clone(), term, now) {
                         Ok(a) => side.alloc = Some(a),
                         Err(e) => self.violation(format!("allocator restart refused: {e}")),
                     }
@@ -1267,7 +1256,7 @@ impl Sim {
                     shard.term = term;
                 }
                 // Every agent's stream broke: each reconnects after a short backoff.
-                for i in 0..self.sc.gateways {
+                for i in 0..self.shared.sc.gateways {
                     let now = self.now;
                     let a = self.agent_mut(i);
                     if a.engine.is_some() {
@@ -1346,7 +1335,7 @@ impl Sim {
                 Some(b) => (b.rate + b.overdraft_rate.max(self.overdraft_rate), b.burst),
                 // The allocator is down (its last bound stands) or has not met the key.
                 // Baselines state no bound beyond the contract's `(R, B)`.
-                None if self.policy != Policy::Bursar => (self.overdraft_rate, 0),
+                None if self.shared.policy != Policy::Bursar => (self.overdraft_rate, 0),
                 None if alloc.is_none() => (key.bound_rate, key.bound_burst),
                 None => (self.overdraft_rate, 0),
             };
@@ -1378,7 +1367,7 @@ impl Sim {
         // beyond: a check walks (and maps) every key of every engine, 7 % of a
         // fleet-scale run at 4,000 keys per engine.
         if self.samples >= self.next_engine_check {
-            let keys: usize = (0..self.sc.gateways)
+            let keys: usize = (0..self.shared.sc.gateways)
                 .filter_map(|i| self.agent(i).engine.as_ref())
                 .map(|e| e.key_count())
                 .sum();
@@ -1455,7 +1444,7 @@ impl Sim {
         if let Some(w) = self.workload.as_mut() {
             self.counters.events += std::mem::take(&mut w.events);
         }
-        let b = self.sc.limit.burst as f64;
+        let b = self.shared.sc.limit.burst as f64;
         let mut outcomes: Vec<KeyOutcome> = Vec::new();
         let mut over_max: f64 = 0.0;
         let mut bound_max: f64 = 0.0;
@@ -1518,13 +1507,13 @@ impl Sim {
         let bytes = (self.counters.to_allocator_bytes
             + self.counters.to_agents_bytes
             + self.counters.peer_bytes) as f64;
-        let per_agent_s = self.sc.gateways as f64 * (self.end as f64 / SEC as f64);
+        let per_agent_s = self.shared.sc.gateways as f64 * (self.end as f64 / SEC as f64);
         Report {
-            scenario: self.sc.name.clone(),
+            scenario: self.shared.sc.name.clone(),
             seed: self.seed,
-            policy: self.policy.name().into(),
-            gateways: self.sc.gateways,
-            keys: self.sc.keys,
+            policy: self.shared.policy.name().into(),
+            gateways: self.shared.sc.gateways,
+            keys: self.shared.sc.keys,
             duration_s,
             summary: Summary {
                 overshoot_max_fraction_of_burst: over_max,
@@ -1558,10 +1547,10 @@ impl Sim {
     /// admitted in that window). Against the ideal alone the figure would be censored
     /// whenever the fleet's steady utilization is below 95 % (docs/simulation.md).
     fn realloc_p95_ms(&self) -> Option<f64> {
-        if self.sc.workload.kind != WorkloadKind::Shift {
+        if self.shared.sc.workload.kind != WorkloadKind::Shift {
             return None;
         }
-        let every = (self.sc.workload.shift_every_s * SEC as f64) as u64;
+        let every = (self.shared.sc.workload.shift_every_s * SEC as f64) as u64;
         let per_window = (REALLOC_WINDOW_NS / BIN_NS) as usize;
         let settle_bins = (SEC / BIN_NS) as usize;
         let mut samples = Vec::new();

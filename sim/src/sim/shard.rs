@@ -113,15 +113,12 @@ impl Shard {
                 }
             }
         }
-        let mut n = 0;
-        while self.queue.peek_time().is_some_and(|t| t < limit) {
-            let (at, ev) = self.queue.pop().expect("peeked");
+        while let Some((at, ev)) = self.queue.pop_before(limit) {
             debug_assert!(at >= self.now, "time went backwards");
             self.now = at;
-            n += 1;
+            self.counters.events += 1;
             self.step(sh, ev);
         }
-        self.counters.events += n;
     }
 
     /// A request the workload sent to gateway `i` for key `k` (input, reserved output,

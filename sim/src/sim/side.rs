@@ -128,8 +128,8 @@ impl AllocSide {
         }
     }
 
-    /// Handles this side's events before `limit`, in order; returns how many.
-    pub(super) fn run_until(&mut self, limit: u64) -> u64 {
+    /// Handles this side's events before `limit`, in order.
+    pub(super) fn run_until(&mut self, limit: u64) {
         if let Some(at) = self.check_at.take()
             && let Some(a) = &self.alloc
             && let Err(e) = a.check_invariants()
@@ -137,16 +137,12 @@ impl AllocSide {
             let msg = format!("allocator invariant at {} ms: {e}", at / MS);
             self.violations.push(msg);
         }
-        let mut n = 0;
-        while self.queue.peek_time().is_some_and(|t| t < limit) {
-            let (at, ev) = self.queue.pop().expect("peeked");
+        while let Some((at, ev)) = self.queue.pop_before(limit) {
             debug_assert!(at >= self.now, "time went backwards");
             self.now = at;
-            n += 1;
+            self.counters.events += 1;
             self.step(ev);
         }
-        self.counters.events += n;
-        n
     }
 
     fn step(&mut self, ev: Ev) {

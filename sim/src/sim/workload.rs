@@ -38,8 +38,7 @@ impl Workload {
 
     /// Draws every request due before `limit`.
     pub(super) fn draw_until(&mut self, sh: &Shared, limit: u64) {
-        while self.queue.peek_time().is_some_and(|t| t < limit) {
-            let (at, ev) = self.queue.pop().expect("peeked");
+        while let Some((at, ev)) = self.queue.pop_before(limit) {
             self.now = at;
             self.events += 1;
             match ev {
