@@ -14,14 +14,16 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 
 use bursar_agent::engine::KeyDemand;
-use bursar_agent::sync_core::{Ack as SyncAck, Applied, Held, Line, SyncTracks};
+use bursar_agent::sync_core::{Ack as SyncAck, Held, Line};
+use bursar_agent::sync_session::{MeasureMark, Outgoing, SessionConfig, SyncSession};
 use bursar_agent::{
     AdmitRequest, CompletionStatus, Config, Cost, Decision, DiscardSink, Engine, SliceExtension,
     Usage,
 };
 use bursar_allocator::{
-    Ack, Allocator, AllocatorConfig, Grant, HeldGrant, HeldSlice, Hello, KeyName, KeyReport,
-    LeaseExtension, Measure, MeasureRequest, Report as AllocReport, SliceAck, UnknownHandles,
+    Ack, AllocError, Allocator, AllocatorConfig, Grant, HeldGrant, HeldSlice, Hello, KeyName,
+    KeyReport, LeaseExtension, Measure, MeasureRequest, Report as AllocReport, SliceAck,
+    UnknownHandles,
 };
 use serde::Serialize;
 
@@ -62,8 +64,9 @@ const MAINTAIN_NS: u64 = 100 * MS;
 const REALLOC_WINDOW_NS: u64 = 250 * MS;
 /// Resolution of the per-key admitted histories (shift workloads only).
 const BIN_NS: u64 = 50 * MS;
-/// Longest reconnect delay after the allocator restarts (the shell's `backoff_min`).
-const RECONNECT_MAX_NS: u64 = 100 * MS;
+/// How long an agent waits for the welcome after its hello before it gives the
+/// stream up and backs off (the sync client's default `connect_timeout`).
+const CONNECT_TIMEOUT_NS: u64 = 2 * SEC;
 /// Most violation messages kept in a report (the count is exact).
 const VIOLATIONS_KEPT_MAX: usize = 20;
 /// Most keys listed individually in a report (the worst by overshoot).
@@ -188,6 +191,12 @@ pub struct Counters {
     pub completions_refused: u64,
     /// Allocator refusals by error (unknown agent after a restart, stale reports...).
     pub allocator_refusals: BTreeMap<String, u64>,
+    /// Streams agents opened (hellos sent).
+    pub streams_opened: u64,
+    /// Streams agents gave up or lost: refused (the allocator down, or its answer an
+    /// error), no welcome within the connect timeout, or broken by an allocator crash.
+    /// Each is followed by the client's backoff and another hello.
+    pub streams_lost: u64,
 }
 
 impl Counters {
@@ -209,6 +218,8 @@ impl Counters {
             grants_refused,
             completions_refused,
             allocator_refusals,
+            streams_opened,
+            streams_lost,
         } = other;
         self.events += events;
         self.requests += requests;
@@ -224,6 +235,8 @@ impl Counters {
         self.lost += lost;
         self.grants_refused += grants_refused;
         self.completions_refused += completions_refused;
+        self.streams_opened += streams_opened;
+        self.streams_lost += streams_lost;
         for (k, n) in allocator_refusals {
             *self.allocator_refusals.entry(k).or_default() += n;
         }
@@ -365,10 +378,13 @@ struct Agent {
     offset: u64,
     /// This agent's clock-rate error, parts per million.
     drift_ppm: f64,
-    last_ts: u64,
-    /// The sync client's per-key bookkeeping: the same code the agent's client runs
-    /// (`bursar_agent::sync_core`), keys named by number.
-    sync: SyncTracks<u32>,
+    /// The sync client's session and per-key bookkeeping: the code the agent's client
+    /// runs (`bursar_agent::sync_session`), keys named by number. The simulator owns
+    /// only the timers and the links.
+    sync: SyncSession<u32>,
+    /// A new-key poll is queued: the simulator queues one, at the agent's next tick of
+    /// `new_key_poll_ms`, only when the session has something for it to do
+    /// (`SyncSession::wants_poll`), where the client ticks every time.
     poll_pending: bool,
     next_request: u64,
     /// Report phase within the interval.
@@ -391,7 +407,9 @@ impl Agent {
 }
 
 enum ToAlloc {
-    Hello(Hello),
+    /// A hello, and which of the agent's streams it opens (the answer goes to that
+    /// stream only).
+    Hello(Hello, u64),
     Report(AllocReport),
     Ack(Ack),
 }
@@ -412,6 +430,13 @@ enum Ev {
     /// One measure request (boxed: rare).
     ToAgentMeasure(u32, Box<MeasureRequest>),
     ToAgentUnknown(u32, Box<UnknownHandles>),
+    /// The allocator welcomes agent `.0`'s incarnation `.1` on its stream `.2`.
+    ToAgentWelcome(u32, u64, u64),
+    /// The allocator refused (or, down, could not take) agent `.0`'s incarnation `.1`'s
+    /// stream `.2`.
+    ToAgentRefused(u32, u64, u64),
+    /// Agent `.0`'s incarnation `.1` gives its stream `.2` up if no welcome came.
+    WelcomeTimeout(u32, u64, u64),
     /// Agent `.0` (incarnation `.1`) ends its open measurement, if it is still due now.
     MeasureEnd(u32, u64),
     Report(u32, u64),
@@ -447,6 +472,9 @@ fn agent_of(ev: &Ev) -> Option<u32> {
         | Ev::ToAgentExt(i, _)
         | Ev::ToAgentMeasure(i, _)
         | Ev::ToAgentUnknown(i, _)
+        | Ev::ToAgentWelcome(i, ..)
+        | Ev::ToAgentRefused(i, ..)
+        | Ev::WelcomeTimeout(i, ..)
         | Ev::MeasureEnd(i, _)
         | Ev::Report(i, _)
         | Ev::NewKeyPoll(i, _)
@@ -466,14 +494,6 @@ fn agent_of(ev: &Ev) -> Option<u32> {
         | Ev::AllocRestart
         | Ev::NaiveTick => None,
     }
-}
-
-/// Which keys a sync client's read takes from its engine ([`Sim::read_keys`]).
-#[derive(Clone, Copy)]
-enum Read {
-    All,
-    Changed,
-    New,
 }
 
 /// The event queue: a binary heap of 16-byte keys `(time, seq << 24 | slot)` over a
@@ -692,12 +712,18 @@ pub struct Sim {
     samples: u64,
 }
 
-/// An agent's sync bookkeeping from `now`, told the allocator's lease as its welcome
-/// tells the client's.
-fn tracks(now: u64, acfg: &AllocatorConfig) -> SyncTracks<u32> {
-    let mut t = SyncTracks::new(now);
-    t.set_rebase_after(acfg.lease_ms * MS / 2);
-    t
+/// An agent's sync session from `now`, with the scenario's report interval, new-key
+/// poll and full-report cadence and the client's default backoff.
+fn session(now: u64, sc: &Scenario) -> SyncSession<u32> {
+    SyncSession::new(
+        now,
+        SessionConfig {
+            report_interval_ns: sc.allocator.report_interval_ms * MS,
+            new_key_poll_ns: sc.allocator.new_key_poll_ms * MS,
+            full_report_every: sc.allocator.full_report_every,
+            ..SessionConfig::default()
+        },
+    )
 }
 
 impl Sim {
@@ -744,8 +770,7 @@ impl Sim {
                     } else {
                         0.0
                     },
-                    last_ts: 0,
-                    sync: tracks(0, &acfg),
+                    sync: session(0, sc),
                     poll_pending: false,
                     next_request: 0,
                     phase: r.below(report_ns),
@@ -1233,7 +1258,21 @@ impl Sim {
                 self.push(self.now + SAMPLE_NS, Ev::Sample);
             }
             Ev::AllocCrash | Ev::AllocRestart if self.shared.policy.fixed_slices() => {}
-            Ev::AllocCrash => self.side_mut().crash(),
+            Ev::AllocCrash => {
+                self.side_mut().crash();
+                // Every agent's stream broke: each reconnects after the client's backoff
+                // (and keeps trying, refused, until the allocator is back).
+                for i in 0..self.shared.sc.gateways {
+                    let now = self.now;
+                    let a = self.agent_mut(i);
+                    if a.engine.is_some() && (a.sync.is_up() || a.sync.is_opening()) {
+                        let wait = a.sync.lost(a.rng.next_u64());
+                        let inc = a.incarnation;
+                        self.counters.streams_lost += 1;
+                        self.push(now + wait, Ev::Hello(i as u32, inc));
+                    }
+                }
+            }
             Ev::AllocRestart => {
                 let now = self.now;
                 let side = self.side.as_mut().expect("between rounds");
@@ -1254,16 +1293,6 @@ impl Sim {
                 self.side_mut().schedule_wake();
                 for shard in self.shards.iter_mut() {
                     shard.term = term;
-                }
-                // Every agent's stream broke: each reconnects after a short backoff.
-                for i in 0..self.shared.sc.gateways {
-                    let now = self.now;
-                    let a = self.agent_mut(i);
-                    if a.engine.is_some() {
-                        let at = now + a.rng.below(RECONNECT_MAX_NS);
-                        let inc = a.incarnation;
-                        self.push(at, Ev::Hello(i as u32, inc));
-                    }
                 }
             }
             _ => unreachable!("an event of one side between rounds"),
@@ -2023,6 +2052,33 @@ mod tests {
             Sim::new(&sc, 1, "envoy"),
             Err(SimError::Policy(_))
         ));
+    }
+
+    #[test]
+    fn after_an_allocator_crash_every_agent_backs_off_and_reconnects_to_the_new_term() {
+        // 8 gateways; the allocator is down from 2 s to 5 s of a 12 s run.
+        let sc = Scenario::load("allocator-crash").unwrap();
+        let g = sc.gateways as u64;
+        for seed in [1, 2] {
+            let r = run(&sc, seed).unwrap();
+            assert_eq!(r.summary.violations, 0, "{:?}", r.violation_messages);
+            assert_eq!(r.summary.overshoot_max_fraction_of_burst, 0.0);
+            let c = &r.counters;
+            // Every stream broke at the crash, and the client's backoff (waits of
+            // 50-100 ms doubling) meets the dead allocator 4-5 times in 3 s, each a
+            // refusal; a hello in flight across the restart is answered by no one
+            // and given up after 2 s.
+            assert!(
+                (5 * g..=8 * g).contains(&c.streams_lost),
+                "streams lost: {}",
+                c.streams_lost
+            );
+            // Each loss is followed by a hello, the last of each agent's welcomed: no
+            // agent is left without a stream.
+            assert_eq!(c.streams_opened, g + c.streams_lost);
+            // And the new term grants again: the second half admits.
+            assert!(r.summary.utilization_second_half > 0.5, "{:?}", r.summary);
+        }
     }
 
     #[test]

@@ -142,6 +142,21 @@ pub fn grants_bytes(grants: &[Grant]) -> u64 {
     GRPC_PREFIX_BYTES + delimited(body)
 }
 
+/// An `AllocatorMessage { welcome = 1 }` (its `config_version` not counted, as the
+/// hello's is not).
+pub fn welcome_bytes(term: u64, max_keys_per_message: usize, lease_ms: u64) -> u64 {
+    let body = uint(1) // protocol_version
+        + uint(term)
+        + uint(max_keys_per_message as u64)
+        + uint(MAX_MESSAGE_BYTES)
+        + uint(lease_ms);
+    GRPC_PREFIX_BYTES + delimited(body)
+}
+
+/// `Welcome.max_message_bytes` as the allocator's shell sends it
+/// (`bursar_proto::allocator::MAX_MESSAGE_BYTES`, 4 MiB).
+const MAX_MESSAGE_BYTES: u64 = 4 << 20;
+
 /// An `AllocatorMessage { lease_extension = 5 }`.
 pub fn extension_bytes(x: &LeaseExtension) -> u64 {
     let body = uint(x.epoch) + uint(x.through_seq) + uint(x.lease_expires_at_ns);

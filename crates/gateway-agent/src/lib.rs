@@ -69,6 +69,7 @@ mod lease;
 #[cfg(feature = "shell")]
 pub mod shell;
 pub mod sync_core;
+pub mod sync_session;
 pub mod testing;
 pub mod usage;
 

@@ -4,8 +4,10 @@
 //! which keys a report names and how, grants applied and the acknowledgements they
 //! owe (a concurrency shrink only once in-flight work fits).
 //!
-//! Two drivers share it, so the simulator runs the client's logic rather than a copy:
-//! the tonic client ([`crate::shell::sync`]) and `bursar-sim`. Each names keys its own
+//! Two drivers share it, through the session that decides what the client does at
+//! each of its moments ([`crate::sync_session`]), so the simulator runs the client's
+//! logic rather than a copy: the tonic client (`shell::sync`) and `bursar-sim`. Each
+//! names keys its own
 //! way (`K`): the client by rule and values, the simulator by key number. Keys are
 //! kept in order, so reports list them in an order that depends on nothing else (the
 //! simulator replays bit for bit).

@@ -153,6 +153,8 @@ impl Shard {
             ttl_ms: None,
         };
         let decision = engine.admit(at, &req);
+        // A key new to the engine: the client's next new-key poll reports it.
+        let poll = !sh.policy.fixed_slices() && !a.poll_pending && a.sync.wants_poll(engine);
         self.offers.push(Offer {
             at: now,
             agent: i,
@@ -168,6 +170,9 @@ impl Shard {
                         now + complete_after,
                         Ev::Complete(i, inc, k, n, input, output),
                     );
+                    if poll {
+                        self.schedule_poll(sh, i);
+                    }
                     return;
                 }
                 if sh.policy == Policy::Gubernator {
@@ -182,21 +187,30 @@ impl Shard {
                     self.violation(msg);
                 }
             }
-            Ok(Decision::Rejected(_)) => {
-                // A key the agent has not reported yet is reported at its next poll.
-                if !sh.policy.fixed_slices() && !a.sync.contains(&k) && !a.poll_pending {
-                    a.poll_pending = true;
-                    let poll = sh.sc.allocator.new_key_poll_ms * MS;
-                    let at = now + poll - (now + a.phase) % poll;
-                    let inc = a.incarnation;
-                    self.push(at, Ev::NewKeyPoll(i, inc));
-                }
-            }
+            Ok(Decision::Rejected(_)) => {}
             Err(e) => {
                 let msg = format!("admit refused on {}: {e}", a.name);
                 self.violation(msg);
             }
         }
+        if poll {
+            self.schedule_poll(sh, i);
+        }
+    }
+
+    /// Queues agent `i`'s new-key poll at its next tick of `new_key_poll_ms` (the
+    /// client's ticker, phased per agent), unless one is queued.
+    fn schedule_poll(&mut self, sh: &Shared, i: u32) {
+        let now = self.now;
+        let a = &mut self.agents[i as usize / SHARDS];
+        if a.poll_pending {
+            return;
+        }
+        a.poll_pending = true;
+        let poll = sh.sc.allocator.new_key_poll_ms * MS;
+        let at = now + poll - (now + a.phase) % poll;
+        let inc = a.incarnation;
+        self.push(at, Ev::NewKeyPoll(i, inc));
     }
 
     fn step(&mut self, sh: &Shared, ev: Ev) {
@@ -208,27 +222,89 @@ impl Shard {
             Ev::ToAgentExt(i, x) => self.deliver_extension(sh, i, &x),
             Ev::ToAgentMeasure(i, m) => self.deliver_measure(sh, i, *m),
             Ev::ToAgentUnknown(i, u) => self.deliver_unknown(sh, i, &u),
+            Ev::ToAgentWelcome(i, inc, stream) => {
+                if self.reaches(sh, i as usize, inc) && self.opening(i, stream) {
+                    let names = &sh.keys;
+                    let nkeys = names.len();
+                    let a = &mut self.agents[i as usize / SHARDS];
+                    let Some(engine) = &a.engine else {
+                        return;
+                    };
+                    let now = a.clock(self.now);
+                    let out = a.sync.welcome(
+                        engine,
+                        now,
+                        sh.acfg.lease_ms,
+                        sh.acfg.max_keys_per_message,
+                        &mut self.demand_buf,
+                        |d| engine_key(d, nkeys),
+                        |l| key_report(l, names),
+                    );
+                    self.send_out(sh, i, out);
+                }
+            }
+            Ev::ToAgentRefused(i, inc, stream) => {
+                if self.reaches(sh, i as usize, inc) && self.opening(i, stream) {
+                    self.reconnect(i);
+                }
+            }
+            Ev::WelcomeTimeout(i, inc, stream) => {
+                if self.live(i, inc) && self.opening(i, stream) {
+                    self.reconnect(i);
+                }
+            }
             Ev::MeasureEnd(i, inc) => {
                 if self.live(i, inc) {
                     // An earlier end that a later request moved finds nothing ended.
-                    let now = self.now;
-                    let sync = &mut self.agents[(i as usize) / SHARDS].sync;
-                    if let Some(handles) = sync.take_ended_measurement(now) {
-                        self.send_measure_reports(sh, i, &handles, Measure::End);
-                    }
+                    let names = &sh.keys;
+                    let a = &mut self.agents[(i as usize) / SHARDS];
+                    let now = a.clock(self.now);
+                    let out = a.sync.measure_end(now, self.now, |l| key_report(l, names));
+                    self.send_out(sh, i, out);
                 }
             }
             Ev::Report(i, inc) => {
                 if self.live(i, inc) {
-                    self.send_reports(sh, i, false);
+                    let names = &sh.keys;
+                    let nkeys = names.len();
+                    let a = &mut self.agents[(i as usize) / SHARDS];
+                    if let Some(engine) = &a.engine {
+                        let now = a.clock(self.now);
+                        let out = a.sync.report_tick(
+                            engine,
+                            now,
+                            &mut self.demand_buf,
+                            |d| engine_key(d, nkeys),
+                            |l| key_report(l, names),
+                        );
+                        self.send_out(sh, i, out);
+                    }
                     let every = sh.sc.allocator.report_interval_ms * MS;
                     self.push(self.now + every, Ev::Report(i, inc));
                 }
             }
             Ev::NewKeyPoll(i, inc) => {
                 if self.live(i, inc) {
-                    self.agents[(i as usize) / SHARDS].poll_pending = false;
-                    self.send_reports(sh, i, true);
+                    let names = &sh.keys;
+                    let nkeys = names.len();
+                    let a = &mut self.agents[(i as usize) / SHARDS];
+                    a.poll_pending = false;
+                    if let Some(engine) = &a.engine {
+                        let now = a.clock(self.now);
+                        let out = a.sync.poll_tick(
+                            engine,
+                            now,
+                            &mut self.demand_buf,
+                            |d| engine_key(d, nkeys),
+                            |l| key_report(l, names),
+                        );
+                        let again = a.sync.draining() > 0;
+                        self.send_out(sh, i, out);
+                        // The client polls every tick while a shrink drains.
+                        if again {
+                            self.schedule_poll(sh, i);
+                        }
+                    }
                 }
             }
             Ev::Maintain(i, inc) => {
@@ -283,7 +359,7 @@ impl Shard {
             Ev::AgentCrash(i) => {
                 let a = &mut self.agents[(i as usize) / SHARDS];
                 a.engine = None;
-                a.sync = tracks(0, &sh.acfg);
+                a.sync = session(0, &sh.sc);
                 a.hits.clear();
                 a.poll_pending = false;
             }
@@ -291,7 +367,7 @@ impl Shard {
                 let a = &mut self.agents[(i as usize) / SHARDS];
                 a.incarnation += 1;
                 a.engine = Some(Engine::new(sh.config.clone(), Arc::new(DiscardSink)));
-                a.sync = tracks(a.clock(self.now), &sh.acfg);
+                a.sync = session(a.clock(self.now), &sh.sc);
                 let inc = a.incarnation;
                 let phase = a.phase;
                 let report_ns = sh.sc.allocator.report_interval_ms * MS;
@@ -315,6 +391,23 @@ impl Shard {
         a.incarnation == inc && a.engine.is_some()
     }
 
+    /// Agent `i` waits for the welcome to its stream `stream` (and not to an older one
+    /// it gave up).
+    fn opening(&self, i: u32, stream: u64) -> bool {
+        let s = &self.agents[(i as usize) / SHARDS].sync;
+        s.is_opening() && s.streams_opened() == stream
+    }
+
+    /// Agent `i`'s stream failed (refused, or no welcome in time): it opens another
+    /// after the client's backoff.
+    fn reconnect(&mut self, i: u32) {
+        let a = &mut self.agents[(i as usize) / SHARDS];
+        let wait = a.sync.lost(a.rng.next_u64());
+        let inc = a.incarnation;
+        self.counters.streams_lost += 1;
+        self.push(self.now + wait, Ev::Hello(i, inc));
+    }
+
     /// Delivery time on agent `agent`'s link up to the allocator, or `None` if the
     /// message is lost (the allocator's side draws the links down).
     fn link_delay(&mut self, sh: &Shared, agent: usize) -> Option<u64> {
@@ -335,7 +428,7 @@ impl Shard {
     fn send_to_alloc(&mut self, sh: &Shared, i: u32, m: ToAlloc) {
         self.counters.to_allocator += 1;
         self.counters.to_allocator_bytes += match &m {
-            ToAlloc::Hello(h) => wire::hello_bytes(h),
+            ToAlloc::Hello(h, _) => wire::hello_bytes(h),
             ToAlloc::Report(r) => wire::report_bytes(r),
             ToAlloc::Ack(a) => wire::ack_bytes(a),
         };
@@ -348,10 +441,10 @@ impl Shard {
     /// An unknown-handle notice reaches agent `i` (as `sync.rs`): those keys are named
     /// by name again, counting from when they were last named.
     fn deliver_unknown(&mut self, sh: &Shared, i: u32, u: &UnknownHandles) {
-        if self.reaches(sh, i as usize, u.incarnation) {
+        if self.reaches_stream(sh, i as usize, u.incarnation) {
             self.agents[(i as usize) / SHARDS]
                 .sync
-                .forget_handles(&u.key_handles);
+                .unknown_handles(&u.key_handles);
         }
     }
 
@@ -367,65 +460,75 @@ impl Shard {
         ok
     }
 
+    /// [`Shard::reaches`], and the agent's stream is up: what the allocator sends on a
+    /// stream reaches the client only on that stream (one it gave up, or one not yet
+    /// welcomed, hears nothing; counted as lost).
+    fn reaches_stream(&mut self, sh: &Shared, iu: usize, incarnation: u64) -> bool {
+        if !self.reaches(sh, iu, incarnation) {
+            return false;
+        }
+        let up = self.agents[iu / SHARDS].sync.is_up();
+        if !up {
+            self.counters.lost += 1;
+        }
+        up
+    }
+
     /// A measure request reaches agent `i` (as `sync.rs`): the keys' start report at
     /// once, their end when the window closes.
     fn deliver_measure(&mut self, sh: &Shared, i: u32, m: MeasureRequest) {
         let iu = i as usize;
-        if !self.reaches(sh, iu, m.incarnation) {
+        if !self.reaches_stream(sh, iu, m.incarnation) {
             return;
         }
-        let max = sh.acfg.max_keys_per_message.max(1);
-        let mut handles = m.key_handles;
-        handles.truncate(max);
-        self.send_measure_reports(sh, i, &handles, Measure::Start);
+        let names = &sh.keys;
         let a = &mut self.agents[iu / SHARDS];
-        if let Some(at) = a
+        let now = a.clock(self.now);
+        let (out, end) = a
             .sync
-            .open_measurement(&handles, self.now, m.window_ms, max)
-        {
-            let inc = a.incarnation;
+            .measure_request(now, self.now, &m.key_handles, m.window_ms, |l| {
+                key_report(l, names)
+            });
+        let inc = a.incarnation;
+        self.send_out(sh, i, out);
+        if let Some(at) = end {
             self.push(at, Ev::MeasureEnd(i, inc));
         }
     }
 
-    /// The reports of a requested measurement for `handles`' keys (those the agent's
-    /// stream knows), marked `measure`.
-    fn send_measure_reports(&mut self, sh: &Shared, i: u32, handles: &[u64], measure: Measure) {
-        let mut keys = Vec::new();
-        let names = &sh.keys;
-        self.agents[(i as usize) / SHARDS]
-            .sync
-            .measure_report(handles, |l| keys.push(key_report(l, names)));
-        if !keys.is_empty() {
-            self.send_report_lines(sh, i, keys, measure);
-        }
-    }
-
-    /// Report lines in messages of at most `max_keys_per_message` lines (one, empty,
-    /// for none), as the sync client sends them.
-    fn send_report_lines(&mut self, sh: &Shared, i: u32, keys: Vec<KeyReport>, measure: Measure) {
-        let iu = i as usize;
-        let max = sh.acfg.max_keys_per_message.max(1);
-        let (name, incarnation) = (
-            self.agents[iu / SHARDS].name.clone(),
-            self.agents[iu / SHARDS].incarnation,
-        );
-        let mut rest = keys;
-        loop {
-            let tail = rest.split_off(rest.len().min(max));
-            let ts = self.stamp(iu);
-            let r = AllocReport {
-                agent: name.clone(),
-                incarnation,
-                agent_time_ns: ts,
-                keys: rest,
-                measure,
+    /// Sends what agent `i`'s session asks for, in order, as the allocator's messages.
+    fn send_out(&mut self, sh: &Shared, i: u32, out: Vec<Outgoing<KeyReport, u32>>) {
+        for o in out {
+            let a = &self.agents[i as usize / SHARDS];
+            let m = match o {
+                Outgoing::Report {
+                    agent_time_ns,
+                    lines,
+                    measure,
+                } => ToAlloc::Report(AllocReport {
+                    agent: a.name.clone(),
+                    incarnation: a.incarnation,
+                    agent_time_ns,
+                    keys: lines,
+                    measure: match measure {
+                        MeasureMark::None => Measure::None,
+                        MeasureMark::Start => Measure::Start,
+                        MeasureMark::End => Measure::End,
+                    },
+                }),
+                Outgoing::Acks(acks) => ToAlloc::Ack(Ack {
+                    agent: a.name.clone(),
+                    incarnation: a.incarnation,
+                    slices: acks
+                        .into_iter()
+                        .map(|x| {
+                            let k = x.key as usize;
+                            slice_ack(x, || sh.keys[k].name.clone())
+                        })
+                        .collect(),
+                }),
             };
-            self.send_to_alloc(sh, i, ToAlloc::Report(r));
-            if tail.is_empty() {
-                break;
-            }
-            rest = tail;
+            self.send_to_alloc(sh, i, m);
         }
     }
 
@@ -549,42 +652,22 @@ impl Shard {
         }
     }
 
-    /// Reads agent `i`'s engine into its sync tracks, as the sync client does: every
-    /// key (`refresh`, at a hello), the keys changed since the last walk
-    /// (`refresh_changed`, the report tick), or the keys created since the last read
-    /// (`refresh_new`, the new-key poll); the last two read everything when the engine
-    /// cannot say.
-    fn read_keys(&mut self, sh: &Shared, i: usize, read: Read) {
+    /// Agent `i` opens a stream: its hello (with the grants it holds), and the timer
+    /// that gives the stream up if no welcome comes.
+    fn send_hello(&mut self, sh: &Shared, i: u32) {
+        let iu = i as usize;
         let nkeys = sh.keys.len();
-        let a = &mut self.agents[i / SHARDS];
+        let a = &mut self.agents[iu / SHARDS];
         let Some(engine) = &a.engine else {
             return;
         };
         let now = a.clock(self.now);
-        let (buf, key_of) = (&mut self.demand_buf, |d: &KeyDemand| engine_key(d, nkeys));
-        match read {
-            Read::All => a.sync.refresh(engine, now, buf, key_of),
-            Read::Changed => a.sync.refresh_changed(engine, now, buf, key_of),
-            Read::New => a.sync.refresh_new(engine, now, buf, key_of),
-        }
-    }
-
-    fn stamp(&mut self, i: usize) -> u64 {
-        let a = &mut self.agents[i / SHARDS];
-        let t = (a.clock(self.now)).max(a.last_ts + 1);
-        a.last_ts = t;
-        t
-    }
-
-    fn send_hello(&mut self, sh: &Shared, i: u32) {
-        let iu = i as usize;
-        self.read_keys(sh, iu, Read::All);
-        let a = &mut self.agents[iu / SHARDS];
-        // A new stream starts with a full report and knows no handle of the last one.
-        a.sync.new_stream();
+        let ts = a
+            .sync
+            .open(engine, now, &mut self.demand_buf, |d| engine_key(d, nkeys));
         let held = a
             .sync
-            .held()
+            .hello_held()
             .map(|(&k, g)| HeldSlice {
                 key: sh.keys[k as usize].name.clone(),
                 grant: held_grant(g),
@@ -593,58 +676,18 @@ impl Shard {
         let hello = Hello {
             agent: a.name.clone(),
             incarnation: a.incarnation,
-            agent_time_ns: 0,
+            agent_time_ns: ts,
             weight: 1,
             report_interval_ms: sh.sc.allocator.report_interval_ms,
             held,
         };
-        let ts = self.stamp(iu);
-        self.send_to_alloc(
-            sh,
-            i,
-            ToAlloc::Hello(Hello {
-                agent_time_ns: ts,
-                ..hello
-            }),
+        let (inc, stream) = (a.incarnation, a.sync.streams_opened());
+        self.counters.streams_opened += 1;
+        self.send_to_alloc(sh, i, ToAlloc::Hello(hello, stream));
+        self.push(
+            self.now + CONNECT_TIMEOUT_NS,
+            Ev::WelcomeTimeout(i, inc, stream),
         );
-    }
-
-    fn send_reports(&mut self, sh: &Shared, i: u32, only_new: bool) {
-        let iu = i as usize;
-        if only_new {
-            self.read_keys(sh, iu, Read::New);
-        } else {
-            self.read_keys(sh, iu, Read::Changed);
-        }
-        let a = &mut self.agents[iu / SHARDS];
-        let full = !only_new
-            && a.sync
-                .next_report_is_full(sh.sc.allocator.full_report_every as u64);
-        let mut keys = Vec::new();
-        let names = &sh.keys;
-        a.sync
-            .report(full, only_new, |l| keys.push(key_report(l, names)));
-        // Concurrency shrinks whose in-flight work drained, acknowledged with the
-        // report (as the client's report tick).
-        let drained = a.sync.drained_acks();
-        if !drained.is_empty() {
-            let ack = Ack {
-                agent: a.name.clone(),
-                incarnation: a.incarnation,
-                slices: drained
-                    .into_iter()
-                    .map(|x| {
-                        let k = x.key as usize;
-                        slice_ack(x, || sh.keys[k].name.clone())
-                    })
-                    .collect(),
-            };
-            self.send_to_alloc(sh, i, ToAlloc::Ack(ack));
-        }
-        if keys.is_empty() && only_new {
-            return;
-        }
-        self.send_report_lines(sh, i, keys, Measure::None);
     }
 
     /// One grants message reaches agent `i`: applied with one `apply_slices` call and
@@ -655,7 +698,7 @@ impl Shard {
         let incarnation = grants
             .first()
             .map_or(self.agents[iu / SHARDS].incarnation, |g| g.incarnation);
-        if !self.reaches(sh, iu, incarnation) {
+        if !self.reaches_stream(sh, iu, incarnation) {
             return;
         }
         let nkeys = sh.keys.len();
@@ -676,33 +719,23 @@ impl Shard {
             })
             .collect();
         let handles: Vec<u64> = grants.iter().map(|g| g.key_handle).collect();
-        // The sync client's own `apply` (folding replaced slots into the tracks,
+        // The sync client's own handling (folding replaced slots into the tracks,
         // holding back a concurrency shrink's ack until its work drains).
-        let outcomes = a.sync.apply(engine, at, updates, keys, &handles);
-        let mut slices = Vec::with_capacity(grants.len());
-        for (g, outcome) in grants.iter().zip(outcomes) {
-            match outcome {
-                Applied::Ack(x) => slices.push(slice_ack(x, || (*g.key).clone())),
-                Applied::Draining | Applied::Held => {}
-                Applied::Refused(_) => self.counters.grants_refused += 1,
-            }
+        let granted = a.sync.grants(engine, at, updates, keys, &handles);
+        self.counters.grants_refused += granted.refused.len() as u64;
+        let draining = a.sync.draining() > 0;
+        self.send_out(sh, i, granted.out);
+        // The client's poll reads a draining shrink's in-flight count every tick.
+        if draining {
+            self.schedule_poll(sh, i);
         }
-        if slices.is_empty() {
-            return;
-        }
-        let ack = Ack {
-            agent: a.name.clone(),
-            incarnation: a.incarnation,
-            slices,
-        };
-        self.send_to_alloc(sh, i, ToAlloc::Ack(ack));
     }
 
     /// A lease extension reaches agent `i` (as `sync.rs`: `Engine::extend_slices`; no
     /// answer).
     fn deliver_extension(&mut self, sh: &Shared, i: u32, x: &LeaseExtension) {
         let iu = i as usize;
-        if !self.reaches(sh, iu, x.incarnation) {
+        if !self.reaches_stream(sh, iu, x.incarnation) {
             return;
         }
         let a = &self.agents[iu / SHARDS];
@@ -714,7 +747,7 @@ impl Shard {
             through_seq: x.through_seq,
             lease_expires_at_ns: x.lease_expires_at_ns,
         };
-        if engine.extend_slices(a.clock(self.now), ext).is_err() {
+        if a.sync.extension(engine, a.clock(self.now), ext).is_err() {
             self.counters.grants_refused += 1;
         }
     }

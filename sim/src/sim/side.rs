@@ -75,6 +75,8 @@ pub(super) struct AllocSide {
     net: Arc<Net>,
     policy: Policy,
     max_keys_per_message: usize,
+    /// The allocator's lease, as its welcome says.
+    lease_ms: u64,
     report_ns: u64,
     /// The run's end: no timer is queued past it.
     end: u64,
@@ -112,6 +114,7 @@ impl AllocSide {
             net,
             policy,
             max_keys_per_message: acfg.max_keys_per_message.max(1),
+            lease_ms: acfg.lease_ms,
             report_ns,
             end,
             agent_names,
@@ -204,13 +207,47 @@ impl AllocSide {
             return;
         }
         let now = self.now;
+        if let ToAlloc::Hello(h, stream) = &m {
+            // A stream opens: welcomed, or refused (as the allocator's shell answers a
+            // hello with a welcome or an error status; a crashed one refuses the
+            // connection).
+            let (inc, stream) = (h.incarnation, *stream);
+            let accepted = match (self.policy, self.naive.as_mut(), self.alloc.as_mut()) {
+                (Policy::Doorman, Some(n), _) => {
+                    n.hello(i, inc);
+                    Ok(())
+                }
+                (Policy::Doorman, None, _) | (_, _, None) => Err(None),
+                (_, _, Some(alloc)) => alloc.handle_hello(now, h).map_err(Some),
+            };
+            match accepted {
+                Ok(()) => {
+                    self.counters.to_agents += 1;
+                    self.counters.to_agents_bytes +=
+                        wire::welcome_bytes(self.term, self.max_keys_per_message, self.lease_ms);
+                    if let Some(at) = self.link_delay(i as usize) {
+                        self.push(at, Ev::ToAgentWelcome(i, inc, stream));
+                    }
+                }
+                Err(e) => {
+                    if let Some(e) = e {
+                        self.refused(&e);
+                    }
+                    if let Some(at) = self.link_delay(i as usize) {
+                        self.push(at, Ev::ToAgentRefused(i, inc, stream));
+                    }
+                }
+            }
+            self.after_input();
+            return;
+        }
         if self.policy == Policy::Doorman {
             let Some(n) = self.naive.as_mut() else {
                 self.counters.lost += 1;
                 return;
             };
             match &m {
-                ToAlloc::Hello(h) => n.hello(i, h.incarnation),
+                ToAlloc::Hello(..) => {}
                 ToAlloc::Report(r) => {
                     for k in &r.keys {
                         if let Some(key) = k
@@ -239,16 +276,21 @@ impl AllocSide {
             return;
         };
         let r = match &m {
-            ToAlloc::Hello(h) => alloc.handle_hello(now, h),
+            ToAlloc::Hello(..) => Ok(()),
             ToAlloc::Report(r) => alloc.handle_report(now, r),
             ToAlloc::Ack(a) => alloc.handle_ack(now, a),
         };
         if let Err(e) = r {
-            let dbg = format!("{e:?}");
-            let name: String = dbg.chars().take_while(|c| c.is_alphanumeric()).collect();
-            *self.counters.allocator_refusals.entry(name).or_default() += 1;
+            self.refused(&e);
         }
         self.after_input();
+    }
+
+    /// Counts an input the allocator refused, by its error's kind.
+    fn refused(&mut self, e: &AllocError) {
+        let dbg = format!("{e:?}");
+        let name: String = dbg.chars().take_while(|c| c.is_alphanumeric()).collect();
+        *self.counters.allocator_refusals.entry(name).or_default() += 1;
     }
 
     fn after_input(&mut self) {

@@ -13,7 +13,7 @@
 //!   changed; every `full_report_every`-th report also names the keys that
 //!   hold a grant and those that changed since the last full one (their quiet line, once).
 //!   A key unnamed for half the allocator's lease is counted, in its next line, from
-//!   when it was last named ([`SyncTracks::set_rebase_after`]): the allocator forgets
+//!   when it was last named ([`crate::sync_core::SyncTracks::set_rebase_after`]): the allocator forgets
 //!   an entry with no sample for a lease. Every report, even an empty one, renews leases:
 //!   the allocator answers with a **lease extension** when its grants near half their
 //!   lease (one message for every grant of its term up to a seq,
@@ -29,9 +29,14 @@
 //!   moved away is then seen within the window. Only keys with a handle on this stream
 //!   (holders always have one); one measurement open at a time, later requests join it.
 //! - The stream breaks: the client reconnects with jittered exponential backoff
-//!   (`backoff_min` .. `backoff_max`); a redirect names the leader to reconnect to. In
+//!   (`backoff_min` doubling to `backoff_max`, each wait drawn over the upper half;
+//!   a stream that got as far as a welcome starts it again from `backoff_min`); a
+//!   redirect names the leader to reconnect to. In
 //!   between the engine keeps admitting within its grants, and once a lease ends
 //!   `Engine::maintain` (the shell's ticker) applies the rule's partition posture.
+//!
+//! What happens at each of these moments is [`crate::sync_session::SyncSession`]'s,
+//! which the simulator runs too; this task owns the timers and the stream.
 //!
 //! Counters come from [`Engine::key_demand`]: each key's live slot counts admitted and
 //! rejected cost; a slice change replaces the slot, so the client keeps the previous
@@ -63,7 +68,8 @@ use tokio_stream::wrappers::ReceiverStream;
 use super::AgentState;
 use crate::clock::Clock;
 use crate::engine::KeyDemand;
-use crate::sync_core::{Ack, Applied, Held, Line, SyncTracks, TrackedKey};
+use crate::sync_core::{Ack, Held, Line, TrackedKey};
+use crate::sync_session::{MeasureMark, Outgoing, SessionConfig, SyncSession};
 use crate::{Engine, SliceError, SliceExtension, SliceUpdate};
 
 /// Settings of the sync client. Durations are plain `Duration`s; defaults in
@@ -190,12 +196,11 @@ pub fn spawn(
 ) -> (Arc<SyncStatus>, tokio::task::JoinHandle<()>) {
     let status = Arc::new(SyncStatus::default());
     let client = Client {
+        session: SyncSession::new(0, session_config(&cfg)),
         state,
         cfg,
         status: Arc::clone(&status),
-        tracks: SyncTracks::new(0),
         buf: Vec::new(),
-        last_ts: 0,
         config_version: String::new(),
     };
     let handle = tokio::spawn(client.run(shutdown));
@@ -207,14 +212,30 @@ pub fn config_version(engine: &Engine) -> String {
     pb::config_version(&format!("{:?}", engine.rules()))
 }
 
+fn ns(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// The session's timings from the client's settings.
+fn session_config(cfg: &SyncConfig) -> SessionConfig {
+    SessionConfig {
+        report_interval_ns: ns(cfg.report_interval),
+        new_key_poll_ns: ns(cfg.new_key_poll),
+        full_report_every: cfg.full_report_every,
+        backoff_min_ns: ns(cfg.backoff_min),
+        backoff_max_ns: ns(cfg.backoff_max),
+    }
+}
+
 struct Client {
     state: Arc<AgentState>,
     cfg: SyncConfig,
     status: Arc<SyncStatus>,
-    /// Per-key bookkeeping, shared with the simulator ([`crate::sync_core`]).
-    tracks: SyncTracks<TrackedKey>,
+    /// What the client does at each of its moments, and its per-key bookkeeping:
+    /// shared with the simulator ([`crate::sync_session`]). This task owns only the
+    /// timers and the stream.
+    session: SyncSession<TrackedKey>,
     buf: Vec<KeyDemand>,
-    last_ts: u64,
     config_version: String,
 }
 
@@ -225,10 +246,11 @@ enum End {
     Lost(String),
 }
 
-fn jitter(max_ns: u64) -> u64 {
+/// A random number for the reconnect jitter.
+fn draw() -> u64 {
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(max_ns);
-    h.finish() % max_ns.max(1)
+    h.write_u64(0);
+    h.finish()
 }
 
 fn uri(addr: &str, tls: bool) -> String {
@@ -243,23 +265,51 @@ fn uri(addr: &str, tls: bool) -> String {
     }
 }
 
+/// What the session asks to send, as protocol messages.
+fn encode(out: Vec<Outgoing<pb::KeyReport, TrackedKey>>) -> Vec<pb::AgentMessage> {
+    out.into_iter()
+        .map(|o| match o {
+            Outgoing::Report {
+                agent_time_ns,
+                lines,
+                measure,
+            } => pb::AgentMessage {
+                msg: Some(pb::agent_message::Msg::Report(pb::Report {
+                    agent_time_ns,
+                    keys: lines,
+                    measure: match measure {
+                        MeasureMark::None => pb::Measure::None,
+                        MeasureMark::Start => pb::Measure::Start,
+                        MeasureMark::End => pb::Measure::End,
+                    }
+                    .into(),
+                })),
+            },
+            Outgoing::Acks(acks) => pb::AgentMessage {
+                msg: Some(pb::agent_message::Msg::Ack(pb::Ack {
+                    slices: acks.into_iter().map(ack_pb).collect(),
+                })),
+            },
+        })
+        .collect()
+}
+
 impl Client {
     async fn run(mut self, mut shutdown: watch::Receiver<bool>) {
         self.config_version = config_version(&self.state.engine);
-        self.tracks = SyncTracks::new(self.now_ns());
+        self.session = SyncSession::new(self.now_ns(), session_config(&self.cfg));
         let mut target = self.cfg.allocator.clone();
-        let mut backoff = self.cfg.backoff_min;
         loop {
             if *shutdown.borrow() {
                 return;
             }
             let end = self.stream(&target, &mut shutdown).await;
             self.status.connected.store(false, Ordering::Relaxed);
-            let welcomed_before = self.status.connects.load(Ordering::Relaxed);
             match end {
                 End::Shutdown => return,
                 End::Redirect(leader) => {
                     eprintln!("bursar-agent: allocator redirects to the leader at {leader}");
+                    self.session.closed();
                     target = leader;
                     continue;
                 }
@@ -268,9 +318,7 @@ impl Client {
                     // go back to the configured address, which redirects to whoever
                     // leads now.
                     target = self.cfg.allocator.clone();
-                    // Full jitter over [backoff/2, backoff].
-                    let half = backoff.as_nanos() as u64 / 2;
-                    let wait = Duration::from_nanos(half + jitter(half.max(1)));
+                    let wait = Duration::from_nanos(self.session.lost(draw()));
                     eprintln!(
                         "bursar-agent: allocator {target}: {why}; reconnecting in {} ms",
                         wait.as_millis()
@@ -278,11 +326,6 @@ impl Client {
                     tokio::select! {
                         _ = tokio::time::sleep(wait) => {}
                         _ = shutdown.wait_for(|s| *s) => return,
-                    }
-                    backoff = (backoff * 2).min(self.cfg.backoff_max);
-                    // A stream that got as far as a welcome resets the backoff.
-                    if self.status.connects.load(Ordering::Relaxed) != welcomed_before {
-                        backoff = self.cfg.backoff_min;
                     }
                 }
             }
@@ -293,47 +336,19 @@ impl Client {
         self.state.clock.now_ns()
     }
 
-    /// A strictly increasing agent timestamp for a message.
-    fn stamp(&mut self) -> u64 {
-        let t = self.now_ns().max(self.last_ts + 1);
-        self.last_ts = t;
-        t
-    }
-
-    /// Reads the engine's keys into the tracks.
-    fn refresh(&mut self) {
-        let now = self.now_ns();
-        self.tracks
-            .refresh(&self.state.engine, now, &mut self.buf, key_id);
-    }
-
-    /// Reads only the keys that changed since the last walk (the report tick).
-    fn refresh_changed(&mut self) {
-        let now = self.now_ns();
-        self.tracks
-            .refresh_changed(&self.state.engine, now, &mut self.buf, key_id);
-    }
-
-    /// Reads only the keys the engine created since the last read (the new-key poll,
-    /// every 20 ms).
-    fn refresh_new(&mut self) {
-        let now = self.now_ns();
-        self.tracks
-            .refresh_new(&self.state.engine, now, &mut self.buf, key_id);
-    }
-
+    /// A stream opens: the hello.
     fn hello(&mut self) -> pb::AgentMessage {
-        self.refresh();
+        let now = self.now_ns();
+        let ts = self
+            .session
+            .open(&self.state.engine, now, &mut self.buf, key_id);
         let held: Vec<pb::HeldSlice> = self
-            .tracks
-            .held()
+            .session
+            .hello_held()
             .map(|(k, g)| pb::HeldSlice {
                 key: Some(key_pb(k)),
                 grant: Some(held_pb(g)),
             })
-            // The rest follow in the first (full) report, which carries every held
-            // grant too.
-            .take(pb::MAX_KEYS_PER_MESSAGE)
             .collect();
         pb::AgentMessage {
             msg: Some(pb::agent_message::Msg::Hello(pb::Hello {
@@ -341,7 +356,7 @@ impl Client {
                 agent: self.cfg.agent_id.clone(),
                 incarnation: self.cfg.incarnation,
                 weight: self.cfg.weight,
-                agent_time_ns: self.stamp(),
+                agent_time_ns: ts,
                 held,
                 config_version: self.config_version.clone(),
                 report_interval_ms: u64::try_from(self.cfg.report_interval.as_millis())
@@ -350,83 +365,33 @@ impl Client {
         }
     }
 
-    /// Reports: `full` names every key; otherwise changed keys, or only keys the
-    /// allocator has not heard of on this stream (`only_new`).
-    fn reports(&mut self, full: bool, only_new: bool, max_keys: usize) -> Vec<pb::AgentMessage> {
-        let mut keys = Vec::new();
-        self.tracks
-            .report(full, only_new, |l| keys.push(key_report_pb(l)));
-        if keys.is_empty() && only_new {
-            return Vec::new();
-        }
-        self.chunked(keys, max_keys, pb::Measure::None)
-    }
-
-    /// The reports of a measurement the allocator asked for: `handles`' keys (those
-    /// this stream knows), marked `measure`; nothing when none is known.
-    fn measure_reports(
-        &mut self,
-        handles: &[u64],
-        measure: pb::Measure,
-        max_keys: usize,
-    ) -> Vec<pb::AgentMessage> {
-        let mut keys = Vec::new();
-        self.tracks
-            .measure_report(handles, |l| keys.push(key_report_pb(l)));
-        if keys.is_empty() {
-            return Vec::new();
-        }
-        self.chunked(keys, max_keys, measure)
-    }
-
-    /// Report lines in messages of at most `max_keys` lines (one, empty, for none).
-    fn chunked(
-        &mut self,
-        keys: Vec<pb::KeyReport>,
-        max_keys: usize,
-        measure: pb::Measure,
-    ) -> Vec<pb::AgentMessage> {
-        let mut out = Vec::new();
-        let mut keys = keys.into_iter().peekable();
-        loop {
-            let chunk: Vec<pb::KeyReport> = keys.by_ref().take(max_keys.max(1)).collect();
-            out.push(pb::AgentMessage {
-                msg: Some(pb::agent_message::Msg::Report(pb::Report {
-                    agent_time_ns: self.stamp(),
-                    keys: chunk,
-                    measure: measure.into(),
-                })),
-            });
-            if keys.peek().is_none() {
-                break;
+    /// Sends what the session asks for, in order; false if the stream closed.
+    fn send_all(
+        &self,
+        tx: &mpsc::Sender<pb::AgentMessage>,
+        out: Vec<Outgoing<pb::KeyReport, TrackedKey>>,
+    ) -> bool {
+        for m in encode(out) {
+            let counter = match &m.msg {
+                Some(pb::agent_message::Msg::Ack(a)) => {
+                    (&self.status.acks_sent, a.slices.len() as u64)
+                }
+                _ => (&self.status.reports_sent, 1),
+            };
+            match tx.try_send(m) {
+                Ok(()) => {}
+                Err(mpsc::error::TrySendError::Full(_)) => {
+                    self.status.dropped.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(mpsc::error::TrySendError::Closed(_)) => return false,
             }
-        }
-        out
-    }
-
-    fn send(&self, tx: &mpsc::Sender<pb::AgentMessage>, m: pb::AgentMessage) -> bool {
-        match tx.try_send(m) {
-            Ok(()) => true,
-            Err(mpsc::error::TrySendError::Full(_)) => {
-                self.status.dropped.fetch_add(1, Ordering::Relaxed);
-                true
-            }
-            Err(mpsc::error::TrySendError::Closed(_)) => false,
-        }
-    }
-
-    fn send_reports(&self, tx: &mpsc::Sender<pb::AgentMessage>, ms: Vec<pb::AgentMessage>) -> bool {
-        for m in ms {
-            if !self.send(tx, m) {
-                return false;
-            }
-            self.status.reports_sent.fetch_add(1, Ordering::Relaxed);
+            counter.0.fetch_add(counter.1, Ordering::Relaxed);
         }
         true
     }
 
     /// Applies grants; returns the acks to send now.
-    fn apply(&mut self, grants: Vec<pb::Grant>) -> Vec<pb::SliceAck> {
+    fn apply(&mut self, grants: Vec<pb::Grant>) -> Vec<Outgoing<pb::KeyReport, TrackedKey>> {
         let mut updates = Vec::with_capacity(grants.len());
         let mut keys = Vec::with_capacity(grants.len());
         let mut handles = Vec::with_capacity(grants.len());
@@ -450,54 +415,19 @@ impl Client {
             });
         }
         let now = self.now_ns();
-        let outcomes = self
-            .tracks
-            .apply(&self.state.engine, now, updates, keys, &handles);
-        let mut acks = Vec::new();
-        for outcome in outcomes {
-            match outcome {
-                Applied::Ack(a) => {
-                    self.status.grants_applied.fetch_add(1, Ordering::Relaxed);
-                    acks.push(ack_pb(a));
-                }
-                Applied::Draining | Applied::Held => {
-                    self.status.grants_applied.fetch_add(1, Ordering::Relaxed);
-                }
-                Applied::Refused(e) => {
-                    self.status.grants_refused.fetch_add(1, Ordering::Relaxed);
-                    if !matches!(e, SliceError::Stale { .. }) {
-                        eprintln!("bursar-agent: grant refused: {e}");
-                    }
-                }
+        let granted = self
+            .session
+            .grants(&self.state.engine, now, updates, keys, &handles);
+        self.status
+            .grants_applied
+            .fetch_add(granted.applied, Ordering::Relaxed);
+        for e in &granted.refused {
+            self.status.grants_refused.fetch_add(1, Ordering::Relaxed);
+            if !matches!(e, SliceError::Stale { .. }) {
+                eprintln!("bursar-agent: grant refused: {e}");
             }
         }
-        acks
-    }
-
-    /// Acks for concurrency shrinks that have drained (after a refresh).
-    fn drained_acks(&mut self) -> Vec<pb::SliceAck> {
-        self.tracks.drained_acks().into_iter().map(ack_pb).collect()
-    }
-
-    fn send_acks(
-        &self,
-        tx: &mpsc::Sender<pb::AgentMessage>,
-        acks: Vec<pb::SliceAck>,
-        max_keys: usize,
-    ) -> bool {
-        for chunk in acks.chunks(max_keys.max(1)) {
-            let n = chunk.len() as u64;
-            let m = pb::AgentMessage {
-                msg: Some(pb::agent_message::Msg::Ack(pb::Ack {
-                    slices: chunk.to_vec(),
-                })),
-            };
-            if !self.send(tx, m) {
-                return false;
-            }
-            self.status.acks_sent.fetch_add(n, Ordering::Relaxed);
-        }
-        true
+        granted.out
     }
 
     /// One stream, from connect to its end.
@@ -532,7 +462,6 @@ impl Client {
         let (tx, rx) = mpsc::channel(self.cfg.outbound_queue_max.max(2));
         // A new stream: every key is new to it (and the last one's handles mean
         // nothing to it).
-        self.tracks.new_stream();
         let hello = self.hello();
         if tx.try_send(hello).is_err() {
             return End::Lost("queue".into());
@@ -567,13 +496,6 @@ impl Client {
                 welcome.config_version, self.config_version
             );
         }
-        let max_keys = (welcome.max_keys_per_message as usize).clamp(1, pb::MAX_KEYS_PER_MESSAGE);
-        // The allocator forgets an entry after a lease without a sample: lines of keys
-        // unnamed for half of one count from when they were last named.
-        if welcome.lease_ms > 0 {
-            self.tracks
-                .set_rebase_after(welcome.lease_ms.saturating_mul(1_000_000) / 2);
-        }
         self.status.term.store(welcome.term, Ordering::Relaxed);
         self.status.connects.fetch_add(1, Ordering::Relaxed);
         self.status.connected.store(true, Ordering::Relaxed);
@@ -582,9 +504,17 @@ impl Client {
             welcome.term, self.cfg.agent_id, self.cfg.incarnation
         );
         // Everything the allocator should know, at once.
-        self.refresh();
-        let ms = self.reports(true, false, max_keys);
-        if !self.send_reports(&tx, ms) {
+        let now = self.now_ns();
+        let out = self.session.welcome(
+            &self.state.engine,
+            now,
+            welcome.lease_ms,
+            welcome.max_keys_per_message as usize,
+            &mut self.buf,
+            key_id,
+            key_report_pb,
+        );
+        if !self.send_all(&tx, out) {
             return End::Lost("stream closed".into());
         }
         let mut report_tick = tokio::time::interval(self.cfg.report_interval);
@@ -592,16 +522,14 @@ impl Client {
         report_tick.reset();
         let mut poll_tick = tokio::time::interval(self.cfg.new_key_poll);
         poll_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut key_count = self.state.engine.key_count();
-        let full_every = self.cfg.full_report_every.max(1) as u64;
-        // The timer of a requested measurement's end (`SyncTracks::open_measurement`),
-        // on the timer's own clock: nanoseconds since the stream opened.
+        // The timer of a requested measurement's end, on the timer's own clock:
+        // nanoseconds since the stream opened.
         let base = tokio::time::Instant::now();
         let since_base = || base.elapsed().as_nanos() as u64;
         let measure_end = tokio::time::sleep(Duration::from_secs(3600));
         tokio::pin!(measure_end);
         loop {
-            tokio::select! {
+            let out = tokio::select! {
                 _ = shutdown.wait_for(|s| *s) => return End::Shutdown,
                 m = inbound.message() => {
                     let m = match m {
@@ -610,44 +538,38 @@ impl Client {
                         Err(s) => return End::Lost(format!("{} ({:?})", s.message(), s.code())),
                     };
                     match m.msg {
-                        Some(In::Grants(g)) => {
-                            let acks = self.apply(g.grants);
-                            if !self.send_acks(&tx, acks, max_keys) {
-                                return End::Lost("stream closed".into());
-                            }
-                        }
+                        Some(In::Grants(g)) => self.apply(g.grants),
                         Some(In::LeaseExtension(x)) => {
                             let x = SliceExtension {
                                 epoch: x.epoch,
                                 through_seq: x.through_seq,
                                 lease_expires_at_ns: x.lease_expires_at_ns,
                             };
-                            let counter = match self.state.engine.extend_slices(self.now_ns(), x) {
+                            let now = self.now_ns();
+                            let counter = match self.session.extension(&self.state.engine, now, x) {
                                 Ok(_) => &self.status.extensions_applied,
                                 Err(_) => &self.status.extensions_refused,
                             };
                             counter.fetch_add(1, Ordering::Relaxed);
+                            Vec::new()
                         }
                         Some(In::MeasureRequest(m)) => {
-                            let mut handles = m.key_handles;
-                            handles.truncate(max_keys);
-                            let ms = self.measure_reports(&handles, pb::Measure::Start, max_keys);
-                            if !self.send_reports(&tx, ms) {
-                                return End::Lost("stream closed".into());
-                            }
-                            let opened = self.tracks.open_measurement(
-                                &handles, since_base(), m.window_ms, max_keys,
+                            let now = self.now_ns();
+                            let (out, end) = self.session.measure_request(
+                                now, since_base(), &m.key_handles, m.window_ms, key_report_pb,
                             );
-                            if let Some(at) = opened {
+                            if let Some(at) = end {
                                 measure_end.as_mut().reset(base + Duration::from_nanos(at));
                             }
+                            out
                         }
                         Some(In::UnknownKeys(u)) => {
-                            self.tracks.forget_handles(&u.key_handles);
+                            self.session.unknown_handles(&u.key_handles);
                             self.status.unknown_handles.fetch_add(
                                 u.key_handles.len() as u64,
                                 Ordering::Relaxed,
                             );
+                            Vec::new()
                         }
                         Some(In::Redirect(r)) => return End::Redirect(r.leader),
                         Some(In::ConfigVersion(v)) => {
@@ -657,47 +579,29 @@ impl Client {
                                     v.version, self.config_version
                                 );
                             }
+                            Vec::new()
                         }
-                        Some(In::Welcome(_)) | None => {}
+                        Some(In::Welcome(_)) | None => Vec::new(),
                     }
                 }
-                () = &mut measure_end, if self.tracks.measurement_end().is_some() => {
+                () = &mut measure_end, if self.session.measurement_end().is_some() => {
                     // The timer fires at or after its deadline, on the same clock.
-                    if let Some(handles) = self.tracks.take_ended_measurement(since_base()) {
-                        let ms = self.measure_reports(&handles, pb::Measure::End, max_keys);
-                        if !self.send_reports(&tx, ms) {
-                            return End::Lost("stream closed".into());
-                        }
-                    }
+                    let now = self.now_ns();
+                    self.session.measure_end(now, since_base(), key_report_pb)
                 }
                 _ = report_tick.tick() => {
-                    self.refresh_changed();
-                    let full = self.tracks.next_report_is_full(full_every);
-                    let ms = self.reports(full, false, max_keys);
-                    let acks = self.drained_acks();
-                    if !self.send_reports(&tx, ms) || !self.send_acks(&tx, acks, max_keys) {
-                        return End::Lost("stream closed".into());
-                    }
+                    let now = self.now_ns();
+                    self.session
+                        .report_tick(&self.state.engine, now, &mut self.buf, key_id, key_report_pb)
                 }
                 _ = poll_tick.tick() => {
-                    let n = self.state.engine.key_count();
-                    if n == key_count && self.tracks.draining() == 0 {
-                        continue;
-                    }
-                    key_count = n;
-                    if self.tracks.draining() == 0 {
-                        self.refresh_new();
-                    } else {
-                        // A concurrency shrink waits for its in-flight count to fit:
-                        // read every key's count (rare: shrinks of draining slots).
-                        self.refresh();
-                    }
-                    let ms = self.reports(false, true, max_keys);
-                    let acks = self.drained_acks();
-                    if !self.send_reports(&tx, ms) || !self.send_acks(&tx, acks, max_keys) {
-                        return End::Lost("stream closed".into());
-                    }
+                    let now = self.now_ns();
+                    self.session
+                        .poll_tick(&self.state.engine, now, &mut self.buf, key_id, key_report_pb)
                 }
+            };
+            if !self.send_all(&tx, out) {
+                return End::Lost("stream closed".into());
             }
         }
     }
@@ -762,6 +666,14 @@ mod tests {
         assert_eq!(uri("http://a:1", true), "https://a:1");
         assert_eq!(uri("https://a:1", true), "https://a:1");
         assert_eq!(uri("http://a:1", false), "http://a:1");
+    }
+
+    #[test]
+    fn the_session_splits_messages_at_the_protocols_bound() {
+        assert_eq!(
+            crate::sync_session::MAX_KEYS_PER_MESSAGE,
+            pb::MAX_KEYS_PER_MESSAGE
+        );
     }
 
     #[test]
