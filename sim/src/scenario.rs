@@ -76,6 +76,10 @@ pub const BUILT_INS: &[(&str, &str)] = &[
         include_str!("../scenarios/partition-drift.toml"),
     ),
     (
+        "partition-long",
+        include_str!("../scenarios/partition-long.toml"),
+    ),
+    (
         "allocator-partition",
         include_str!("../scenarios/allocator-partition.toml"),
     ),

@@ -67,6 +67,11 @@ const BIN_NS: u64 = 50 * MS;
 /// How long an agent waits for the welcome after its hello before it gives the
 /// stream up and backs off (the sync client's default `connect_timeout`).
 const CONNECT_TIMEOUT_NS: u64 = 2 * SEC;
+/// The HTTP/2 keep-alive of both ends of a stream (the sync client's and the
+/// allocator's shell's settings): a ping every 2 s, the stream given up when one goes
+/// unanswered for 5 s.
+const KEEPALIVE_INTERVAL_NS: u64 = 2 * SEC;
+const KEEPALIVE_TIMEOUT_NS: u64 = 5 * SEC;
 /// Most violation messages kept in a report (the count is exact).
 const VIOLATIONS_KEPT_MAX: usize = 20;
 /// Most keys listed individually in a report (the worst by overshoot).
@@ -412,6 +417,16 @@ enum ToAlloc {
     Hello(Hello, u64),
     Report(AllocReport),
     Ack(Ack),
+    /// The agent's stream `stream` closed: the connection's close crossing the link
+    /// (an agent that crashed or gave a stream up), or, `local`, the allocator's own
+    /// HTTP/2 keep-alive giving up on a cut-off agent (no link to cross). As the
+    /// allocator's shell, only the close of the stream that holds the agent's route
+    /// (its last welcomed one) reaches `Allocator::handle_disconnect`.
+    Disconnect {
+        agent: String,
+        stream: u64,
+        local: bool,
+    },
 }
 
 enum Ev {
@@ -437,6 +452,10 @@ enum Ev {
     ToAgentRefused(u32, u64, u64),
     /// Agent `.0`'s incarnation `.1` gives its stream `.2` up if no welcome came.
     WelcomeTimeout(u32, u64, u64),
+    /// Agent `.0`'s incarnation `.1` sends its stream `.2` an HTTP/2 keep-alive ping.
+    KeepAlive(u32, u64, u64),
+    /// No answer to that ping in time: the stream is gone.
+    KeepAliveLost(u32, u64, u64),
     /// Agent `.0` (incarnation `.1`) ends its open measurement, if it is still due now.
     MeasureEnd(u32, u64),
     Report(u32, u64),
@@ -475,6 +494,8 @@ fn agent_of(ev: &Ev) -> Option<u32> {
         | Ev::ToAgentWelcome(i, ..)
         | Ev::ToAgentRefused(i, ..)
         | Ev::WelcomeTimeout(i, ..)
+        | Ev::KeepAlive(i, ..)
+        | Ev::KeepAliveLost(i, ..)
         | Ev::MeasureEnd(i, _)
         | Ev::Report(i, _)
         | Ev::NewKeyPoll(i, _)
@@ -2079,6 +2100,28 @@ mod tests {
             // And the new term grants again: the second half admits.
             assert!(r.summary.utilization_second_half > 0.5, "{:?}", r.summary);
         }
+    }
+
+    #[test]
+    fn a_partition_longer_than_the_keep_alive_breaks_the_streams_and_they_come_back() {
+        // Gateways 0-3 lose the allocator from 2 s to 17 s of 24 s.
+        let sc = Scenario::load("partition-long").unwrap();
+        let r = run(&sc, 1).unwrap();
+        assert_eq!(r.summary.violations, 0, "{:?}", r.violation_messages);
+        assert!(r.summary.overshoot_max_fraction_of_burst <= r.summary.bound_fraction_of_burst);
+        let c = &r.counters;
+        // Each cut-off agent's keep-alive gives its stream up within 7 s, then each
+        // hello goes unanswered for 2 s and the backoff grows (0.1 s doubling): 3 to 5
+        // more tries in the 8-10 s left of the partition.
+        assert!(
+            (4 * 4..=4 * 7).contains(&c.streams_lost),
+            "{}",
+            c.streams_lost
+        );
+        // Every loss is followed by a hello; the four come back after the heal (the
+        // second half admits nearly what one ideal bucket would).
+        assert_eq!(c.streams_opened, sc.gateways as u64 + c.streams_lost);
+        assert!(r.summary.utilization_second_half > 0.9, "{:?}", r.summary);
     }
 
     #[test]

@@ -241,16 +241,51 @@ impl Shard {
                         |l| key_report(l, names),
                     );
                     self.send_out(sh, i, out);
+                    // The first keep-alive ping, at a phase of the agent's own.
+                    let a = &self.agents[i as usize / SHARDS];
+                    let at = self.now + KEEPALIVE_INTERVAL_NS - a.phase % KEEPALIVE_INTERVAL_NS;
+                    self.push(at, Ev::KeepAlive(i, inc, stream));
                 }
             }
             Ev::ToAgentRefused(i, inc, stream) => {
                 if self.reaches(sh, i as usize, inc) && self.opening(i, stream) {
-                    self.reconnect(i);
+                    self.reconnect(sh, i);
                 }
             }
             Ev::WelcomeTimeout(i, inc, stream) => {
                 if self.live(i, inc) && self.opening(i, stream) {
-                    self.reconnect(i);
+                    self.reconnect(sh, i);
+                }
+            }
+            Ev::KeepAlive(i, inc, stream) => {
+                if self.live(i, inc) && self.up(i, stream) {
+                    // A ping no answer reaches before the timeout: the link is cut from
+                    // now until then (a partition healing sooner lets TCP deliver it).
+                    let (now, timeout) = (self.now, self.now + KEEPALIVE_TIMEOUT_NS);
+                    if sh.net.cut_through(i as usize, now, timeout) {
+                        self.push(timeout, Ev::KeepAliveLost(i, inc, stream));
+                    } else {
+                        self.push(now + KEEPALIVE_INTERVAL_NS, Ev::KeepAlive(i, inc, stream));
+                    }
+                }
+            }
+            Ev::KeepAliveLost(i, inc, stream) => {
+                if self.live(i, inc) && self.up(i, stream) {
+                    // Both ends give the stream up: the allocator's own keep-alive
+                    // (the same settings) tells its core, with no link to cross; it
+                    // is heard there no sooner than the run's rounds allow (the
+                    // shortest link's latency later: the two timers are not in step
+                    // anyway).
+                    let agent = self.agents[i as usize / SHARDS].name.clone();
+                    let term = self.term;
+                    let at = self.now + sh.net.lookahead_ns().max(1);
+                    let close = ToAlloc::Disconnect {
+                        agent,
+                        stream,
+                        local: true,
+                    };
+                    self.push(at, Ev::ToAlloc(i, term, Box::new(close)));
+                    self.reconnect(sh, i);
                 }
             }
             Ev::MeasureEnd(i, inc) => {
@@ -358,6 +393,16 @@ impl Shard {
             Ev::Hits(i, hits) => self.deliver_hits(sh, i, &hits),
             Ev::AgentCrash(i) => {
                 let a = &mut self.agents[(i as usize) / SHARDS];
+                // The process's sockets close with it.
+                if a.engine.is_some() && (a.sync.is_up() || a.sync.is_opening()) {
+                    let close = ToAlloc::Disconnect {
+                        agent: a.name.clone(),
+                        stream: a.sync.streams_opened(),
+                        local: false,
+                    };
+                    self.send_to_alloc(sh, i, close);
+                }
+                let a = &mut self.agents[(i as usize) / SHARDS];
                 a.engine = None;
                 a.sync = session(0, &sh.sc);
                 a.hits.clear();
@@ -391,6 +436,12 @@ impl Shard {
         a.incarnation == inc && a.engine.is_some()
     }
 
+    /// Agent `i`'s stream `stream` is up (not given up since).
+    fn up(&self, i: u32, stream: u64) -> bool {
+        let s = &self.agents[(i as usize) / SHARDS].sync;
+        s.is_up() && s.streams_opened() == stream
+    }
+
     /// Agent `i` waits for the welcome to its stream `stream` (and not to an older one
     /// it gave up).
     fn opening(&self, i: u32, stream: u64) -> bool {
@@ -398,14 +449,22 @@ impl Shard {
         s.is_opening() && s.streams_opened() == stream
     }
 
-    /// Agent `i`'s stream failed (refused, or no welcome in time): it opens another
-    /// after the client's backoff.
-    fn reconnect(&mut self, i: u32) {
+    /// Agent `i`'s stream failed (refused, no welcome in time, or its keep-alive
+    /// went unanswered): it closes the connection and opens another after the client's
+    /// backoff.
+    fn reconnect(&mut self, sh: &Shared, i: u32) {
         let a = &mut self.agents[(i as usize) / SHARDS];
+        let stream = a.sync.streams_opened();
         let wait = a.sync.lost(a.rng.next_u64());
-        let inc = a.incarnation;
+        let (inc, agent) = (a.incarnation, a.name.clone());
         self.counters.streams_lost += 1;
         self.push(self.now + wait, Ev::Hello(i, inc));
+        let close = ToAlloc::Disconnect {
+            agent,
+            stream,
+            local: false,
+        };
+        self.send_to_alloc(sh, i, close);
     }
 
     /// Delivery time on agent `agent`'s link up to the allocator, or `None` if the
@@ -426,12 +485,17 @@ impl Shard {
     }
 
     fn send_to_alloc(&mut self, sh: &Shared, i: u32, m: ToAlloc) {
-        self.counters.to_allocator += 1;
-        self.counters.to_allocator_bytes += match &m {
-            ToAlloc::Hello(h, _) => wire::hello_bytes(h),
-            ToAlloc::Report(r) => wire::report_bytes(r),
-            ToAlloc::Ack(a) => wire::ack_bytes(a),
+        // A connection's close is no message (a TCP FIN), but it crosses the link.
+        let bytes = match &m {
+            ToAlloc::Hello(h, _) => Some(wire::hello_bytes(h)),
+            ToAlloc::Report(r) => Some(wire::report_bytes(r)),
+            ToAlloc::Ack(a) => Some(wire::ack_bytes(a)),
+            ToAlloc::Disconnect { .. } => None,
         };
+        if let Some(b) = bytes {
+            self.counters.to_allocator += 1;
+            self.counters.to_allocator_bytes += b;
+        }
         if let Some(at) = self.link_delay(sh, i as usize) {
             let term = self.term;
             self.push(at, Ev::ToAlloc(i, term, Box::new(m)));

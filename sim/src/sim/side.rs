@@ -28,6 +28,17 @@ impl Net {
         self.peer_cut(agent, t) || self.allocator_cut.iter().any(|(a, b)| *a <= t && t < *b)
     }
 
+    /// Is `agent` cut off from the allocator from `from` until `to`, throughout (one
+    /// fault's span covers both)? What an unanswered keep-alive ping sent at `from`
+    /// needs to go unanswered until `to`.
+    pub(super) fn cut_through(&self, agent: usize, from: u64, to: u64) -> bool {
+        let covers = |a: u64, b: u64| a <= from && to < b;
+        self.partitions
+            .iter()
+            .any(|(a, b, set)| covers(*a, *b) && set.contains(&agent))
+            || self.allocator_cut.iter().any(|(a, b)| covers(*a, *b))
+    }
+
     /// Is `agent` cut off by a `partition` fault at `t` (from the allocator, and from
     /// its peers under the Gubernator-like policy)? An allocator partition leaves
     /// peer links alone.
@@ -62,6 +73,9 @@ pub(super) struct AllocSide {
     rng: Rng,
     /// Earliest delivery time of the next message down each agent's link (FIFO links).
     down_free_at: Vec<u64>,
+    /// Each agent's route: the stream whose hello this allocator welcomed last (0:
+    /// none), as the shell routes an agent's grants to one connection.
+    routes: Vec<u64>,
     /// What this side counted: messages and bytes down, losses, allocator refusals,
     /// events. Added to the agents' side's counters for the report.
     pub(super) counters: Counters,
@@ -107,6 +121,7 @@ impl AllocSide {
             alloc_wake: u64::MAX,
             rng,
             down_free_at: vec![0; agent_names.len()],
+            routes: vec![0; agent_names.len()],
             counters: Counters::default(),
             out: Vec::new(),
             check_at: None,
@@ -180,6 +195,7 @@ impl AllocSide {
 
     /// The allocator crashed: everything it held is gone.
     pub(super) fn crash(&mut self) {
+        self.routes.fill(0);
         self.alloc = None;
         self.naive = None;
         self.alloc_wake = u64::MAX;
@@ -202,11 +218,29 @@ impl AllocSide {
     }
 
     fn deliver(&mut self, i: u32, m: ToAlloc) {
+        let now = self.now;
+        if let ToAlloc::Disconnect {
+            agent,
+            stream,
+            local,
+        } = &m
+        {
+            if !local && self.net.cut(i as usize, now) {
+                self.counters.lost += 1;
+            } else if let Some(a) = self.alloc.as_mut()
+                && self.routes[i as usize] == *stream
+            {
+                self.routes[i as usize] = 0;
+                // An agent this allocator never heard of (a term started since) is not
+                // an error worth counting.
+                let _ = a.handle_disconnect(now, agent);
+            }
+            return;
+        }
         if self.net.cut(i as usize, self.now) {
             self.counters.lost += 1;
             return;
         }
-        let now = self.now;
         if let ToAlloc::Hello(h, stream) = &m {
             // A stream opens: welcomed, or refused (as the allocator's shell answers a
             // hello with a welcome or an error status; a crashed one refuses the
@@ -222,6 +256,7 @@ impl AllocSide {
             };
             match accepted {
                 Ok(()) => {
+                    self.routes[i as usize] = stream;
                     self.counters.to_agents += 1;
                     self.counters.to_agents_bytes +=
                         wire::welcome_bytes(self.term, self.max_keys_per_message, self.lease_ms);
@@ -247,7 +282,7 @@ impl AllocSide {
                 return;
             };
             match &m {
-                ToAlloc::Hello(..) => {}
+                ToAlloc::Hello(..) | ToAlloc::Disconnect { .. } => {}
                 ToAlloc::Report(r) => {
                     for k in &r.keys {
                         if let Some(key) = k
@@ -276,7 +311,7 @@ impl AllocSide {
             return;
         };
         let r = match &m {
-            ToAlloc::Hello(..) => Ok(()),
+            ToAlloc::Hello(..) | ToAlloc::Disconnect { .. } => Ok(()),
             ToAlloc::Report(r) => alloc.handle_report(now, r),
             ToAlloc::Ack(a) => alloc.handle_ack(now, a),
         };
