@@ -733,14 +733,12 @@ pub struct Sim {
     samples: u64,
 }
 
-/// An agent's sync session from `now`, with the scenario's report interval, new-key
-/// poll and full-report cadence and the client's default backoff.
+/// An agent's sync session from `now`, with the scenario's full-report cadence and
+/// the client's default backoff (the report and poll timers are the simulator's).
 fn session(now: u64, sc: &Scenario) -> SyncSession<u32> {
     SyncSession::new(
         now,
         SessionConfig {
-            report_interval_ns: sc.allocator.report_interval_ms * MS,
-            new_key_poll_ns: sc.allocator.new_key_poll_ms * MS,
             full_report_every: sc.allocator.full_report_every,
             ..SessionConfig::default()
         },

@@ -25,13 +25,10 @@ use crate::{Engine, SliceError, SliceExtension, SliceUpdate};
 /// depend on; a test in the shell holds them equal). A welcome may lower it.
 pub const MAX_KEYS_PER_MESSAGE: usize = 10_000;
 
-/// The session's timings (the sync client's settings, in nanoseconds).
+/// What the session decides by (the sync client's settings; durations in
+/// nanoseconds). The report period and the new-key poll's are the driver's timers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SessionConfig {
-    /// Report period.
-    pub report_interval_ns: u64,
-    /// How often the engine is checked for new keys.
-    pub new_key_poll_ns: u64,
     /// Every n-th regular report is a full one.
     pub full_report_every: u32,
     /// First reconnect delay.
@@ -41,12 +38,10 @@ pub struct SessionConfig {
 }
 
 impl Default for SessionConfig {
-    /// The sync client's defaults: reports every 250 ms, a new-key poll every 20 ms,
-    /// every 8th report full, reconnects after 100 ms doubling to 5 s.
+    /// The sync client's defaults: every 8th report full, reconnects after 100 ms
+    /// doubling to 5 s.
     fn default() -> SessionConfig {
         SessionConfig {
-            report_interval_ns: 250_000_000,
-            new_key_poll_ns: 20_000_000,
             full_report_every: 8,
             backoff_min_ns: 100_000_000,
             backoff_max_ns: 5_000_000_000,
@@ -144,7 +139,7 @@ impl<K: Ord + Clone> SyncSession<K> {
         &self.tracks
     }
 
-    /// The timings.
+    /// Its settings.
     pub fn config(&self) -> &SessionConfig {
         &self.cfg
     }
@@ -257,7 +252,7 @@ impl<K: Ord + Clone> SyncSession<K> {
 
     /// Whether a new-key poll now would do anything: the stream is up, and the
     /// engine's key count moved since the last poll or a concurrency shrink waits to
-    /// drain. A driver that does not tick every `new_key_poll_ns` (the simulator, which
+    /// drain. A driver that does not tick every new-key poll period (the simulator, which
     /// schedules a poll only when this turns true) sends what a ticking one would.
     pub fn wants_poll(&self, engine: &Engine) -> bool {
         self.is_up() && (self.tracks.draining() > 0 || engine.key_count() != self.key_count)

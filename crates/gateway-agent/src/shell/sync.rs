@@ -216,11 +216,9 @@ fn ns(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
-/// The session's timings from the client's settings.
+/// The session's settings from the client's.
 fn session_config(cfg: &SyncConfig) -> SessionConfig {
     SessionConfig {
-        report_interval_ns: ns(cfg.report_interval),
-        new_key_poll_ns: ns(cfg.new_key_poll),
         full_report_every: cfg.full_report_every,
         backoff_min_ns: ns(cfg.backoff_min),
         backoff_max_ns: ns(cfg.backoff_max),
