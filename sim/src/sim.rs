@@ -392,8 +392,12 @@ struct Agent {
     /// (`SyncSession::wants_poll`), where the client ticks every time.
     poll_pending: bool,
     next_request: u64,
-    /// Report phase within the interval.
+    /// Phase within the interval of the timers that run whatever the stream (hit
+    /// syncs, maintenance).
     phase: u64,
+    /// Virtual time of the current stream's welcome: the client's report, new-key
+    /// poll and keep-alive timers run from it.
+    welcomed_at: u64,
     /// Earliest delivery time of the next message up its link (FIFO links; the
     /// allocator's side keeps the other direction's).
     up_free_at: u64,
@@ -458,7 +462,9 @@ enum Ev {
     KeepAliveLost(u32, u64, u64),
     /// Agent `.0` (incarnation `.1`) ends its open measurement, if it is still due now.
     MeasureEnd(u32, u64),
-    Report(u32, u64),
+    /// Agent `.0`'s incarnation `.1`'s report tick on its stream `.2` (the client's
+    /// ticker runs from each welcome).
+    Report(u32, u64, u64),
     NewKeyPoll(u32, u64),
     Maintain(u32, u64),
     Hello(u32, u64),
@@ -497,7 +503,7 @@ fn agent_of(ev: &Ev) -> Option<u32> {
         | Ev::KeepAlive(i, ..)
         | Ev::KeepAliveLost(i, ..)
         | Ev::MeasureEnd(i, _)
-        | Ev::Report(i, _)
+        | Ev::Report(i, ..)
         | Ev::NewKeyPoll(i, _)
         | Ev::Maintain(i, _)
         | Ev::Hello(i, _)
@@ -793,6 +799,7 @@ impl Sim {
                     poll_pending: false,
                     next_request: 0,
                     phase: r.below(report_ns),
+                    welcomed_at: 0,
                     up_free_at: 0,
                     rng: r,
                     id_buf: String::new(),
@@ -929,8 +936,11 @@ impl Sim {
         }
         for i in 0..sc.gateways {
             let a = sim.agent_mut(i);
-            let hello_at = a.rng.below(50 * MS);
+            // Agents started at their own times: their first hellos, and so their
+            // report tickers, spread over one report interval (a fleet whose reports
+            // all land together is not one that started gateway by gateway).
             let phase = a.phase;
+            let hello_at = phase;
             if policy.fixed_slices() {
                 sim.push(t0 - MS, Ev::StaticSlices(i as u32, 1));
                 if policy == Policy::Gubernator {
@@ -938,7 +948,6 @@ impl Sim {
                 }
             } else {
                 sim.push(hello_at, Ev::Hello(i as u32, 1));
-                sim.push(100 * MS + phase, Ev::Report(i as u32, 1));
             }
             sim.push(phase % MAINTAIN_NS, Ev::Maintain(i as u32, 1));
         }

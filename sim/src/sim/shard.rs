@@ -208,7 +208,7 @@ impl Shard {
         }
         a.poll_pending = true;
         let poll = sh.sc.allocator.new_key_poll_ms * MS;
-        let at = now + poll - (now + a.phase) % poll;
+        let at = now + poll - (now - a.welcomed_at) % poll;
         let inc = a.incarnation;
         self.push(at, Ev::NewKeyPoll(i, inc));
     }
@@ -240,11 +240,16 @@ impl Shard {
                         |d| engine_key(d, nkeys),
                         |l| key_report(l, names),
                     );
+                    self.agents[i as usize / SHARDS].welcomed_at = self.now;
                     self.send_out(sh, i, out);
-                    // The first keep-alive ping, at a phase of the agent's own.
-                    let a = &self.agents[i as usize / SHARDS];
-                    let at = self.now + KEEPALIVE_INTERVAL_NS - a.phase % KEEPALIVE_INTERVAL_NS;
-                    self.push(at, Ev::KeepAlive(i, inc, stream));
+                    // The stream's timers start: the report ticker (its first tick one
+                    // interval on) and the keep-alive pings.
+                    let every = sh.sc.allocator.report_interval_ms * MS;
+                    self.push(self.now + every, Ev::Report(i, inc, stream));
+                    self.push(
+                        self.now + KEEPALIVE_INTERVAL_NS,
+                        Ev::KeepAlive(i, inc, stream),
+                    );
                 }
             }
             Ev::ToAgentRefused(i, inc, stream) => {
@@ -298,8 +303,8 @@ impl Shard {
                     self.send_out(sh, i, out);
                 }
             }
-            Ev::Report(i, inc) => {
-                if self.live(i, inc) {
+            Ev::Report(i, inc, stream) => {
+                if self.live(i, inc) && self.up(i, stream) {
                     let names = &sh.keys;
                     let nkeys = names.len();
                     let a = &mut self.agents[(i as usize) / SHARDS];
@@ -315,7 +320,7 @@ impl Shard {
                         self.send_out(sh, i, out);
                     }
                     let every = sh.sc.allocator.report_interval_ms * MS;
-                    self.push(self.now + every, Ev::Report(i, inc));
+                    self.push(self.now + every, Ev::Report(i, inc, stream));
                 }
             }
             Ev::NewKeyPoll(i, inc) => {
@@ -423,7 +428,6 @@ impl Shard {
                     }
                 } else {
                     self.push(self.now, Ev::Hello(i, inc));
-                    self.push(self.now + phase % report_ns + 1, Ev::Report(i, inc));
                 }
                 self.push(self.now + phase % MAINTAIN_NS, Ev::Maintain(i, inc));
             }
