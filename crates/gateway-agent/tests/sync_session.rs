@@ -241,3 +241,195 @@ fn a_measurement_reports_its_start_now_and_its_end_when_its_timer_fires() {
     assert_eq!(summary(&out), [("end", vec!["org-rps/b".to_string()])]);
     assert_eq!(s.measurement_end(), None);
 }
+
+/// One step of a client's life, for the property test below.
+#[derive(Clone, Debug)]
+enum Op {
+    /// A request on `org` (rate) or `team` (concurrency) value `v`.
+    Admit(bool, u8),
+    /// The `n`-th oldest request in flight completes.
+    Complete(u8),
+    Advance(u64),
+    Open,
+    /// The welcome, with this bound on lines per message.
+    Welcome(usize),
+    ReportTick,
+    PollTick,
+    /// A grant for `org`/`team` value `v` with this burst (slots), carrying a handle
+    /// or not.
+    Grant(bool, u8, u64, bool),
+    Lost(u64),
+}
+
+fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+    use proptest::prelude::*;
+    prop_oneof![
+        5 => (any::<bool>(), 0u8..6).prop_map(|(t, v)| Op::Admit(t, v)),
+        2 => (0u8..8).prop_map(Op::Complete),
+        3 => (1u64..300).prop_map(Op::Advance),
+        1 => Just(Op::Open),
+        2 => (1usize..4).prop_map(Op::Welcome),
+        3 => Just(Op::ReportTick),
+        3 => Just(Op::PollTick),
+        2 => (any::<bool>(), 0u8..6, 0u64..12, any::<bool>())
+            .prop_map(|(t, v, b, h)| Op::Grant(t, v, b, h)),
+        1 => any::<u64>().prop_map(Op::Lost),
+    ]
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::test_runner::Config::with_cases(300))]
+
+    /// Whatever happens in whatever order: nothing is sent on a stream that is not up,
+    /// no message carries more than the welcome's bound, every message's stamp is above
+    /// the last one's, the welcome's full report names every key the engine holds, a
+    /// poll leaves nothing for the next one unless a shrink drains, acks name only
+    /// granted keys, and every reconnect wait stays within the backoff's bounds.
+    #[test]
+    fn the_session_keeps_its_promises_through_any_sequence(
+        ops in proptest::collection::vec(op(), 1..120)
+    ) {
+        use std::collections::BTreeSet;
+        use proptest::{prop_assert, prop_assert_eq};
+        let e = engine(bursar_agent::testing::ALLOCATED_SYNC);
+        let c = cfg();
+        let mut s: SyncSession<String> = SyncSession::new(0, c);
+        let mut buf = Vec::new();
+        let (mut now, mut last_stamp, mut seq, mut req) = (1u64, 0u64, 0u64, 0u64);
+        let mut in_flight: Vec<String> = Vec::new();
+        let mut granted: BTreeSet<String> = BTreeSet::new();
+        for op in ops {
+            let up = s.is_up();
+            let max = s.max_keys();
+            // Only an open stream's welcome sends before the stream is up.
+            let may_send = up || (matches!(op, Op::Welcome(_)) && s.is_opening());
+            let out: Vec<Outgoing<String, String>> = match op {
+                Op::Admit(team, v) => {
+                    req += 1;
+                    let id = format!("r{req}");
+                    let value = format!("v{v}");
+                    let desc = [(if team { "team" } else { "org" }, value.as_str())];
+                    let r = e.admit(now, &AdmitRequest {
+                        request_id: &id,
+                        domain: None,
+                        descriptors: &desc,
+                        cost: Cost::ONE_REQUEST,
+                        ttl_ms: Some(60_000),
+                    });
+                    if matches!(r, Ok(bursar_agent::Decision::Admitted(_))) {
+                        in_flight.push(id);
+                    }
+                    Vec::new()
+                }
+                Op::Complete(n) => {
+                    if !in_flight.is_empty() {
+                        let id = in_flight.remove(n as usize % in_flight.len());
+                        let _ = e.complete(
+                            now,
+                            &id,
+                            bursar_agent::Usage::default(),
+                            bursar_agent::CompletionStatus::Ok,
+                        );
+                    }
+                    Vec::new()
+                }
+                Op::Advance(ms) => {
+                    now += ms * MS;
+                    Vec::new()
+                }
+                Op::Open => {
+                    if !s.is_up() && !s.is_opening() {
+                        let ts = s.open(&e, now, &mut buf, key_of);
+                        prop_assert!(ts > last_stamp, "hello stamp {ts} after {last_stamp}");
+                        last_stamp = ts;
+                        prop_assert!(s.is_opening());
+                    }
+                    Vec::new()
+                }
+                Op::Welcome(max_keys) => {
+                    if s.is_opening() {
+                        let out = s.welcome(&e, now, 10_000, max_keys, &mut buf, key_of, line);
+                        // Everything at once: every key the engine holds is named.
+                        let mut all = Vec::new();
+                        e.key_demand(&mut all);
+                        let held: BTreeSet<String> = all.iter().filter_map(key_of).collect();
+                        let named: BTreeSet<String> = out
+                            .iter()
+                            .flat_map(|o| match o {
+                                Outgoing::Report { lines, .. } => lines.clone(),
+                                Outgoing::Acks(_) => Vec::new(),
+                            })
+                            .collect();
+                        prop_assert_eq!(named, held);
+                        prop_assert_eq!(s.max_keys(), max_keys);
+                        out
+                    } else {
+                        Vec::new()
+                    }
+                }
+                Op::ReportTick => {
+                    let out = s.report_tick(&e, now, &mut buf, key_of, line);
+                    if up {
+                        // A regular report goes out even empty: it renews leases.
+                        prop_assert!(!out.is_empty());
+                    }
+                    out
+                }
+                Op::PollTick => {
+                    let out = s.poll_tick(&e, now, &mut buf, key_of, line);
+                    if s.draining() == 0 {
+                        prop_assert!(!s.wants_poll(&e), "a poll left work for the next");
+                    }
+                    out
+                }
+                Op::Grant(team, v, burst, handle) => {
+                    if s.is_up() {
+                        seq += 1;
+                        let rule = if team { "team-conc" } else { "org-rps" };
+                        let key = format!("{rule}/v{v}");
+                        granted.insert(key.clone());
+                        let u = SliceUpdate {
+                            rule: rule.into(),
+                            values: vec![format!("v{v}")],
+                            rate: if team { 0 } else { 100 },
+                            burst,
+                            epoch: 1,
+                            seq,
+                            lease_expires_at_ns: now + 60 * SEC,
+                            fleet_size: 1,
+                            transfer_tokens: 0,
+                        };
+                        let h = if handle { 100 + seq } else { 0 };
+                        s.grants(&e, now, vec![u], vec![key], &[h]).out
+                    } else {
+                        Vec::new()
+                    }
+                }
+                Op::Lost(draw) => {
+                    let w = s.lost(draw);
+                    prop_assert!(w >= c.backoff_min_ns / 2 && w < c.backoff_max_ns, "wait {w}");
+                    prop_assert!(!s.is_up() && !s.is_opening());
+                    Vec::new()
+                }
+            };
+            if !may_send {
+                prop_assert!(out.is_empty(), "sent while the stream was not up: {out:?}");
+            }
+            for o in &out {
+                match o {
+                    Outgoing::Report { agent_time_ns, lines, .. } => {
+                        prop_assert!(lines.len() <= s.max_keys().max(max));
+                        prop_assert!(*agent_time_ns > last_stamp);
+                        last_stamp = *agent_time_ns;
+                    }
+                    Outgoing::Acks(acks) => {
+                        prop_assert!(!acks.is_empty() && acks.len() <= s.max_keys());
+                        for a in acks {
+                            prop_assert!(granted.contains(&a.key), "ack for {}", a.key);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
