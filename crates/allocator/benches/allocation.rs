@@ -20,6 +20,9 @@
 //!   report, as the sync client); it includes lease renewals (one extension per agent every quarter
 //!   hold, drained), whole-key passes of large keys on their schedule and the
 //!   amortised expiry sweep. Only the allocator's calls are timed.
+//! - `report/100_keys_routed_as_the_shell`: `report/100_keys` with the grants drained
+//!   as the shell's `route` drains them (`for_each_grant`, each encoded into a protobuf
+//!   grant, batched per agent stream) instead of into owned `Grant`s.
 //! - `report/100_keys_handle_report_only`: the same without the recomputation.
 //! - `report/100_keys_baseline_whole_key_recompute`: the named baseline, measured in the
 //!   same run: every changed key recomputed whole (`large_key_entries = usize::MAX`),
@@ -44,7 +47,9 @@ use std::time::{Duration, Instant};
 
 use bursar_allocator::AllocatorConfig;
 use bursar_allocator::shell::driver::grant_to_pb;
-use bursar_allocator::testing::fleet::{ENTRIES, Reporter, fleet, fleet_with, zipf_counts};
+use bursar_allocator::testing::fleet::{
+    ENTRIES, Reporter, RoutedBatch, fleet, fleet_with, zipf_counts,
+};
 use criterion::{BatchSize, Criterion, criterion_group, criterion_main};
 
 const MS: u64 = 1_000_000;
@@ -169,6 +174,25 @@ fn report(c: &mut Criterion) {
         ),
     ] {
         let mut r = Reporter::new(large, delay);
+        if label == "100_keys" {
+            // The same reports with the grants drained as the shell's `route` does.
+            let mut routed = Reporter::new(large, delay);
+            let mut batch = RoutedBatch::new();
+            g.bench_function("100_keys_routed_as_the_shell", |b| {
+                b.iter_custom(|iters| {
+                    let mut spent = Duration::ZERO;
+                    for _ in 0..iters {
+                        let i = routed.prepare();
+                        let t = Instant::now();
+                        routed.report_routed(i, &mut batch);
+                        spent += t.elapsed();
+                        black_box(batch.len());
+                        routed.deliver_routed(&mut batch);
+                    }
+                    spent
+                })
+            });
+        }
         g.bench_function(label, |b| {
             b.iter_custom(|iters| {
                 let mut spent = Duration::ZERO;

@@ -9,7 +9,7 @@ use bursar_agent::Config;
 
 use crate::config::AllocatorConfig;
 use crate::core::Allocator;
-use crate::msg::{Grant, Hello, KeyName, KeyReport, Measure, Report};
+use crate::msg::{Grant, HeldGrant, Hello, KeyName, KeyReport, Measure, Report};
 
 /// Agents in the fleet.
 pub const AGENTS: usize = 1_000;
@@ -255,4 +255,51 @@ impl Reporter {
         out.extend(self.f.alloc.drain_grants());
         std::hint::black_box(self.f.alloc.drain_extensions());
     }
+
+    /// [`Reporter::report`] with the grants drained as the shell's `route` does
+    /// (`shell/driver.rs`): `for_each_grant`, each grant encoded into a protobuf grant
+    /// (key strings copied) and batched per agent stream in `batch`, which the shell
+    /// then sends and this harness hands to [`Reporter::deliver_routed`]; no owned
+    /// `Grant`s.
+    #[inline(never)]
+    pub fn report_routed(&mut self, i: usize, batch: &mut RoutedBatch) {
+        self.f
+            .alloc
+            .handle_report(self.f.now, &self.reports[i])
+            .expect("the fleet's reports are valid");
+        self.f.alloc.handle_timeout(self.f.now);
+        self.f.alloc.for_each_grant(|g| {
+            batch
+                .entry(g.agent_index)
+                .or_insert_with(|| (std::sync::Arc::clone(g.agent), Vec::new()))
+                .1
+                .push(crate::shell::driver::grant_to_pb(&g))
+        });
+        std::hint::black_box(self.f.alloc.drain_extensions());
+    }
+
+    /// Applies routed grants to the agents' next reports (as [`Reporter::deliver`]),
+    /// emptying `batch`.
+    pub fn deliver_routed(&mut self, batch: &mut RoutedBatch) {
+        for (_, (agent, grants)) in batch.drain() {
+            let i: usize = agent["agent-".len()..].parse().unwrap();
+            for g in grants {
+                let key = g.key.expect("a routed grant names its key");
+                let k: u32 = key.values[0][1..].parse().unwrap();
+                if let Some(&j) = self.slot[i].get(&k) {
+                    self.reports[i].keys[j].held = Some(HeldGrant {
+                        epoch: g.epoch,
+                        seq: g.seq,
+                        rate: g.rate,
+                        burst: g.burst,
+                    });
+                    self.handles[i][j] = g.key_handle;
+                }
+            }
+        }
+    }
 }
+
+/// Grants batched per agent stream as the shell's `route` batches them: by the agent's
+/// index, with its name.
+pub type RoutedBatch = HashMap<u32, (std::sync::Arc<str>, Vec<bursar_proto::allocator::Grant>)>;
