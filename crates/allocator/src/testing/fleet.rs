@@ -9,7 +9,7 @@ use bursar_agent::Config;
 
 use crate::config::AllocatorConfig;
 use crate::core::Allocator;
-use crate::msg::{Grant, HeldGrant, Hello, KeyName, KeyReport, Measure, Report};
+use crate::msg::{Grant, Hello, KeyName, KeyReport, Measure, Report};
 
 /// Agents in the fleet.
 pub const AGENTS: usize = 1_000;
@@ -261,6 +261,7 @@ impl Reporter {
     /// (key strings copied) and batched per agent stream in `batch`, which the shell
     /// then sends and this harness hands to [`Reporter::deliver_routed`]; no owned
     /// `Grant`s.
+    #[cfg(feature = "shell")]
     #[inline(never)]
     pub fn report_routed(&mut self, i: usize, batch: &mut RoutedBatch) {
         self.f
@@ -280,6 +281,7 @@ impl Reporter {
 
     /// Applies routed grants to the agents' next reports (as [`Reporter::deliver`]),
     /// emptying `batch`.
+    #[cfg(feature = "shell")]
     pub fn deliver_routed(&mut self, batch: &mut RoutedBatch) {
         for (_, (agent, grants)) in batch.drain() {
             let i: usize = agent["agent-".len()..].parse().unwrap();
@@ -287,7 +289,7 @@ impl Reporter {
                 let key = g.key.expect("a routed grant names its key");
                 let k: u32 = key.values[0][1..].parse().unwrap();
                 if let Some(&j) = self.slot[i].get(&k) {
-                    self.reports[i].keys[j].held = Some(HeldGrant {
+                    self.reports[i].keys[j].held = Some(crate::msg::HeldGrant {
                         epoch: g.epoch,
                         seq: g.seq,
                         rate: g.rate,
@@ -302,4 +304,5 @@ impl Reporter {
 
 /// Grants batched per agent stream as the shell's `route` batches them: by the agent's
 /// index, with its name.
+#[cfg(feature = "shell")]
 pub type RoutedBatch = HashMap<u32, (std::sync::Arc<str>, Vec<bursar_proto::allocator::Grant>)>;
