@@ -305,45 +305,17 @@ impl Shard {
             }
             Ev::Report(i, inc, stream) => {
                 if self.live(i, inc) && self.up(i, stream) {
-                    let names = &sh.keys;
-                    let nkeys = names.len();
-                    let a = &mut self.agents[(i as usize) / SHARDS];
-                    if let Some(engine) = &a.engine {
-                        let now = a.clock(self.now);
-                        let out = a.sync.report_tick(
-                            engine,
-                            now,
-                            &mut self.demand_buf,
-                            |d| engine_key(d, nkeys),
-                            |l| key_report(l, names),
-                        );
-                        self.send_out(sh, i, out);
-                    }
+                    self.tick(sh, i, false);
                     let every = sh.sc.allocator.report_interval_ms * MS;
                     self.push(self.now + every, Ev::Report(i, inc, stream));
                 }
             }
             Ev::NewKeyPoll(i, inc) => {
                 if self.live(i, inc) {
-                    let names = &sh.keys;
-                    let nkeys = names.len();
-                    let a = &mut self.agents[(i as usize) / SHARDS];
-                    a.poll_pending = false;
-                    if let Some(engine) = &a.engine {
-                        let now = a.clock(self.now);
-                        let out = a.sync.poll_tick(
-                            engine,
-                            now,
-                            &mut self.demand_buf,
-                            |d| engine_key(d, nkeys),
-                            |l| key_report(l, names),
-                        );
-                        let again = a.sync.draining() > 0;
-                        self.send_out(sh, i, out);
-                        // The client polls every tick while a shrink drains.
-                        if again {
-                            self.schedule_poll(sh, i);
-                        }
+                    self.agents[(i as usize) / SHARDS].poll_pending = false;
+                    // The client polls every tick while a shrink drains.
+                    if self.tick(sh, i, true) {
+                        self.schedule_poll(sh, i);
                     }
                 }
             }
@@ -438,6 +410,28 @@ impl Shard {
     fn live(&self, i: u32, inc: u64) -> bool {
         let a = &self.agents[(i as usize) / SHARDS];
         a.incarnation == inc && a.engine.is_some()
+    }
+
+    /// Agent `i`'s report tick, or (`poll`) its new-key poll, run by its session and
+    /// sent; true if a concurrency shrink still drains.
+    fn tick(&mut self, sh: &Shared, i: u32, poll: bool) -> bool {
+        let names = &sh.keys;
+        let nkeys = names.len();
+        let a = &mut self.agents[(i as usize) / SHARDS];
+        let Some(engine) = &a.engine else {
+            return false;
+        };
+        let (now, buf) = (a.clock(self.now), &mut self.demand_buf);
+        let key_of = |d: &KeyDemand| engine_key(d, nkeys);
+        let line = |l: Line<'_, u32>| key_report(l, names);
+        let out = if poll {
+            a.sync.poll_tick(engine, now, buf, key_of, line)
+        } else {
+            a.sync.report_tick(engine, now, buf, key_of, line)
+        };
+        let draining = a.sync.draining() > 0;
+        self.send_out(sh, i, out);
+        draining
     }
 
     /// Agent `i`'s stream `stream` is up (not given up since).
