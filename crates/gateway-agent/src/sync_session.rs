@@ -4,13 +4,13 @@
 //! breaks) and what it sends for each, over the per-key bookkeeping of
 //! [`crate::sync_core`].
 //!
-//! Two drivers run it: the tonic client ([`crate::shell::sync`]), on tokio's timers
-//! and a gRPC stream, and `bursar-sim`, on virtual time and simulated links. Each
-//! owns only the *when* (its timers, its transport) and the encoding of a message
-//! (`L`: the driver's report line); *what* happens at each moment, which report is
-//! full, when a poll has anything to do, how acks and lines are split into messages,
-//! how long to wait before reconnecting, is this module's, so the simulator measures
-//! the client that ships rather than a copy of it.
+//! Two drivers run it: the tonic client (`shell::sync`, with the `shell` feature), on
+//! tokio's timers and a gRPC stream, and `bursar-sim`, on virtual time and simulated
+//! links. Each owns only the *when* (its timers, its transport) and the encoding of a
+//! message (`L`: the driver's report line); *what* happens at each moment, which
+//! report is full, when a poll has anything to do, how acks and lines are split into
+//! messages, how long to wait before reconnecting, is this module's, so the simulator
+//! measures the client that ships rather than a copy of it.
 //!
 //! Times: `now` is the agent's clock (the engine's), except for a measurement's
 //! timer, which is on the caller's timer clock (`timer_now`), as
