@@ -202,6 +202,9 @@ pub struct Counters {
     /// error), no welcome within the connect timeout, or broken by an allocator crash.
     /// Each is followed by the client's backoff and another hello.
     pub streams_lost: u64,
+    /// Running agents whose stream to the allocator is up when the run ends (under a
+    /// policy with an allocator: every running agent, once faults have healed).
+    pub streams_up_at_end: u64,
 }
 
 impl Counters {
@@ -225,6 +228,7 @@ impl Counters {
             allocator_refusals,
             streams_opened,
             streams_lost,
+            streams_up_at_end,
         } = other;
         self.events += events;
         self.requests += requests;
@@ -242,6 +246,7 @@ impl Counters {
         self.completions_refused += completions_refused;
         self.streams_opened += streams_opened;
         self.streams_lost += streams_lost;
+        self.streams_up_at_end += streams_up_at_end;
         for (k, n) in allocator_refusals {
             *self.allocator_refusals.entry(k).or_default() += n;
         }
@@ -1501,6 +1506,12 @@ impl Sim {
         if let Some(w) = self.workload.as_mut() {
             self.counters.events += std::mem::take(&mut w.events);
         }
+        self.counters.streams_up_at_end = (0..self.shared.sc.gateways)
+            .filter(|&i| {
+                let a = self.agent(i);
+                a.engine.is_some() && a.sync.is_up()
+            })
+            .count() as u64;
         let b = self.shared.sc.limit.burst as f64;
         let mut outcomes: Vec<KeyOutcome> = Vec::new();
         let mut over_max: f64 = 0.0;
@@ -2104,6 +2115,7 @@ mod tests {
             // Each loss is followed by a hello, the last of each agent's welcomed: no
             // agent is left without a stream.
             assert_eq!(c.streams_opened, g + c.streams_lost);
+            assert_eq!(c.streams_up_at_end, g);
             // And the new term grants again: the second half admits.
             assert!(r.summary.utilization_second_half > 0.5, "{:?}", r.summary);
         }
@@ -2128,7 +2140,24 @@ mod tests {
         // Every loss is followed by a hello; the four come back after the heal (the
         // second half admits nearly what one ideal bucket would).
         assert_eq!(c.streams_opened, sc.gateways as u64 + c.streams_lost);
+        assert_eq!(c.streams_up_at_end, sc.gateways as u64);
         assert!(r.summary.utilization_second_half > 0.9, "{:?}", r.summary);
+    }
+
+    #[test]
+    fn a_hello_or_welcome_lost_on_a_lossy_link_is_retried_until_the_stream_is_up() {
+        // A quarter of every message lost: many hellos or welcomes never arrive, and
+        // each such stream is given up after 2 s and tried again after the backoff.
+        let mut sc = small("steady");
+        sc.gateways = 8;
+        sc.duration_s = 8.0;
+        sc.network.loss = 0.25;
+        let r = run(&sc, 4).unwrap();
+        assert_eq!(r.summary.violations, 0, "{:?}", r.violation_messages);
+        let c = &r.counters;
+        assert!(c.streams_lost > 0, "no stream was given up at 30 % loss");
+        assert_eq!(c.streams_opened, sc.gateways as u64 + c.streams_lost);
+        assert_eq!(c.streams_up_at_end, sc.gateways as u64);
     }
 
     #[test]
