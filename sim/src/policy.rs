@@ -157,6 +157,7 @@ impl Proportional {
                 fleet_size: n,
                 transfer_tokens: 0,
                 key_handle: 0,
+                named: true,
             });
         }
     }

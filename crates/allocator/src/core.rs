@@ -890,6 +890,13 @@ struct Agent {
     /// Some entry may hold a grant of an earlier term, which no extension covers:
     /// renewals re-issue it in this term (a walk of the agent's entries).
     stale_epochs: bool,
+    /// The agent's hello asked for grants that name a key by handle alone once its
+    /// stream has had the key's name ([`Hello::grants_by_handle`]).
+    by_handle: bool,
+    /// With `by_handle`: the handles of keys whose name a grant drained for this
+    /// stream carried (cleared by each hello; a key the agent names by name in a
+    /// report leaves it, the agent having no handle for it).
+    told: HashSet<u64, FixedState>,
 }
 
 /// The allocation core. See the module docs.
@@ -1231,6 +1238,19 @@ impl Allocator {
         let drained = self.outbox.drain(..).chain(self.outbox_tail.drain(..));
         for (i, p) in drained.enumerate() {
             let seq = seqs(i);
+            let (key, key_handle) = match &self.keys[p.key as usize] {
+                Some(k) => (&k.name, key_handle(self.key_gens[p.key as usize], p.key)),
+                None => (Graves::find(&self.graves.keys, p.key), 0),
+            };
+            let before = self.graves.incarnation_before(p.agent, i);
+            // The key's name goes with the grant unless the agent's current stream
+            // asked for grants by handle and has had this key's name already.
+            let named = match self.agents[p.agent as usize].as_mut() {
+                Some(ag) if ag.by_handle && key_handle != 0 && before.is_none() => {
+                    ag.told.insert(key_handle)
+                }
+                _ => true,
+            };
             let (agent, latest) = match &self.agents[p.agent as usize] {
                 Some(ag) => (&ag.id, ag.incarnation),
                 None => {
@@ -1238,11 +1258,7 @@ impl Allocator {
                     (id, *inc)
                 }
             };
-            let incarnation = self.graves.incarnation_before(p.agent, i).unwrap_or(latest);
-            let (key, key_handle) = match &self.keys[p.key as usize] {
-                Some(k) => (&k.name, key_handle(self.key_gens[p.key as usize], p.key)),
-                None => (Graves::find(&self.graves.keys, p.key), 0),
-            };
+            let incarnation = before.unwrap_or(latest);
             let transfer_tokens = match transfers.peek() {
                 Some(&&(j, t)) if j as usize == i => {
                     transfers.next();
@@ -1263,6 +1279,7 @@ impl Allocator {
                 fleet_size: p.fleet_size,
                 transfer_tokens,
                 key_handle,
+                named,
             });
         }
         drop(seqs);
@@ -2017,6 +2034,9 @@ impl Allocator {
         let ag = self.agent_mut(a);
         ag.weight = hello.weight.max(1) as f64;
         ag.report_interval_ns = AllocatorConfig::ns(hello.report_interval_ms.min(3_600_000));
+        // A new stream: it has been told no key's name.
+        ag.by_handle = hello.grants_by_handle;
+        ag.told.clear();
         ag.connected = true;
         ag.last_heard_ns = now;
         ag.report_ts = hello.agent_time_ns;
@@ -2060,6 +2080,8 @@ impl Allocator {
             unext_min_expiry: u64::MAX,
             ext_queued: false,
             stale_epochs: false,
+            by_handle: false,
+            told: HashSet::with_hasher(FixedState::with_seed(4)),
         };
         let a = match self.free_agents.pop() {
             Some(a) => {
@@ -2084,6 +2106,16 @@ impl Allocator {
                 self.remove_entry(k, pos);
                 self.mark_dirty(k, now);
             }
+        }
+    }
+
+    /// The shell could not send some of `agent`'s grants (its stream's queue was full):
+    /// the names they carried may never have reached it, so the next grant for each of
+    /// its keys names the key again ([`Hello::grants_by_handle`]). An unknown agent is
+    /// ignored.
+    pub fn grants_undelivered(&mut self, agent: &str) {
+        if let Ok(a) = self.agent_id(agent) {
+            self.agent_mut(a).told.clear();
         }
     }
 
@@ -2273,6 +2305,18 @@ impl Allocator {
         ag.report_recv_ns = now;
         ag.last_heard_ns = now;
         ag.connected = true;
+        if ag.by_handle && !ag.told.is_empty() {
+            // A line by name says the agent has no handle for the key (it names keys
+            // by handle once a grant gave one): its next grant names the key again.
+            for (kr, r) in report.keys.iter().zip(resolved.iter()) {
+                if kr.key_handle == 0
+                    && let Some(Resolved { key: Some(k), .. }) = r
+                {
+                    let h = key_handle(self.key_gens[*k as usize], *k);
+                    self.agent_mut(a).told.remove(&h);
+                }
+            }
+        }
         let soon = self.recompute_due(now);
         let frequent = self.reports_frequently(a);
         surged.clear();
@@ -3540,6 +3584,69 @@ mod tests {
             &report(agent, 1, 20, vec![line(key("rps", org), 0, 1, None)]),
         )
         .unwrap();
+    }
+
+    #[test]
+    fn grants_name_a_key_once_per_stream_for_agents_that_find_keys_by_handle() {
+        let now = 5 * SEC;
+        let mut a = warm_allocator(1, now);
+        let x = key("rps", "x");
+        let hello_by_handle = |ts| Hello {
+            grants_by_handle: true,
+            ..hello("h", 1, ts)
+        };
+        a.handle_hello(now, &hello_by_handle(1)).unwrap();
+        a.handle_hello(now, &hello("n", 1, 1)).unwrap();
+        // Both report demand that moves every time, so each report brings a grant.
+        let names = |a: &mut Allocator, t: u64, ts: u64, by_handle: u64| {
+            let mut out = Vec::new();
+            for (agent, demand) in [("h", 40 + ts), ("n", 60 + 2 * ts)] {
+                let mut l = line(x.clone(), demand, 400, None);
+                if agent == "h" {
+                    l.key_handle = by_handle;
+                }
+                a.handle_report(t, &report(agent, 1, ts, vec![l])).unwrap();
+            }
+            for g in settle(a, t + 20 * MS) {
+                out.push((g.agent.to_string(), g.named, g.key_handle));
+            }
+            out
+        };
+        let first = names(&mut a, now, 10, 0);
+        let h = first.iter().find(|g| g.0 == "h").expect("h granted").2;
+        assert!(
+            first.iter().all(|g| g.1),
+            "first grants are named: {first:?}"
+        );
+        // Later grants: by handle for `h`, always named for `n` (its hello did not ask).
+        let mut later = Vec::new();
+        for i in 1..4u64 {
+            later.extend(names(&mut a, now + i * SEC, 10 + i, h));
+        }
+        assert!(later.iter().any(|g| g.0 == "h"), "{later:?}");
+        assert!(later.iter().all(|g| g.1 == (g.0 == "n")), "{later:?}");
+        // A report naming the key by name: `h` has no handle for it; named again.
+        let again = names(&mut a, now + 5 * SEC, 20, 0);
+        assert!(
+            again.iter().filter(|g| g.0 == "h").all(|g| g.1),
+            "{again:?}"
+        );
+        assert!(again.iter().any(|g| g.0 == "h"), "{again:?}");
+        // Named once more after a hello (a new stream), and after grants went undelivered.
+        a.handle_hello(now + 6 * SEC, &hello_by_handle(30)).unwrap();
+        let fresh = names(&mut a, now + 6 * SEC, 40, h);
+        assert!(fresh.iter().any(|g| g.0 == "h"), "{fresh:?}");
+        assert!(
+            fresh.iter().filter(|g| g.0 == "h").all(|g| g.1),
+            "{fresh:?}"
+        );
+        let told = names(&mut a, now + 7 * SEC, 41, h);
+        assert!(told.iter().any(|g| g.0 == "h"), "{told:?}");
+        assert!(told.iter().filter(|g| g.0 == "h").all(|g| !g.1), "{told:?}");
+        a.grants_undelivered("h");
+        let lost = names(&mut a, now + 8 * SEC, 42, h);
+        assert!(lost.iter().any(|g| g.0 == "h"), "{lost:?}");
+        assert!(lost.iter().filter(|g| g.0 == "h").all(|g| g.1), "{lost:?}");
     }
 
     #[test]

@@ -84,6 +84,11 @@ pub struct Hello {
     pub report_interval_ms: u64,
     /// Every grant the agent holds (empty for a new incarnation).
     pub held: Vec<HeldSlice>,
+    /// The agent finds a grant's key by its handle when the grant carries no name: the
+    /// allocator then names a key only in the first grant for it on this stream (and
+    /// again after a report names the key by name, which says the agent has no handle
+    /// for it). False for agents that predate it: every grant is named.
+    pub grants_by_handle: bool,
 }
 
 /// Demand and holdings for one key, in a report.
@@ -227,6 +232,11 @@ pub struct Grant {
     /// ([`KeyReport::key_handle`]) instead of by name, on the same stream. No hashing
     /// and no strings on either side.
     pub key_handle: u64,
+    /// Send the key's name with the grant: false only when the agent's hello set
+    /// [`Hello::grants_by_handle`] and an earlier grant on this stream named the key,
+    /// so that the agent finds it by `key_handle` (`key` is still filled in here, for
+    /// the shell's logs and counters).
+    pub named: bool,
 }
 
 impl Grant {
@@ -343,6 +353,8 @@ pub struct GrantRef<'a> {
     pub transfer_tokens: u64,
     /// The allocator's handle for the key (see [`Grant::key_handle`]).
     pub key_handle: u64,
+    /// Send the key's name (see [`Grant::named`]).
+    pub named: bool,
 }
 
 impl GrantRef<'_> {
@@ -360,6 +372,7 @@ impl GrantRef<'_> {
             fleet_size: self.fleet_size,
             transfer_tokens: self.transfer_tokens,
             key_handle: self.key_handle,
+            named: self.named,
         }
     }
 }

@@ -210,6 +210,7 @@ fn run(seed: u64, overdraft_permille: u32) -> Outcome {
                     weight: 1,
                     report_interval_ms: 250,
                     held: vec![],
+                    grants_by_handle: false,
                 },
             )
             .unwrap();

@@ -155,6 +155,7 @@ mod tests {
                 weight: 1,
                 agent_time_ns: 123,
                 report_interval_ms: 250,
+                grants_by_handle: true,
                 held: vec![HeldSlice {
                     key: Some(Key {
                         rule: "org-rpm".into(),

@@ -624,6 +624,7 @@ impl Shard {
                     fleet_size: n as u32,
                     transfer_tokens: burst,
                     key_handle: 0,
+                    named: true,
                 }
                 .to_slice_update()
             })
@@ -742,6 +743,7 @@ impl Shard {
             weight: 1,
             report_interval_ms: sh.sc.allocator.report_interval_ms,
             held,
+            grants_by_handle: false,
         };
         let (inc, stream) = (a.incarnation, a.sync.streams_opened());
         self.counters.streams_opened += 1;

@@ -511,7 +511,7 @@ impl Driver {
             let Some(r) = self.routes.get(&agent) else {
                 continue;
             };
-            let mut closed = false;
+            let (mut closed, mut dropped) = (false, false);
             for chunk in grants.chunks(max) {
                 let n = chunk.len() as u64;
                 let msg = pb::AllocatorMessage {
@@ -523,6 +523,7 @@ impl Driver {
                     Ok(()) => self.counters.grants_sent += n,
                     Err(mpsc::error::TrySendError::Full(_)) => {
                         self.counters.grants_dropped += n;
+                        dropped = true;
                     }
                     Err(mpsc::error::TrySendError::Closed(_)) => {
                         self.counters.grants_dropped += n;
@@ -532,6 +533,10 @@ impl Driver {
             }
             if closed {
                 self.routes.remove(&agent);
+            } else if dropped {
+                // The stream lives on, but the names those grants carried did not
+                // reach it.
+                self.core.grants_undelivered(&agent);
             }
         }
     }
@@ -540,7 +545,9 @@ impl Driver {
 /// A core grant as a wire grant.
 pub fn grant_to_pb(g: &GrantRef<'_>) -> pb::Grant {
     pb::Grant {
-        key: Some(pb::Key {
+        // By handle alone once the stream has had the name (`GrantRef::named`): no
+        // strings to copy.
+        key: g.named.then(|| pb::Key {
             rule: g.key.rule.clone(),
             values: g.key.values.clone(),
         }),

@@ -130,6 +130,7 @@ pub fn hello_from_pb(h: pb::Hello) -> Result<Hello, Status> {
         weight: h.weight,
         report_interval_ms: h.report_interval_ms,
         held,
+        grants_by_handle: h.grants_by_handle,
     })
 }
 

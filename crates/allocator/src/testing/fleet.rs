@@ -121,6 +121,9 @@ pub fn fleet_with(cfg: AllocatorConfig) -> Fleet {
                     weight: 1,
                     report_interval_ms: 250,
                     held: vec![],
+                    // As the agents of this build: the routed benchmark's grants then
+                    // name a key once per stream.
+                    grants_by_handle: true,
                 },
             )
             .unwrap();
@@ -286,9 +289,15 @@ impl Reporter {
         for (_, (agent, grants)) in batch.drain() {
             let i: usize = agent["agent-".len()..].parse().unwrap();
             for g in grants {
-                let key = g.key.expect("a routed grant names its key");
-                let k: u32 = key.values[0][1..].parse().unwrap();
-                if let Some(&j) = self.slot[i].get(&k) {
+                // A grant without a name is for a key this agent has the handle of.
+                let j = match g.key {
+                    Some(key) => {
+                        let k: u32 = key.values[0][1..].parse().unwrap();
+                        self.slot[i].get(&k).copied()
+                    }
+                    None => self.handles[i].iter().position(|&h| h == g.key_handle),
+                };
+                if let Some(j) = j {
                     self.reports[i].keys[j].held = Some(crate::msg::HeldGrant {
                         epoch: g.epoch,
                         seq: g.seq,

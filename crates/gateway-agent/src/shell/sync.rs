@@ -359,6 +359,7 @@ impl Client {
                 config_version: self.config_version.clone(),
                 report_interval_ms: u64::try_from(self.cfg.report_interval.as_millis())
                     .unwrap_or(u64::MAX),
+                grants_by_handle: false,
             })),
         }
     }
