@@ -13,7 +13,7 @@
 //! simulator replays bit for bit).
 
 use std::cmp::Ordering;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use crate::config::RuleLimit;
@@ -277,6 +277,11 @@ pub struct SyncTracks<K> {
     /// track's `dirty` flag set; may repeat, or name keys since dropped): a delta
     /// report reads these, not every track.
     dirty: Vec<K>,
+    /// The key each handle a grant gave on this stream names: how a grant that names
+    /// no key is applied ([`SyncTracks::key_of_handle`]). Checked against the track on
+    /// every lookup (a key dropped or rebased since leaves a stale entry, never a wrong
+    /// answer), cleared with the stream, rebuilt when stale entries outgrow the tracks.
+    by_handle: HashMap<u64, K>,
 }
 
 impl<K: Ord + Clone> SyncTracks<K> {
@@ -294,7 +299,19 @@ impl<K: Ord + Clone> SyncTracks<K> {
             gone: Vec::new(),
             rebase_after_ns: DEFAULT_REBASE_AFTER_NS,
             dirty: Vec::new(),
+            by_handle: HashMap::new(),
         }
+    }
+
+    /// The key a grant's handle names on this stream, if this client holds a track with
+    /// that handle: a grant without a name (the allocator names a key once per stream
+    /// to clients whose hello says they find keys by handle) is applied to it. `None`:
+    /// the key was dropped (evicted) or rebased since, and the grant cannot be applied
+    /// (the client's next line for the key names it by name, and the allocator names
+    /// it in the grant after).
+    pub fn key_of_handle(&self, handle: u64) -> Option<&K> {
+        let k = self.by_handle.get(&handle)?;
+        (handle != 0 && self.tracks.get(k).is_some_and(|t| t.handle == handle)).then_some(k)
     }
 
     /// A key not named for `ns` (in the counters' clock) is counted, in its next line,
@@ -459,6 +476,7 @@ impl<K: Ord + Clone> SyncTracks<K> {
     /// nothing to it.
     pub fn new_stream(&mut self) {
         self.dirty.clear();
+        self.by_handle.clear();
         for (k, t) in self.tracks.iter_mut() {
             t.sent = None;
             t.handle = 0;
@@ -692,6 +710,12 @@ impl<K: Ord + Clone> SyncTracks<K> {
         handles: &[u64],
     ) -> Vec<Applied<K>> {
         let results = engine.apply_slices(now, &updates);
+        if self.by_handle.len() > 2 * self.tracks.len() + 1024 {
+            // Stale handles (keys dropped or rebased since) outgrew the live ones.
+            let tracks = &self.tracks;
+            self.by_handle
+                .retain(|h, k| tracks.get(k).is_some_and(|t| t.handle == *h));
+        }
         // Whether each grant left rate and burst at least where they were.
         let mut grew = vec![false; updates.len()];
         for (i, ((k, r), &handle)) in keys.iter().zip(&results).zip(handles).enumerate() {
@@ -707,6 +731,7 @@ impl<K: Ord + Clone> SyncTracks<K> {
             }
             if handle != 0 {
                 t.handle = handle;
+                self.by_handle.insert(handle, k.clone());
             }
             if let Ok(a) = r {
                 if let Some(old) = &a.replaced {

@@ -291,6 +291,14 @@ impl<K: Ord + Clone> SyncSession<K> {
         self.tracks.draining()
     }
 
+    /// The key a grant that names no key is for: the one its handle was given to on
+    /// this stream, if this client still tracks it under that handle
+    /// ([`SyncTracks::key_of_handle`]). The driver builds that grant's update from it,
+    /// or counts the grant refused.
+    pub fn key_of_handle(&self, handle: u64) -> Option<&K> {
+        self.tracks.key_of_handle(handle)
+    }
+
     /// One grants message: applied to the engine with one `apply_slices`; the acks
     /// owed now, in messages of at most `max_keys`.
     pub fn grants<L>(

@@ -192,6 +192,57 @@ fn start_agent(
 }
 
 #[tokio::test]
+async fn a_grant_by_handle_alone_is_applied_to_the_key_the_handle_was_given_to() {
+    let (addr, mut conns) = scripted_allocator().await;
+    let (state, status, _stop) = start_agent(addr);
+    let mut conn = conns.recv().await.unwrap();
+    // The client says it finds keys by handle.
+    assert!(conn.hello.grants_by_handle);
+    assert!(!admit(&state, "r0", &[("org", "acme")]));
+    next_line_named(&mut conn, "org-rps", "acme").await;
+    let lease_end = conn.hello.agent_time_ns + 30_000_000_000;
+    // The key's first grant names it and gives handle 8.
+    conn.to_agent
+        .send(Ok(grant("org-rps", "acme", 100, 10, 1, lease_end)))
+        .await
+        .unwrap();
+    // A shrink by handle alone: applied to `acme` and acknowledged, by handle.
+    let by_handle = |seq: u64, handle: u64| {
+        let mut m = grant("org-rps", "acme", 50, 5, seq, lease_end);
+        if let Some(pb::allocator_message::Msg::Grants(g)) = &mut m.msg {
+            g.grants[0].key = None;
+            g.grants[0].key_handle = handle;
+        }
+        m
+    };
+    conn.to_agent.send(Ok(by_handle(2, 8))).await.unwrap();
+    let ack = next_where(&mut conn, 2, |m| match &m.msg {
+        Some(Msg::Ack(a)) => Some(a.slices[0].clone()),
+        _ => None,
+    })
+    .await;
+    assert_eq!((ack.epoch, ack.seq, ack.key_handle), (5, 2, 8));
+    // A handle this stream was never given names nothing: refused, nothing applied.
+    let refused =
+        |s: &sync::SyncStatus| s.grants_refused.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(refused(&status), 0);
+    conn.to_agent.send(Ok(by_handle(3, 99))).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while refused(&status) == 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(refused(&status), 1);
+    // The report still holds the by-handle grant (seq 2), not the refused one.
+    let kr = next_where(&mut conn, 2, |m| match &m.msg {
+        Some(Msg::Report(r)) => r.keys.iter().find(|k| k.held.is_some()).cloned(),
+        _ => None,
+    })
+    .await;
+    let held = kr.held.unwrap();
+    assert_eq!((held.seq, held.rate, held.burst), (2, 50, 5));
+}
+
+#[tokio::test]
 async fn a_new_key_is_reported_at_once_and_its_grant_is_applied_and_acknowledged() {
     let (addr, mut conns) = scripted_allocator().await;
     let (state, status, _stop) = start_agent(addr);

@@ -600,3 +600,36 @@ proptest::proptest! {
         }
     }
 }
+
+#[test]
+fn a_grant_that_names_no_key_finds_it_by_the_handle_an_earlier_grant_gave() {
+    let e = engine(RULES);
+    let mut buf = Vec::new();
+    let mut t: SyncTracks<String> = SyncTracks::new(0);
+    touch(&e, 0, "r1", &[("org", "a")]);
+    t.refresh(&e, 0, &mut buf, key_of);
+    assert_eq!(t.key_of_handle(42), None);
+    t.apply(
+        &e,
+        SEC,
+        vec![grant("org-rps", "a", 10, 1)],
+        vec!["org-rps/a".into()],
+        &[42],
+    );
+    assert_eq!(t.key_of_handle(42).map(String::as_str), Some("org-rps/a"));
+    assert_eq!(t.key_of_handle(0), None);
+    // The allocator says it no longer knows the handle: gone.
+    t.forget_handles(&[42]);
+    assert_eq!(t.key_of_handle(42), None);
+    // Given again, then a new stream: the last stream's handles mean nothing.
+    t.apply(
+        &e,
+        SEC,
+        vec![grant("org-rps", "a", 10, 2)],
+        vec!["org-rps/a".into()],
+        &[43],
+    );
+    assert_eq!(t.key_of_handle(43).map(String::as_str), Some("org-rps/a"));
+    t.new_stream();
+    assert_eq!(t.key_of_handle(43), None);
+}

@@ -19,7 +19,10 @@
 //!   lease (one message for every grant of its term up to a seq,
 //!   [`Engine::extend_slices`]), not a grant per key.
 //! - **Grants** are applied with [`Engine::apply_slices`] (fenced by epoch and seq in
-//!   the engine); one that lowers the rate or the burst is **acknowledged** with the
+//!   the engine). The hello asks for grants by handle: after a key's first grant on a
+//!   stream the allocator sends its handle alone, and the client applies the grant to
+//!   the key it gave that handle to (one it no longer tracks is refused, and its next
+//!   line, by name, has the allocator name it again); one that lowers the rate or the burst is **acknowledged** with the
 //!   tokens the shrink gave up, and one that lowers neither by the key's next report
 //!   line (its held grant); a concurrency shrink is acknowledged only once in-flight
 //!   work fits the new slot count (in-flight work drains, it is never revoked).
@@ -359,7 +362,7 @@ impl Client {
                 config_version: self.config_version.clone(),
                 report_interval_ms: u64::try_from(self.cfg.report_interval.as_millis())
                     .unwrap_or(u64::MAX),
-                grants_by_handle: false,
+                grants_by_handle: true,
             })),
         }
     }
@@ -395,15 +398,31 @@ impl Client {
         let mut keys = Vec::with_capacity(grants.len());
         let mut handles = Vec::with_capacity(grants.len());
         for g in grants {
-            let Some(k) = g.key else {
-                self.status.grants_refused.fetch_add(1, Ordering::Relaxed);
-                continue;
+            let (key, rule, values) = match g.key {
+                Some(k) => (
+                    TrackedKey::named(&self.state.engine, &k.rule, &k.values),
+                    k.rule,
+                    k.values,
+                ),
+                // Named by its handle alone (this client's hello asked for that): the
+                // key an earlier grant on this stream gave the handle to.
+                None => match self.session.key_of_handle(g.key_handle) {
+                    Some(k) => (
+                        k.clone(),
+                        k.rule().to_string(),
+                        k.values().iter().map(|v| v.to_string()).collect(),
+                    ),
+                    None => {
+                        self.status.grants_refused.fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    }
+                },
             };
             handles.push(g.key_handle);
-            keys.push(TrackedKey::named(&self.state.engine, &k.rule, &k.values));
+            keys.push(key);
             updates.push(SliceUpdate {
-                rule: k.rule,
-                values: k.values,
+                rule,
+                values,
                 rate: g.rate,
                 burst: g.burst,
                 epoch: g.epoch,
