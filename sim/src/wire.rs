@@ -126,9 +126,14 @@ pub fn grants_bytes(grants: &[Grant]) -> u64 {
     let body: u64 = grants
         .iter()
         .map(|g| {
-            delimited(
+            // A grant by handle alone carries no key (`Grant::named`).
+            let key = if g.named {
                 delimited(key_body(&g.key))
-                    + uint(g.rate)
+            } else {
+                0
+            };
+            delimited(
+                key + uint(g.rate)
                     + uint(g.burst)
                     + uint(g.epoch)
                     + uint(g.seq)

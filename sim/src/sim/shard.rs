@@ -743,7 +743,7 @@ impl Shard {
             weight: 1,
             report_interval_ms: sh.sc.allocator.report_interval_ms,
             held,
-            grants_by_handle: false,
+            grants_by_handle: true,
         };
         let (inc, stream) = (a.incarnation, a.sync.streams_opened());
         self.counters.streams_opened += 1;
@@ -771,22 +771,42 @@ impl Shard {
             return;
         };
         let at = a.clock(self.now);
-        let updates: Vec<_> = grants.iter().map(Grant::to_slice_update).collect();
-        let keys: Vec<u32> = grants
-            .iter()
-            .map(|g| {
+        let (mut updates, mut keys, mut handles) = (Vec::new(), Vec::new(), Vec::new());
+        let mut unknown = 0;
+        for g in &grants {
+            let k = if g.named {
                 g.key
                     .values
                     .first()
                     .and_then(|v| key_of(v, nkeys))
                     .unwrap_or(u32::MAX)
-            })
-            .collect();
-        let handles: Vec<u64> = grants.iter().map(|g| g.key_handle).collect();
+            } else {
+                // By handle alone, as the client resolves it: the key the handle was
+                // given to on this stream (the grant's own name is not on the wire).
+                match a.sync.key_of_handle(g.key_handle) {
+                    Some(&k) => k,
+                    None => {
+                        unknown += 1;
+                        continue;
+                    }
+                }
+            };
+            updates.push(if g.named {
+                g.to_slice_update()
+            } else {
+                Grant {
+                    key: Arc::clone(&sh.key_names[k as usize]),
+                    ..g.clone()
+                }
+                .to_slice_update()
+            });
+            keys.push(k);
+            handles.push(g.key_handle);
+        }
         // The sync client's own handling (folding replaced slots into the tracks,
         // holding back a concurrency shrink's ack until its work drains).
         let granted = a.sync.grants(engine, at, updates, keys, &handles);
-        self.counters.grants_refused += granted.refused.len() as u64;
+        self.counters.grants_refused += unknown + granted.refused.len() as u64;
         let draining = a.sync.draining() > 0;
         self.send_out(sh, i, granted.out);
         // The client's poll reads a draining shrink's in-flight count every tick.
