@@ -22,7 +22,9 @@
 //!   amortised expiry sweep. Only the allocator's calls are timed.
 //! - `report/100_keys_routed_as_the_shell`: `report/100_keys` with the grants drained
 //!   as the shell's `route` drains them (`for_each_grant`, each encoded into a protobuf
-//!   grant, batched per agent stream) instead of into owned `Grant`s.
+//!   grant, batched per agent stream) instead of into owned `Grant`s, from agents as
+//!   today's sync client: every line by handle (full reports too), grants found by
+//!   handle (a key named in its first grant on the stream only).
 //! - `report/100_keys_handle_report_only`: the same without the recomputation.
 //! - `report/100_keys_baseline_whole_key_recompute`: the named baseline, measured in the
 //!   same run: every changed key recomputed whole (`large_key_entries = usize::MAX`),
@@ -175,8 +177,10 @@ fn report(c: &mut Criterion) {
     ] {
         let mut r = Reporter::new(large, delay);
         if label == "100_keys" {
-            // The same reports with the grants drained as the shell's `route` does.
-            let mut routed = Reporter::new(large, delay);
+            // The same reports with the grants drained as the shell's `route` does,
+            // from agents that name keys by handle in every report and find grants'
+            // keys by handle (today's sync client).
+            let mut routed = Reporter::new(large, delay).with_handles_in_full_reports();
             let mut batch = RoutedBatch::new();
             g.bench_function("100_keys_routed_as_the_shell", |b| {
                 b.iter_custom(|iters| {

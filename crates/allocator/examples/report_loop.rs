@@ -8,10 +8,11 @@
 //!
 //! `cargo run --release -p bursar-allocator --example report_loop -- report 2000`
 //! (`report`: handle_report then the recomputation, as `report/100_keys`;
-//! `handle-report`: as `report/100_keys_handle_report_only`).
+//! `handle-report`: as `report/100_keys_handle_report_only`; `routed`: as
+//! `report/100_keys_routed_as_the_shell`, counted inside `Reporter::report_routed`).
 
 use bursar_allocator::AllocatorConfig;
-use bursar_allocator::testing::fleet::Reporter;
+use bursar_allocator::testing::fleet::{Reporter, RoutedBatch};
 
 fn main() {
     let mut args = std::env::args().skip(1);
@@ -21,7 +22,7 @@ fn main() {
         _ => usage(),
     };
     let recompute = match mode.as_str() {
-        "report" => true,
+        "report" | "routed" => true,
         "handle-report" => false,
         _ => usage(),
     };
@@ -29,6 +30,18 @@ fn main() {
     let mut r = Reporter::new(AllocatorConfig::default().large_key_entries, 0);
     let mut out = Vec::new();
     let mut grants = 0usize;
+    if mode == "routed" {
+        let mut r = r.with_handles_in_full_reports();
+        let mut batch = RoutedBatch::new();
+        for _ in 0..n {
+            let i = r.prepare();
+            r.report_routed(i, &mut batch);
+            grants += batch.values().map(|(_, g)| g.len()).sum::<usize>();
+            r.deliver_routed(&mut batch);
+        }
+        println!("{n} reports, {grants} grants");
+        return;
+    }
     for _ in 0..n {
         let i = r.prepare();
         r.report(i, recompute, &mut out);
@@ -40,6 +53,6 @@ fn main() {
 }
 
 fn usage() -> ! {
-    eprintln!("usage: report_loop <report|handle-report> <reports>");
+    eprintln!("usage: report_loop <report|handle-report|routed> <reports>");
     std::process::exit(2);
 }

@@ -159,6 +159,9 @@ pub struct Reporter {
     handles: Vec<Vec<u64>>,
     round: Vec<u64>,
     n: usize,
+    /// Every 8th report names its keys by name (the sync client before its full
+    /// reports named keys by handle too); otherwise every line with a handle uses it.
+    full_by_name: bool,
 }
 
 impl Reporter {
@@ -201,9 +204,18 @@ impl Reporter {
             handles,
             round: vec![0; AGENTS],
             n: 0,
+            full_by_name: true,
         };
         r.deliver(&grants);
         r
+    }
+
+    /// The same fleet with reports as today's sync client sends them: every line names
+    /// its key by the handle a grant gave, full reports too (the earlier figures'
+    /// client named every key by name in one report of eight).
+    pub fn with_handles_in_full_reports(mut self) -> Reporter {
+        self.full_by_name = false;
+        self
     }
 
     /// Applies grants to the agents' next reports (held grants and key handles).
@@ -226,9 +238,11 @@ impl Reporter {
         let round = self.round[i];
         let r = &mut self.reports[i];
         r.agent_time_ns += 250 * MS;
-        // As the sync client: every 8th report names its keys, the others use the
-        // handles grants carried (the name stays in memory here, ignored).
-        let full = round.is_multiple_of(8);
+        // As the sync client of the earlier figures: every 8th report names its keys,
+        // the others use the handles grants carried (the name stays in memory here,
+        // ignored). Today's client uses the handles in full reports too
+        // ([`Reporter::with_handles_in_full_reports`]).
+        let full = self.full_by_name && round.is_multiple_of(8);
         for (kr, &h) in r.keys.iter_mut().zip(&self.handles[i]) {
             kr.key_handle = if full { 0 } else { h };
             let k: u32 = kr.key.values[0][1..].parse().unwrap();
