@@ -81,6 +81,13 @@ const _: () = assert!(MAX_SENT >= 2);
 /// Recompute ticks per `recompute_delay_ms` ([`Allocator::recompute_due`]).
 const RECOMPUTE_TICKS_PER_DELAY: u64 = 4;
 
+/// Most key handles an agent's stream is remembered to have been told
+/// ([`Agent::told`]): twice its entries plus this. Handles carry a generation, so those
+/// of keys forgotten since never match again; past the bound the set starts afresh
+/// (the next grant of each key names it once more), and a long-lived stream under key
+/// churn holds no more than its keys.
+const TOLD_SLACK: usize = 64;
+
 /// [`Entry::term_seq`] when the latest grant is not of this allocator's term (or none
 /// was sent): no seq of a term reaches it.
 const NOT_TERM: u64 = u64::MAX;
@@ -895,7 +902,8 @@ struct Agent {
     by_handle: bool,
     /// With `by_handle`: the handles of keys whose name a grant drained for this
     /// stream carried (cleared by each hello; a key the agent names by name in a
-    /// report leaves it, the agent having no handle for it).
+    /// report leaves it, the agent having no handle for it, as does a key whose entry
+    /// goes). At most twice the agent's entries plus [`TOLD_SLACK`].
     told: HashSet<u64, FixedState>,
 }
 
@@ -1247,6 +1255,9 @@ impl Allocator {
             // asked for grants by handle and has had this key's name already.
             let named = match self.agents[p.agent as usize].as_mut() {
                 Some(ag) if ag.by_handle && key_handle != 0 && before.is_none() => {
+                    if ag.told.len() >= 2 * ag.entries.len() + TOLD_SLACK {
+                        ag.told.clear();
+                    }
                     ag.told.insert(key_handle)
                 }
                 _ => true,
@@ -1717,7 +1728,15 @@ impl Allocator {
             key.rare_entries -= 1;
         }
         let moved = key.entries.get(pos as usize).map(|m| m.agent);
-        self.agent_mut(e.agent).entries.remove(&k);
+        let handle = key_handle(self.key_gens[k as usize], k);
+        let ag = self.agent_mut(e.agent);
+        ag.entries.remove(&k);
+        // Told names follow the agent's entries (a grant drained after its entry went
+        // may leave one more: the bound catches those).
+        ag.told.remove(&handle);
+        if ag.told.len() > 2 * ag.entries.len() + TOLD_SLACK {
+            ag.told.clear();
+        }
         if let Some(m) = moved {
             self.agent_mut(m).entries.insert(k, pos);
         }
@@ -3185,6 +3204,17 @@ impl Allocator {
             if ag.ext.through > 0 && ag.ext.term != self.term {
                 return Err(format!("agent {}: extension of another term", ag.id));
             }
+            // Bounded by the agent's keys, whatever keys came and went on its stream.
+            if ag.told.len() > 2 * ag.entries.len() + TOLD_SLACK
+                || (!ag.by_handle && !ag.told.is_empty())
+            {
+                return Err(format!(
+                    "agent {}: {} key names told for {} entries",
+                    ag.id,
+                    ag.told.len(),
+                    ag.entries.len()
+                ));
+            }
         }
         let mut entries = 0;
         let mut live_keys = 0;
@@ -3744,6 +3774,49 @@ mod tests {
         e.older = Some(Box::new(smallvec::smallvec![newer]));
         let err = a.check_invariants().unwrap_err();
         assert!(err.contains("out of order"), "{err}");
+    }
+
+    #[test]
+    fn the_names_a_stream_was_told_stay_bounded_by_its_keys() {
+        let now = 5 * SEC;
+        let mut a = warm_allocator(1, now);
+        let hello = Hello {
+            grants_by_handle: true,
+            ..hello("h", 1, 1)
+        };
+        a.handle_hello(now, &hello).unwrap();
+        let x = key("rps", "x");
+        a.handle_report(now, &report("h", 1, 10, vec![line(x.clone(), 0, 5, None)]))
+            .unwrap();
+        let g = settle(&mut a, now + 10 * MS);
+        assert!(g.iter().all(|g| g.named) && !g.is_empty(), "{g:?}");
+        let h = a.agent_id("h").unwrap();
+        // Handles of keys long forgotten (their generations never come back), past
+        // the bound: the invariant check sees it.
+        let stale = 2 * a.agent(h).entries.len() + TOLD_SLACK + 1;
+        a.agent_mut(h)
+            .told
+            .extend((1..=stale as u64).map(|i| i << 40));
+        let err = a.check_invariants().unwrap_err();
+        assert!(err.contains("key names told"), "{err}");
+        // The next grant drained starts the set afresh and names its key again.
+        a.handle_report(
+            now + SEC,
+            &report("h", 1, 20, vec![line(x.clone(), 400, 900, None)]),
+        )
+        .unwrap();
+        a.handle_timeout(now + SEC + 10 * MS);
+        let g: Vec<Grant> = a.drain_grants().collect();
+        assert!(!g.is_empty() && g.iter().all(|g| g.named), "{g:?}");
+        assert_eq!(a.agent(h).told.len(), 1);
+        a.check_invariants().unwrap();
+        // An entry that goes takes its key's name with it.
+        let before = a.agent(h).told.len();
+        let k = a.agent(h).entries.keys().next().copied().unwrap();
+        let pos = a.agent(h).entries[&k];
+        a.remove_entry(k, pos);
+        assert_eq!(a.agent(h).told.len(), before - 1);
+        a.check_invariants().unwrap();
     }
 
     #[test]

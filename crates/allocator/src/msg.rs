@@ -242,9 +242,15 @@ pub struct Grant {
 impl Grant {
     /// The agent engine's update for this grant (field by field, see the table above).
     pub fn to_slice_update(&self) -> SliceUpdate {
+        self.update_for(&self.key)
+    }
+
+    /// The update for this grant applied to `key`: what an agent that found the key by
+    /// the grant's handle ([`Grant::named`] false) applies.
+    pub fn update_for(&self, key: &KeyName) -> SliceUpdate {
         SliceUpdate {
-            rule: self.key.rule.clone(),
-            values: self.key.values.clone(),
+            rule: key.rule.clone(),
+            values: key.values.clone(),
             rate: self.rate,
             burst: self.burst,
             epoch: self.epoch,

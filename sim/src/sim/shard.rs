@@ -794,11 +794,7 @@ impl Shard {
             updates.push(if g.named {
                 g.to_slice_update()
             } else {
-                Grant {
-                    key: Arc::clone(&sh.key_names[k as usize]),
-                    ..g.clone()
-                }
-                .to_slice_update()
+                g.update_for(&sh.key_names[k as usize])
             });
             keys.push(k);
             handles.push(g.key_handle);
