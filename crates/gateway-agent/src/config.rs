@@ -381,6 +381,15 @@ impl RuleSet {
     pub fn is_empty(&self) -> bool {
         self.rules.is_empty()
     }
+
+    /// The rules as one deterministic string (every field of every rule, in file
+    /// order): what agents and the allocator hash into the `config_version` they
+    /// compare. Not `Debug`, which also prints the name index, a `HashMap` whose order
+    /// differs from process to process (two parses of one file gave six different
+    /// strings in twenty).
+    pub fn canonical(&self) -> String {
+        format!("{:?}", self.rules)
+    }
 }
 
 /// A configuration error. Nothing was loaded; the caller keeps whatever it had.
@@ -1286,5 +1295,34 @@ mod tests {
         let cfg = Config::from_toml("[engine]\nunmatched = \"allow\"\nmax_keys = 10\n").unwrap();
         assert_eq!(cfg.engine.unmatched, Unmatched::Allow);
         assert_eq!(cfg.engine.max_keys, 10);
+    }
+
+    /// Agents and the allocator hash this into the `config_version` they compare: one
+    /// file must give one string in every parse (and process), and a changed number a
+    /// different one.
+    #[test]
+    fn the_canonical_form_of_rules_is_deterministic_and_sees_every_change() {
+        let file = |rate: u32| {
+            format!(
+                "[[rule]]\nname = \"a\"\nmatch = {{ org = \"*\" }}\ndimension = \"requests\"\n\
+                 rate = {rate}\nper = \"second\"\n\n\
+                 [[rule]]\nname = \"b\"\nmatch = {{ org = \"*\" }}\ndimension = \"input_tokens\"\n\
+                 rate = 10\nper = \"second\"\n\n\
+                 [[rule]]\nname = \"c\"\nmatch = {{ user = \"*\" }}\ndimension = \"requests\"\n\
+                 rate = 10\nper = \"second\"\n"
+            )
+        };
+        let first = Config::from_toml(&file(10)).unwrap().rules.canonical();
+        for _ in 0..20 {
+            // Each parse builds its name index with its own hasher seeds.
+            assert_eq!(
+                Config::from_toml(&file(10)).unwrap().rules.canonical(),
+                first
+            );
+        }
+        assert_ne!(
+            Config::from_toml(&file(11)).unwrap().rules.canonical(),
+            first
+        );
     }
 }

@@ -192,7 +192,7 @@ impl Default for ShellClock {
 /// The rules version agents and allocator compare (see
 /// [`bursar_proto::allocator::config_version`]).
 pub fn config_version(rules: &Config) -> String {
-    bursar_proto::allocator::config_version(&format!("{:?}", rules.rules))
+    bursar_proto::allocator::config_version(&rules.rules.canonical())
 }
 
 /// A way into the running core task (for `main.rs`'s SIGHUP handler and in-process

@@ -212,7 +212,7 @@ pub fn spawn(
 
 /// The rules version sent in the hello (see `bursar_proto::allocator::config_version`).
 pub fn config_version(engine: &Engine) -> String {
-    pb::config_version(&format!("{:?}", engine.rules()))
+    pb::config_version(&engine.rules().canonical())
 }
 
 fn ns(d: Duration) -> u64 {
