@@ -31,7 +31,7 @@ use crate::config::{
     Config, Dimension, MAX_COST, MAX_DESCRIPTOR_BYTES, MAX_DESCRIPTORS, MAX_LIMITS_PER_REQUEST,
     MAX_REQUEST_ID_BYTES, Mode, Pattern, Posture, Rule, RuleLimit, RuleSet, SliceSource, Unmatched,
 };
-use crate::error::{AdmitError, CompleteError, ExtendError, HandleError, SliceError};
+use crate::error::{AdmitError, CompleteError, ExtendError, HandleError, ReloadError, SliceError};
 use crate::key::{KeyHashing, KeyMemo, LimitKey, PassThroughState};
 use crate::lease::{InsertError, Lease, LeaseHead, LeaseLimit, LeaseTable, Removed};
 use crate::usage::{CompletionStatus, Outcome, RecordLimit, Usage, UsageRecord, UsageSink};
@@ -876,6 +876,10 @@ struct KeyTable {
     /// Cells - 1.
     mask: usize,
     len: usize,
+    /// The rules' numbers in force with these slots (a rules reload publishes a table
+    /// with its new ones: [`Engine::reload`]). A decision reads its rules from the
+    /// snapshot it reads its slots from, at no extra load.
+    compiled: Arc<[CompiledRule]>,
 }
 
 impl KeyTable {
@@ -890,6 +894,7 @@ impl KeyTable {
                 .collect(),
             mask: cells - 1,
             len: 0,
+            compiled: Arc::from(Vec::new()),
         }
     }
 
@@ -927,6 +932,7 @@ impl KeyTable {
             chunks: self.chunks.clone(),
             mask: self.mask,
             len: self.len,
+            compiled: Arc::clone(&self.compiled),
         };
         for (id, slot) in slots {
             t.insert(id, slot);
@@ -1091,6 +1097,10 @@ fn lease_end(st: &SliceState, ext: Option<SliceExtension>) -> u64 {
 type TableUpdates = Vec<(u64, Arc<Slot>)>;
 
 struct Slow {
+    /// The rules' numbers in force: every table published carries these.
+    compiled: Arc<[CompiledRule]>,
+    /// Reloads applied ([`Engine::reload`]).
+    reloads: u64,
     /// Slots newer than the published table (new keys and replacements).
     pending: HashMap<u64, Arc<Slot>, PassThroughState>,
     /// Slots sealed without a replacement since the table was last rebuilt whole
@@ -1171,8 +1181,9 @@ const WALK_CHUNKS: usize = 16;
 /// The budget engine. Share it (`Arc<Engine>`) across threads; give each thread a
 /// [`Worker`] for the cheapest reads.
 pub struct Engine {
-    rules: RuleSet,
-    compiled: Box<[CompiledRule]>,
+    /// The rules in force (a reload swaps them; their numbers, compiled, are in the
+    /// key table snapshot and in [`Slow`]).
+    rules: ArcSwap<RuleSet>,
     by_domain: HashMap<Box<str>, Box<[u32]>>,
     domainless: Box<[u32]>,
     cfg: crate::config::EngineConfig,
@@ -1194,10 +1205,107 @@ static NEXT_ENGINE_TAG: AtomicU32 = AtomicU32::new(1);
 impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Engine")
-            .field("rules", &self.rules.len())
+            .field("rules", &self.rules.load().len())
             .field("config", &self.cfg)
             .finish_non_exhaustive()
     }
+}
+
+/// What a rules reload changed ([`Engine::reload`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ReloadSummary {
+    /// The rules whose numbers changed, in file order (none: the file is the rules in
+    /// force, and nothing was done).
+    pub changed: Vec<String>,
+    /// Keys that took a changed rule's new whole limit (standalone), or show it while
+    /// closed (allocated).
+    pub keys_updated: usize,
+}
+
+/// The first `[engine]` setting that differs, if any (every field, by name).
+fn engine_setting_differs(
+    a: &crate::config::EngineConfig,
+    b: &crate::config::EngineConfig,
+) -> Option<&'static str> {
+    let crate::config::EngineConfig {
+        max_keys,
+        max_leases,
+        lease_ttl_ms,
+        max_lease_ttl_ms,
+        tombstone_ttl_ms,
+        max_tombstones,
+        key_idle_ms,
+        unmatched,
+        slice_source,
+    } = a;
+    [
+        (*max_keys != b.max_keys, "max_keys"),
+        (*max_leases != b.max_leases, "max_leases"),
+        (*lease_ttl_ms != b.lease_ttl_ms, "lease_ttl_ms"),
+        (*max_lease_ttl_ms != b.max_lease_ttl_ms, "max_lease_ttl_ms"),
+        (*tombstone_ttl_ms != b.tombstone_ttl_ms, "tombstone_ttl_ms"),
+        (*max_tombstones != b.max_tombstones, "max_tombstones"),
+        (*key_idle_ms != b.key_idle_ms, "key_idle_ms"),
+        (*unmatched != b.unmatched, "unmatched"),
+        (*slice_source != b.slice_source, "slice_source"),
+    ]
+    .into_iter()
+    .find_map(|(differs, field)| differs.then_some(field))
+}
+
+/// The first field of a rule that decides what its keys are and changed, if any (the
+/// file's name for it).
+fn structural_change(a: &Rule, b: &Rule) -> Option<&'static str> {
+    if a.domain != b.domain {
+        return Some("domain");
+    }
+    if a.matches != b.matches {
+        return Some("match");
+    }
+    if a.dimension != b.dimension {
+        return Some("dimension");
+    }
+    if a.parent != b.parent {
+        return Some("parent");
+    }
+    match (&a.limit, &b.limit) {
+        (RuleLimit::Rate { per: p, .. }, RuleLimit::Rate { per: q, .. }) if p != q => Some("per"),
+        (RuleLimit::Rate { .. }, RuleLimit::Rate { .. })
+        | (RuleLimit::Concurrency { .. }, RuleLimit::Concurrency { .. }) => None,
+        _ => Some("dimension"),
+    }
+}
+
+/// The engine's form of each rule, by index.
+fn compile(rules: &RuleSet) -> Arc<[CompiledRule]> {
+    rules
+        .rules()
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let whole = whole_params(r);
+            CompiledRule {
+                index: i as u32,
+                matches: r
+                    .matches
+                    .iter()
+                    .map(|(k, p)| {
+                        let exact = match p {
+                            Pattern::Each => None,
+                            Pattern::Exact(v) => Some(v.clone()),
+                        };
+                        (k.as_str().into(), exact)
+                    })
+                    .collect(),
+                dimension: r.dimension,
+                enforce: r.mode == Mode::Enforce,
+                whole_capacity: whole.capacity(),
+                whole,
+                rule: r.clone(),
+                name: r.name.as_str().into(),
+            }
+        })
+        .collect()
 }
 
 impl Engine {
@@ -1206,34 +1314,7 @@ impl Engine {
         let Config {
             engine: cfg, rules, ..
         } = config;
-        let compiled: Box<[CompiledRule]> = rules
-            .rules()
-            .iter()
-            .enumerate()
-            .map(|(i, r)| {
-                let whole = whole_params(r);
-                CompiledRule {
-                    index: i as u32,
-                    matches: r
-                        .matches
-                        .iter()
-                        .map(|(k, p)| {
-                            let exact = match p {
-                                Pattern::Each => None,
-                                Pattern::Exact(v) => Some(v.clone()),
-                            };
-                            (k.as_str().into(), exact)
-                        })
-                        .collect(),
-                    dimension: r.dimension,
-                    enforce: r.mode == Mode::Enforce,
-                    whole_capacity: whole.capacity(),
-                    whole,
-                    rule: r.clone(),
-                    name: r.name.as_str().into(),
-                }
-            })
-            .collect();
+        let compiled = compile(&rules);
         let domainless: Box<[u32]> = compiled
             .iter()
             .filter(|c| c.rule.domain.is_none())
@@ -1255,20 +1336,23 @@ impl Engine {
             );
         }
         let retired = vec![(0, 0, 0); compiled.len()];
+        let mut table = KeyTable::empty();
+        table.compiled = Arc::clone(&compiled);
         Engine {
             by_domain: by_domain
                 .into_iter()
                 .map(|(k, v)| (k, v.into_boxed_slice()))
                 .collect(),
             domainless,
-            compiled,
-            rules,
+            rules: ArcSwap::from_pointee(rules),
             leases: LeaseTable::new(cfg.max_leases, cfg.max_tombstones),
             changed: ChangeMarks::new(),
             cfg,
             hashing: KeyHashing::new(),
-            table: Arc::new(ArcSwap::from_pointee(KeyTable::empty())),
+            table: Arc::new(ArcSwap::from_pointee(table)),
             slow: Mutex::new(Slow {
+                compiled,
+                reloads: 0,
                 pending: HashMap::default(),
                 table_garbage: 0,
                 spare: None,
@@ -1291,14 +1375,118 @@ impl Engine {
         }
     }
 
-    /// The rules in force.
-    pub fn rules(&self) -> &RuleSet {
-        &self.rules
+    /// The rules in force (a snapshot: [`Engine::reload`] may replace them).
+    pub fn rules(&self) -> Arc<RuleSet> {
+        self.rules.load_full()
     }
 
     /// The engine settings in force.
     pub fn config(&self) -> &crate::config::EngineConfig {
         &self.cfg
+    }
+
+    /// Applies a rules file's new numbers to the rules in force, or refuses it having
+    /// changed nothing. The file must have the same `[engine]` settings and the same
+    /// rules in the same order, each matching and limiting what it did; a rule may
+    /// change its `rate`, `burst`, `max_in_flight`, `mode`, `posture`, output-token
+    /// settings and `typical_cost` (the rest decides what its keys are: a restart
+    /// changes it).
+    ///
+    /// Decisions from now on read the new numbers. A standalone engine's keys of a
+    /// changed limit take it as a slice change does (invariant 2: a shrink clamps the
+    /// level, a growth does not raise it; reservations held carry over), so a reload
+    /// never hands out a fresh burst; an allocated engine's granted keys keep their
+    /// grants (the allocator's own reload sends new ones) and its closed keys show the
+    /// new limit. A decision already under way when the reload lands finishes under
+    /// the rules it started with.
+    pub fn reload(&self, now: u64, config: Config) -> Result<ReloadSummary, ReloadError> {
+        let Config {
+            engine: cfg, rules, ..
+        } = config;
+        if let Some(field) = engine_setting_differs(&self.cfg, &cfg) {
+            return Err(ReloadError::EngineSettings { field });
+        }
+        let mut slow = self.slow();
+        let old = self.rules.load_full();
+        let (was, will) = (old.rules(), rules.rules());
+        for i in 0..was.len().max(will.len()) {
+            let name = |r: Option<&Rule>| match r {
+                Some(r) => format!("rule #{} `{}`", i + 1, r.name),
+                None => format!("no rule #{}", i + 1),
+            };
+            match (was.get(i), will.get(i)) {
+                (Some(a), Some(b)) if a.name == b.name => {
+                    if let Some(field) = structural_change(a, b) {
+                        return Err(ReloadError::Structure {
+                            rule: a.name.clone(),
+                            field,
+                        });
+                    }
+                }
+                (a, b) => {
+                    return Err(ReloadError::RulesDiffer {
+                        found: name(b),
+                        in_force: name(a),
+                    });
+                }
+            }
+        }
+        let changed: Vec<String> = was
+            .iter()
+            .zip(will)
+            .filter(|(a, b)| format!("{a:?}") != format!("{b:?}"))
+            .map(|(a, _)| a.name.clone())
+            .collect();
+        if changed.is_empty() {
+            return Ok(ReloadSummary::default());
+        }
+        let compiled = compile(&rules);
+        let before = std::mem::replace(&mut slow.compiled, Arc::clone(&compiled));
+        self.rules.store(Arc::new(rules));
+        // Each live key of a changed limit, and what it holds from now on.
+        let table = self.table.load();
+        let mut moves: Vec<(u32, Vec<String>, Params)> = Vec::new();
+        for (_, s) in live_slots(&slow, &table) {
+            let ri = s.key.rule as usize;
+            let (old_whole, new_whole) = (before[ri].whole, compiled[ri].whole);
+            if old_whole == new_whole {
+                continue;
+            }
+            let params = match self.cfg.slice_source {
+                SliceSource::Standalone if s.params == old_whole => new_whole,
+                SliceSource::Allocated => match (s.params, new_whole) {
+                    (Params::Closed(_), Params::Rate(p))
+                        if !slow.slices.contains_key(&*s.key as &dyn KeyView) =>
+                    {
+                        Params::Closed(p.limit)
+                    }
+                    _ => continue,
+                },
+                SliceSource::Standalone => continue,
+            };
+            let values = s.key.values().map(String::from).collect();
+            moves.push((s.key.rule, values, params));
+        }
+        drop(table);
+        let mut keys_updated = 0;
+        for (ri, values, params) in moves {
+            // Every one has a live slot: nothing new is created, so nothing can fill.
+            match self.install_locked(&mut slow, now, ri, &values, params, 0) {
+                Ok(_) => keys_updated += 1,
+                Err(e) => debug_assert!(false, "reload could not move a key: {e}"),
+            }
+        }
+        self.publish_locked(&mut slow, now);
+        slow.reloads += 1;
+        Ok(ReloadSummary {
+            changed,
+            keys_updated,
+        })
+    }
+
+    /// Rules reloads applied since start ([`Engine::reload`]).
+    pub fn reloads(&self) -> u64 {
+        self.slow().reloads
     }
 
     /// A per-thread handle with a cached table snapshot (the cheapest decision path).
@@ -1408,7 +1596,7 @@ impl Engine {
 
         let candidates = self.candidates(req.domain);
         for (pos, &ri) in candidates.iter().enumerate() {
-            let rule = &self.compiled[ri as usize];
+            let rule = &table.compiled[ri as usize];
             let Some(nv) = rule.matches(req.descriptors, &mut values) else {
                 continue;
             };
@@ -1587,7 +1775,7 @@ impl Engine {
             let (params, state) = match slot {
                 Some(s) => (s.params.shape(), s.load()),
                 None => {
-                    let whole = &self.compiled[ll.rule as usize].whole;
+                    let whole = &table.compiled[ll.rule as usize].whole;
                     (whole.shape(), Slot::full_state(whole, now))
                 }
             };
@@ -1654,7 +1842,7 @@ impl Engine {
         let mut values: [&str; MAX_DESCRIPTORS] = [""; MAX_DESCRIPTORS];
         let mut memo = KeyMemo::default();
         for &ri in later {
-            let rule = &self.compiled[ri as usize];
+            let rule = &table.compiled[ri as usize];
             let Some(nv) = rule.matches(descriptors, &mut values) else {
                 continue;
             };
@@ -1772,7 +1960,7 @@ impl Engine {
         let slot_id = free_id(&slow, &table, id).ok_or(AdmitError::KeyTableFull {
             max: self.cfg.max_keys,
         })?;
-        let c = &self.compiled[rule as usize];
+        let c = &slow.compiled[rule as usize];
         let named = Named::new(&self.hashing, rule, values);
         let (params, state) = match slow.slices.get(&named as &dyn KeyView) {
             // A granted key whose slot was evicted at rest: recreate it full, as it was.
@@ -1836,8 +2024,17 @@ impl Engine {
             None if fits => old.with_updates(pending.clone()).ok().map(Arc::new),
             None => None,
         };
-        if let Some(t) = table {
+        if let Some(mut t) = table {
             drop(old);
+            if let Some(t) = Arc::get_mut(&mut t)
+                && !Arc::ptr_eq(&t.compiled, &slow.compiled)
+            {
+                t.compiled = Arc::clone(&slow.compiled);
+            }
+            debug_assert!(
+                Arc::ptr_eq(&t.compiled, &slow.compiled),
+                "a table of old rules"
+            );
             slow.spare = Some((self.table.swap(t), pending));
             return;
         }
@@ -1848,7 +2045,8 @@ impl Engine {
             .filter(|(_, s)| !s.is_sealed())
             .map(|(id, s)| (id, Arc::clone(s)));
         // Pending slots come last: a replacement wins over the slot it sealed.
-        let table = KeyTable::build(capacity, kept.chain(pending));
+        let mut table = KeyTable::build(capacity, kept.chain(pending));
+        table.compiled = Arc::clone(&slow.compiled);
         self.table.store(Arc::new(table));
     }
 
@@ -1974,7 +2172,7 @@ impl Engine {
         let found = self.found(table, lease);
         for (l, f) in lease.limit_slots().iter().zip(&found) {
             if let Some(l) = l {
-                self.settle(now, l, f.map(|s| &**s), &usage, live);
+                self.settle(now, &table.compiled, l, f.map(|s| &**s), &usage, live);
             }
         }
         self.record(request_id, outcome, Some(usage), now, lease, &found);
@@ -2077,7 +2275,15 @@ impl Engine {
     /// slot in the table snapshot, if it showed one: the refund is exact on the bucket
     /// debited (same generation), else in units on the key's current slot.
     #[inline]
-    fn settle(&self, now: u64, l: &LeaseLimit, found: Option<&Slot>, usage: &Usage, live: bool) {
+    fn settle(
+        &self,
+        now: u64,
+        compiled: &[CompiledRule],
+        l: &LeaseLimit,
+        found: Option<&Slot>,
+        usage: &Usage,
+        live: bool,
+    ) {
         if l.dimension == Dimension::Concurrency {
             if live && l.debited > 0 && !found.is_some_and(|s| s.settle(now, l.debited, 0)) {
                 self.settle_current(now, l, l.debited);
@@ -2086,7 +2292,7 @@ impl Engine {
             self.changed.mark(l.id);
             return;
         }
-        let rule = &self.compiled[l.rule as usize];
+        let rule = &compiled[l.rule as usize];
         let actual = rule.actual(l.reserved, usage);
         if live && (l.holds || actual < l.reserved) {
             let used = actual.min(l.reserved);
@@ -2185,7 +2391,7 @@ impl Engine {
         };
         let candidates = self.candidates(domain);
         for (pos, &ri) in candidates.iter().enumerate() {
-            let rule = &self.compiled[ri as usize];
+            let rule = &table.compiled[ri as usize];
             if rule.dimension == Dimension::Concurrency {
                 continue;
             }
@@ -2281,7 +2487,7 @@ impl Engine {
             self.count(&slot.admitted, *id, hits);
         }
         for (ri, slot, id) in charges.iter().flatten() {
-            let rule = &self.compiled[*ri as usize];
+            let rule = &table.compiled[*ri as usize];
             let mut slot = Arc::clone(&**slot);
             for _ in 0..8 {
                 if slot.charge(now, hits) {
@@ -2315,7 +2521,7 @@ impl Engine {
         let mut memo = KeyMemo::default();
         let mut charged = 0;
         for &ri in self.candidates(req.domain) {
-            let rule = &self.compiled[ri as usize];
+            let rule = &table.compiled[ri as usize];
             let Some(nv) = rule.matches(req.descriptors, &mut values) else {
                 continue;
             };
@@ -2358,8 +2564,8 @@ impl Engine {
         now: u64,
         u: &SliceUpdate,
     ) -> Result<SliceApplied, SliceError> {
-        let (ri, rule) = self
-            .rules
+        let rules = self.rules.load();
+        let (ri, rule) = rules
             .by_name(&u.rule)
             .ok_or_else(|| SliceError::UnknownRule(u.rule.clone()))?;
         let wildcards = rule.wildcards();
@@ -2403,7 +2609,7 @@ impl Engine {
                 max: self.cfg.max_keys,
             });
         }
-        let c = &self.compiled[ri as usize];
+        let c = &slow.compiled[ri as usize];
         let grant = match c.whole {
             Params::Slots(_) => Params::Slots(u.burst),
             Params::Rate(p) => Params::rate(RateLimit {
@@ -2545,7 +2751,7 @@ impl Engine {
                 let slot_id = free_id(slow, &table, id).ok_or(SliceError::TableFull {
                     max: self.cfg.max_keys,
                 })?;
-                let c = &self.compiled[rule as usize];
+                let c = &slow.compiled[rule as usize];
                 let key = Arc::new(LimitKey {
                     id: slot_id,
                     check: self.hashing.key_check(rule, vals.iter().copied()),
@@ -2663,7 +2869,7 @@ impl Engine {
         }
         for (key, s) in ended {
             let rule = key.0.rule;
-            let c = &self.compiled[rule as usize];
+            let c = &slow.compiled[rule as usize];
             let fallback = match (c.rule.posture, s.grant, c.whole) {
                 (Posture::Open, g, _) => g,
                 (Posture::Strict, Params::Slots(_), _) => Params::Slots(0),
@@ -2707,7 +2913,7 @@ impl Engine {
     pub fn stats(&self) -> Vec<RuleStats> {
         let slow = self.slow();
         let table = self.table.load();
-        let mut out: Vec<RuleStats> = self
+        let mut out: Vec<RuleStats> = slow
             .compiled
             .iter()
             .map(|c| RuleStats {
@@ -2798,7 +3004,7 @@ impl Engine {
                 let id = self.hashing.key_id(key.rule, values.iter().copied());
                 if find_live(&slow, &table, id, key.rule, &values).is_none() {
                     gone.push(KeyDemand {
-                        rule: Arc::clone(&self.compiled[key.rule as usize].name),
+                        rule: Arc::clone(&slow.compiled[key.rule as usize].name),
                         counters: SlotCounters(Arc::clone(s)),
                         in_flight: 0,
                         slice: None,
@@ -2952,7 +3158,7 @@ impl Engine {
 
     /// One key's entry for [`Engine::key_demand`].
     fn demand_of(&self, slow: &Slow, s: &Arc<Slot>) -> KeyDemand {
-        let c = &self.compiled[s.key.rule as usize];
+        let c = &slow.compiled[s.key.rule as usize];
         let slice = slow.slices.get(&*s.key as &dyn KeyView).map(|st| {
             let (rate, burst) = match st.grant {
                 Params::Rate(p) => (p.limit.rate, p.limit.burst),
@@ -2988,7 +3194,7 @@ impl Engine {
     /// are the rule's `*` values in match-key order (keys sorted).
     /// For concurrency rules: free slots.
     pub fn level(&self, now: u64, rule: &str, values: &[&str]) -> Option<i128> {
-        let (ri, _) = self.rules.by_name(rule)?;
+        let (ri, _) = self.rules.load().by_name(rule)?;
         let ri = ri as u32;
         let id = self.hashing.key_id(ri, values.iter().copied());
         let slot = self.current_slot(id, ri, values)?;
@@ -2999,7 +3205,7 @@ impl Engine {
     /// The demand counters of one limit key's live slot, or `None` if the key is not
     /// held (one key's [`KeyDemand::counters`], without walking every key).
     pub fn key_counters(&self, rule: &str, values: &[&str]) -> Option<SlotCounters> {
-        let (ri, _) = self.rules.by_name(rule)?;
+        let (ri, _) = self.rules.load().by_name(rule)?;
         let ri = ri as u32;
         let id = self.hashing.key_id(ri, values.iter().copied());
         self.current_slot(id, ri, values).map(SlotCounters)
@@ -3019,7 +3225,7 @@ impl Engine {
     /// per engine), `None` if no rule has that name: what [`KeyDemand::identity`] gives
     /// for the same key, computed from its names (a grant off the wire).
     pub(crate) fn key_identity(&self, rule: &str, values: &[&str]) -> Option<(u64, u64)> {
-        let (ri, _) = self.rules.by_name(rule)?;
+        let (ri, _) = self.rules.load().by_name(rule)?;
         Some(self.key_hashes(ri as u32, values))
     }
 
@@ -3036,8 +3242,8 @@ impl Engine {
     /// the wrong number of values, and concurrency rules (their slots are released by
     /// completing a lease, which a bare check has none of).
     pub fn key_handle(&self, rule: &str, values: &[&str]) -> Result<KeyHandle, HandleError> {
-        let (ri, r) = self
-            .rules
+        let rules = self.rules.load();
+        let (ri, r) = rules
             .by_name(rule)
             .ok_or_else(|| HandleError::UnknownRule(rule.to_string()))?;
         if matches!(r.limit, RuleLimit::Concurrency { .. }) {
@@ -3079,9 +3285,14 @@ impl Engine {
             return Err(AdmitError::Invalid("key handle made by another engine"));
         }
         if let Some(slot) = table.lookup(key.id, key.check)
-            && let Some(admitted) = self.acquire_on(slot, key.id, now, key.rule, cost, |slot| {
-                demand.count(&self.changed, table, slot, key, now, cost)
-            })
+            && let Some(admitted) = self.acquire_on(
+                slot,
+                key.id,
+                now,
+                &table.compiled[key.rule as usize],
+                cost,
+                |slot| demand.count(&self.changed, table, slot, key, now, cost),
+            )
         {
             return Ok(admitted);
         }
@@ -3107,7 +3318,14 @@ impl Engine {
         for _ in 0..8 {
             let slot = self.resolve_slow(now, key.id, key.rule, &vals)?;
             let admit = |slot: &Slot| self.count(&slot.admitted, key.id, cost);
-            if let Some(admitted) = self.acquire_on(&slot, key.id, now, key.rule, cost, admit) {
+            if let Some(admitted) = self.acquire_on(
+                &slot,
+                key.id,
+                now,
+                &table.compiled[key.rule as usize],
+                cost,
+                admit,
+            ) {
                 return Ok(admitted);
             }
         }
@@ -3126,7 +3344,7 @@ impl Engine {
         slot: &Slot,
         id: u64,
         now: u64,
-        rule: u32,
+        rule: &CompiledRule,
         cost: u64,
         count_admitted: impl FnOnce(&Slot),
     ) -> Option<bool> {
@@ -3137,7 +3355,7 @@ impl Engine {
             }
             Take::Busy { .. } => {
                 self.count(&slot.rejected, id, cost);
-                Some(!self.compiled[rule as usize].enforce)
+                Some(!rule.enforce)
             }
             Take::Sealed => None,
         }

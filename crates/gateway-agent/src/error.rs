@@ -174,3 +174,38 @@ pub enum HandleError {
     #[error("rule {0:?} limits concurrency: admit through a lease, not a bare check")]
     Concurrency(String),
 }
+
+/// A rules reload refused ([`crate::Engine::reload`]): nothing changed, the rules in
+/// force stay (operator). A reload changes the numbers of the rules in force; which
+/// rules there are, what they match and what they limit are fixed at start.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ReloadError {
+    /// An `[engine]` setting differs from the one in force.
+    #[error(
+        "[engine] field `{field}` differs from the one in force; engine settings apply only at start (restart the agent to change them)"
+    )]
+    EngineSettings {
+        /// The first setting that differs.
+        field: &'static str,
+    },
+    /// The file has other rules, or the same ones in another order.
+    #[error(
+        "the file has {found} where the rules in force have {in_force}; adding, removing, renaming or reordering rules needs a restart of the agent"
+    )]
+    RulesDiffer {
+        /// What the file has at the first difference (a rule's name, or the count).
+        found: String,
+        /// What is in force there.
+        in_force: String,
+    },
+    /// A rule's field that decides its keys changed.
+    #[error(
+        "rule {rule}: field `{field}` changed; a reload may change only `rate`, `burst`, `max_in_flight`, `mode`, `posture`, `max_output_tokens_default`, `max_output_tokens_cap` and `typical_cost` (restart the agent for the rest)"
+    )]
+    Structure {
+        /// The rule.
+        rule: String,
+        /// The field.
+        field: &'static str,
+    },
+}

@@ -80,10 +80,10 @@ pub use config::{
 };
 pub use engine::{
     AdmitRequest, Admitted, Completion, Cost, DEMAND_BUFFER_NS, Decision, Engine, KeyHandle,
-    KeyTotals, LimitStatus, Limits, MaintainReport, RejectReason, Rejected, RuleStats,
-    SliceApplied, SliceExtension, SliceUpdate, Worker,
+    KeyTotals, LimitStatus, Limits, MaintainReport, RejectReason, Rejected, ReloadSummary,
+    RuleStats, SliceApplied, SliceExtension, SliceUpdate, Worker,
 };
-pub use error::{AdmitError, CompleteError, ExtendError, HandleError, SliceError};
+pub use error::{AdmitError, CompleteError, ExtendError, HandleError, ReloadError, SliceError};
 pub use key::LimitKey;
 pub use usage::{
     CompletionStatus, DiscardSink, MemorySink, Outcome, OwnedRecord, RecordLimit, Usage,

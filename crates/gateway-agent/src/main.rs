@@ -273,6 +273,7 @@ fn serve(args: ServeArgs) -> Result<()> {
         .context("the system clock is before 1970")?
         .as_millis() as u64;
     let rules = config.rules.clone();
+    let api_keys = config.api_keys.clone();
     let sink: Arc<dyn bursar_agent::UsageSink> = match &outbox {
         Some(ob) => {
             let sink: Arc<Outbox> = Arc::clone(ob);
@@ -364,9 +365,14 @@ fn serve(args: ServeArgs) -> Result<()> {
         }
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
             .context("SIGTERM handler")?;
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
+        let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+            .context("SIGHUP handler")?;
+        loop {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => break,
+                _ = term.recv() => break,
+                _ = hup.recv() => reload(&state, args.config.as_deref(), args.allocator.is_some(), &api_keys),
+            }
         }
         eprintln!("bursar-agent: shutting down");
         let _ = tx.send(true);
@@ -378,6 +384,35 @@ fn serve(args: ServeArgs) -> Result<()> {
         ob.close();
     }
     served
+}
+
+/// SIGHUP: re-reads `--config` and applies the rules' new numbers, or says why not.
+fn reload(
+    state: &bursar_agent::shell::AgentState,
+    path: Option<&std::path::Path>,
+    allocated: bool,
+    api_keys: &[bursar_agent::ApiKey],
+) {
+    let Some(path) = path else {
+        eprintln!(
+            "bursar-agent: SIGHUP ignored: no --config given (the embedded demo rules cannot be re-read)"
+        );
+        return;
+    };
+    match bursar_agent::shell::reload_rules(state, path, allocated, api_keys) {
+        Ok(s) if s.changed.is_empty() => eprintln!(
+            "bursar-agent: rules file {} re-read: no change",
+            path.display()
+        ),
+        Ok(s) => eprintln!(
+            "bursar-agent: rules reloaded from {}: changed {} ({} keys moved to the new limits); version {}",
+            path.display(),
+            s.changed.join(", "),
+            s.keys_updated,
+            bursar_agent::shell::sync::config_version(&state.engine)
+        ),
+        Err(e) => eprintln!("bursar-agent: reload refused: {e}"),
+    }
 }
 
 fn check_config(file: &std::path::Path) -> Result<()> {
@@ -613,8 +648,9 @@ fn demo(args: DemoArgs) -> Result<()> {
                 "        {:<24} {:<14} {:>14} {:>14} {:>6}",
                 "limit", "dimension", "admitted/s", "rejected/s", "keys"
             );
+            let rules = engine.rules();
             for (s, l) in stats.iter().zip(last.iter()) {
-                let rule = engine.rules().by_name(&s.rule).expect("own rule").1;
+                let rule = rules.by_name(&s.rule).expect("own rule").1;
                 println!(
                     "        {:<24} {:<14} {:>14} {:>14} {:>6}{}",
                     s.rule,

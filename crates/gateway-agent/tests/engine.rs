@@ -162,7 +162,7 @@ fn a_reused_decision_answers_each_request_afresh() {
     assert_eq!(
         a.limits
             .iter()
-            .map(|l| e.rules().rules()[l.rule_index()].name.as_str())
+            .map(|l| e.rules().rules()[l.rule_index()].name.clone())
             .collect::<Vec<_>>(),
         ["org-rpm", "org-itpm", "org-otpm", "org-conc"]
     );

@@ -243,3 +243,63 @@ fn health_and_metrics_answer() {
     post(agent.http, "/v1/complete", json!({"request_id": "m1"}));
     assert_eq!(agent.leases_in_flight(), 0);
 }
+
+/// SIGHUP re-reads the rules: a file that cannot be read, or that changes more than a
+/// rule's numbers, is refused (counted) and the rules in force stay; new numbers apply
+/// to the next decision, a lowered limit at once and without a fresh burst.
+#[test]
+fn sighup_reloads_the_numbers_of_the_rules_and_refuses_the_rest() {
+    let agent = Agent::start(RULES);
+    let applied = "bursar_rules_reloads_total{result=\"applied\"} ";
+    let refused = "bursar_rules_reloads_total{result=\"refused\"} ";
+    for i in 0..3 {
+        assert_eq!(admit(&agent, &format!("a{i}"), "acme", 10).status, 200);
+    }
+    assert_eq!(admit(&agent, "a3", "acme", 10).status, 429, "3 a minute");
+
+    // Not TOML: refused, nothing changed.
+    agent.rewrite_config("[[rule]\nname = ");
+    agent.hup();
+    assert_eq!(agent.wait_metric(refused, 1), 1);
+    // A rule renamed: refused too.
+    agent.rewrite_config(&RULES.replace("org-otpm", "org-output"));
+    agent.hup();
+    assert_eq!(agent.wait_metric(refused, 2), 2);
+    assert_eq!(agent.metric(applied), 0);
+    assert_eq!(
+        admit(&agent, "a4", "acme", 10).status,
+        429,
+        "still 3 a minute"
+    );
+
+    // The request limit to 600 a minute: the bucket is not refilled by the reload
+    // (the next request waits for the new rate's next unit, 100 ms), and the
+    // headers show the new limit.
+    agent.rewrite_config(&RULES.replace("rate = 3\n", "rate = 600\n"));
+    agent.hup();
+    assert_eq!(agent.wait_metric(applied, 1), 1);
+    std::thread::sleep(std::time::Duration::from_millis(250));
+    let r = admit(&agent, "a5", "acme", 10);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("x-ratelimit-limit-requests"), Some("600"));
+    let remaining: u64 = r
+        .header("x-ratelimit-remaining-requests")
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        remaining < 10,
+        "refilled at 10 a second, not to 600: {remaining}"
+    );
+    assert_eq!(agent.metric(refused), 2);
+    // Reservations taken under the old numbers settle under the new ones.
+    for id in ["a0", "a1", "a2", "a5"] {
+        let c = post(
+            agent.http,
+            "/v1/complete",
+            json!({"request_id": id, "usage": {"input_tokens": 10, "output_tokens": 5}}),
+        );
+        assert_eq!(c.json()["result"], "settled", "{id}: {}", c.body);
+    }
+    assert_eq!(agent.leases_drained(), 0);
+}

@@ -35,8 +35,9 @@ pub fn for_decision(engine: &Engine, d: &Decision) -> Vec<(&'static str, String)
     }
     let mut policy = Vec::new();
     let mut state = Vec::new();
+    let rules = engine.rules();
     for l in enforce() {
-        let name = &engine.rules().rules()[l.rule_index()].name;
+        let name = &rules.rules()[l.rule_index()].name;
         match l.rate() {
             Some((rate, period_ns)) => policy.push(format!(
                 "\"{name}\";q={rate};w={}",

@@ -155,7 +155,8 @@ fn limits_json(state: &AgentState, d: &Decision) -> Vec<Value> {
     d.limits()
         .iter()
         .map(|l| {
-            let rule = &state.engine.rules().rules()[l.rule_index()];
+            let rules = state.engine.rules();
+            let rule = &rules.rules()[l.rule_index()];
             json!({
                 "rule": rule.name,
                 "dimension": l.dimension.as_str(),
@@ -231,7 +232,7 @@ async fn admit(State(state): State<Arc<AgentState>>, body: Bytes) -> Response {
         }
         Decision::Rejected(r) => {
             state.counters.rejected.fetch_add(1, Ordering::Relaxed);
-            let rule = &state.engine.rules().rules()[r.rule].name;
+            let rule = state.engine.rules().rules()[r.rule].name.clone();
             match r.reason {
                 RejectReason::NeverFits { cost, burst } => (
                     StatusCode::BAD_REQUEST,
@@ -435,6 +436,12 @@ async fn metrics(State(state): State<Arc<AgentState>>) -> Response {
     for s in &stats {
         out.push_str(&format!("bursar_keys{{rule=\"{}\"}} {}\n", s.rule, s.keys));
     }
+    out.push_str("# HELP bursar_rules_reloads_total Rules reloads (SIGHUP) applied and refused.\n# TYPE bursar_rules_reloads_total counter\n");
+    out.push_str(&format!(
+        "bursar_rules_reloads_total{{result=\"applied\"}} {}\nbursar_rules_reloads_total{{result=\"refused\"}} {}\n",
+        state.engine.reloads(),
+        c.reloads_refused.load(Ordering::Relaxed)
+    ));
     out.push_str(
         "# HELP bursar_leases_in_flight Reservations held.\n# TYPE bursar_leases_in_flight gauge\n",
     );

@@ -36,6 +36,9 @@ pub struct Counters {
     pub rejected: AtomicU64,
     /// Requests that could not be decided (bad input, overload).
     pub errors: AtomicU64,
+    /// Rules reloads refused ([`reload_rules`]; those applied are the engine's
+    /// [`Engine::reloads`]).
+    pub reloads_refused: AtomicU64,
 }
 
 /// What every front door shares.
@@ -74,6 +77,48 @@ impl AgentState {
             outbox: std::sync::OnceLock::new(),
             ledgers: std::sync::OnceLock::new(),
         })
+    }
+}
+
+/// Re-reads the rules file at `path` and applies its new numbers to the engine
+/// ([`Engine::reload`]: what a reload may change, and what it does to keys and
+/// reservations). `allocated`: the agent runs with an allocator (the file's
+/// `slice_source` is set as at start). `api_keys`: the proxy's keys in force, which
+/// are read only at start: a file whose `[[api_key]]` entries differ is refused. On a
+/// refusal nothing changed; the error names the file and what is wrong, and counts
+/// in `/metrics` (`bursar_rules_reloads_total{result="refused"}`).
+pub fn reload_rules(
+    state: &AgentState,
+    path: &std::path::Path,
+    allocated: bool,
+    api_keys: &[crate::ApiKey],
+) -> Result<crate::ReloadSummary, String> {
+    let refused = |why: String| {
+        state
+            .counters
+            .reloads_refused
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Err(format!(
+            "rules file {}: {why}; the rules in force (version {}) are unchanged",
+            path.display(),
+            sync::config_version(&state.engine)
+        ))
+    };
+    let mut config = match crate::Config::from_file(path) {
+        Ok(c) => c,
+        Err(e) => return refused(e.to_string()),
+    };
+    if allocated {
+        config.engine.slice_source = crate::SliceSource::Allocated;
+    }
+    if config.api_keys != api_keys {
+        return refused(
+            "its [[api_key]] entries differ from those in force; the proxy reads them only at start (restart the agent)".into(),
+        );
+    }
+    match state.engine.reload(state.clock.now_ns(), config) {
+        Ok(s) => Ok(s),
+        Err(e) => refused(e.to_string()),
     }
 }
 

@@ -505,7 +505,7 @@ async fn handle(State(p): State<Arc<Proxy>>, req: Request, kind: Kind) -> Respon
     let hs = headers::for_decision(&p.agent.engine, &d);
     if let Decision::Rejected(r) = &d {
         p.agent.counters.rejected.fetch_add(1, Ordering::Relaxed);
-        let rule = &p.agent.engine.rules().rules()[r.rule].name;
+        let rule = p.agent.engine.rules().rules()[r.rule].name.clone();
         let resp = match r.reason {
             RejectReason::NeverFits { cost, burst } => openai_error(
                 StatusCode::BAD_REQUEST,

@@ -149,7 +149,8 @@ impl RateLimitService for Rls {
             });
             let status = match shown {
                 Some(l) => {
-                    let rule = &engine.rules().rules()[l.rule_index()];
+                    let rules = engine.rules();
+                    let rule = &rules.rules()[l.rule_index()];
                     let (rate, period) = l.rate().unwrap_or((l.limit(), 1_000_000_000));
                     let reset = match &decision {
                         Decision::Rejected(r) => match r.reason {

@@ -450,6 +450,8 @@ impl Client {
 
     /// One stream, from connect to its end.
     async fn stream(&mut self, target: &str, shutdown: &mut watch::Receiver<bool>) -> End {
+        // A rules reload (SIGHUP) may have changed it since the last stream.
+        self.config_version = config_version(&self.state.engine);
         let endpoint =
             match tonic::transport::Endpoint::from_shared(uri(target, self.cfg.tls.is_some())) {
                 Ok(e) => e,
@@ -591,6 +593,7 @@ impl Client {
                         }
                         Some(In::Redirect(r)) => return End::Redirect(r.leader),
                         Some(In::ConfigVersion(v)) => {
+                            self.config_version = config_version(&self.state.engine);
                             if v.version != self.config_version {
                                 eprintln!(
                                     "bursar-agent: the allocator's rules changed (version {}); this agent's are {}",

@@ -65,6 +65,34 @@ impl Agent {
         }
     }
 
+    /// Replaces the config file as an operator should: a new file renamed over it.
+    pub fn rewrite_config(&self, rules: &str) {
+        let tmp = self.config.with_extension("toml.new");
+        std::fs::write(&tmp, rules).expect("write config");
+        std::fs::rename(&tmp, &self.config).expect("rename config");
+    }
+
+    /// Sends the process SIGHUP (re-read the config).
+    pub fn hup(&self) {
+        let status = Command::new("kill")
+            .args(["-HUP", &self.child.id().to_string()])
+            .status()
+            .expect("kill -HUP");
+        assert!(status.success(), "kill -HUP failed");
+    }
+
+    /// Waits up to 5 s for a metric to reach `want`; returns the last value.
+    pub fn wait_metric(&self, prefix: &str, want: u64) -> u64 {
+        for _ in 0..100 {
+            let v = self.metric(prefix);
+            if v == want {
+                return v;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        self.metric(prefix)
+    }
+
     /// `bursar_leases_in_flight` from /metrics.
     pub fn leases_in_flight(&self) -> u64 {
         self.metric("bursar_leases_in_flight ")
