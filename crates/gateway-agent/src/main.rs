@@ -44,6 +44,8 @@ struct Cli {
 #[derive(Parser)]
 struct ServeArgs {
     /// Rules file (TOML, docs/configuration.md). Default: the embedded demo rules.
+    /// SIGHUP re-reads it and applies its rules' new numbers (rate, burst, slots,
+    /// mode, ...); other changes are refused and need a restart.
     #[arg(long)]
     config: Option<PathBuf>,
     /// HTTP JSON API address (port 0 picks a free port).
