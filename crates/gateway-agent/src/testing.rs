@@ -201,6 +201,15 @@ impl ExactBucket {
         self.slack = self.slack.max(2 * self.rate);
     }
 
+    /// A limit for a key the engine does not hold (never met, or evicted at rest):
+    /// when next met it starts full at its limit, as any new key does.
+    pub fn restart_full(&mut self, rate: u64, burst: u64) {
+        self.rate = rate as i128;
+        self.burst = burst as i128;
+        self.level = self.burst * self.period_ns;
+        self.slack = self.slack.max(2 * self.rate);
+    }
+
     /// The worst deficit beyond the slack, in token x period-ns units (`i128::MIN`
     /// before any charge).
     pub fn worst_deficit(&self) -> i128 {

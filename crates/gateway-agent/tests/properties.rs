@@ -1,6 +1,7 @@
 //! Property tests: for any sequence of admits, completions (live, duplicate, late),
-//! expiries, maintenance, clock advances and slice changes, the engine never admits
-//! more *actual* cost than an exact token bucket over the slices in force would;
+//! expiries, maintenance, clock advances, slice changes and rules reloads, the engine
+//! never admits more *actual* cost than an exact token bucket over the slices (and
+//! reloaded limits) in force would;
 //! rejections leave no partial debit; nothing is refunded twice; every concurrency slot
 //! is released; every finished lease yields exactly its usage records.
 
@@ -16,6 +17,14 @@ use proptest::prelude::*;
 
 const MS: u64 = 1_000_000;
 const PERIOD_NS: u64 = 1_000_000_000;
+/// `RULES` with the `rps` rule's rate and burst replaced (a reload's file).
+fn rules_with_rps(rate: u64, burst: u64) -> String {
+    RULES.replace(
+        "rate = 7\nper = \"second\"\nburst = 3",
+        &format!("rate = {rate}\nper = \"second\"\nburst = {burst}"),
+    )
+}
+
 const RULES: &str = r#"
 [engine]
 key_idle_ms = 700
@@ -44,12 +53,32 @@ const ORGS: [&str; 2] = ["a", "b"];
 
 #[derive(Clone, Debug)]
 enum Op {
-    Admit { org: usize, input: u64, ttl_ms: u64 },
-    Complete { pick: usize, used_pct: u64 },
-    Duplicate { pick: usize },
-    Advance { ms: u64 },
+    Admit {
+        org: usize,
+        input: u64,
+        ttl_ms: u64,
+    },
+    Complete {
+        pick: usize,
+        used_pct: u64,
+    },
+    Duplicate {
+        pick: usize,
+    },
+    Advance {
+        ms: u64,
+    },
     Maintain,
-    Slice { org: usize, rate: u64, burst: u64 },
+    Slice {
+        org: usize,
+        rate: u64,
+        burst: u64,
+    },
+    /// The `rps` rule reloaded with this rate and burst.
+    Reload {
+        rate: u64,
+        burst: u64,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -62,6 +91,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::Maintain),
         1 => (0..2usize, 0..2_000u64, 0..800u64)
             .prop_map(|(org, rate, burst)| Op::Slice { org, rate, burst }),
+        1 => (1..20u64, 1..8u64).prop_map(|(rate, burst)| Op::Reload { rate, burst }),
     ]
 }
 
@@ -77,6 +107,13 @@ enum Event {
         org: usize,
         rate: u64,
         burst: u64,
+    },
+    /// The `rps` limit reloaded: for each org, whether the engine held its key then.
+    Reload {
+        t: u64,
+        rate: u64,
+        burst: u64,
+        held: [bool; 2],
     },
 }
 
@@ -251,6 +288,20 @@ impl Run {
                     burst,
                 });
             }
+            Op::Reload { rate, burst } => {
+                let held = [0, 1].map(|o| self.engine.level(self.now, "rps", &[ORGS[o]]).is_some());
+                let cfg = bursar_agent::Config::from_toml(&rules_with_rps(rate, burst))
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                self.engine
+                    .reload(self.now, cfg)
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                self.log.push(Event::Reload {
+                    t: self.now,
+                    rate,
+                    burst,
+                    held,
+                });
+            }
         }
         self.engine
             .check_invariants(self.now)
@@ -331,16 +382,33 @@ proptest! {
             ExactBucket::new(1000, 500, PERIOD_NS, 0),
             ExactBucket::new(1000, 500, PERIOD_NS, 0),
         ];
+        // And one request a request through the `rps` limit, as reloads set it.
+        let mut rps = [
+            ExactBucket::new(7, 3, PERIOD_NS, 0),
+            ExactBucket::new(7, 3, PERIOD_NS, 0),
+        ];
         for ev in &run.log {
             match *ev {
                 Event::Admitted { t, org, id } => {
                     let (_, reserved, actual) = run.reqs[&id];
                     v[org].advance(t);
                     v[org].charge(actual.unwrap_or(reserved));
+                    rps[org].advance(t);
+                    rps[org].charge(1);
                 }
                 Event::Slice { t, org, rate, burst } => {
                     v[org].advance(t);
                     v[org].reslice(rate, burst);
+                }
+                Event::Reload { t, rate, burst, held } => {
+                    for (org, b) in rps.iter_mut().enumerate() {
+                        b.advance(t);
+                        if held[org] {
+                            b.reslice(rate, burst);
+                        } else {
+                            b.restart_full(rate, burst);
+                        }
+                    }
                 }
             }
         }
@@ -348,6 +416,13 @@ proptest! {
             prop_assert!(
                 v.worst_deficit() <= 0,
                 "org {} overshot the exact bucket by {} token-ns", org, v.worst_deficit()
+            );
+        }
+        for (org, b) in rps.iter().enumerate() {
+            prop_assert!(
+                b.worst_deficit() <= 0,
+                "org {} overshot the reloaded request limit by {} request-ns",
+                org, b.worst_deficit()
             );
         }
     }
