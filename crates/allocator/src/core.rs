@@ -81,13 +81,6 @@ const _: () = assert!(MAX_SENT >= 2);
 /// Recompute ticks per `recompute_delay_ms` ([`Allocator::recompute_due`]).
 const RECOMPUTE_TICKS_PER_DELAY: u64 = 4;
 
-/// Most key handles an agent's stream is remembered to have been told
-/// ([`Agent::told`]): twice its entries plus this. Handles carry a generation, so those
-/// of keys forgotten since never match again; past the bound the set starts afresh
-/// (the next grant of each key names it once more), and a long-lived stream under key
-/// churn holds no more than its keys.
-const TOLD_SLACK: usize = 64;
-
 /// [`Entry::term_seq`] when the latest grant is not of this allocator's term (or none
 /// was sent): no seq of a term reaches it.
 const NOT_TERM: u64 = u64::MAX;
@@ -518,6 +511,11 @@ struct Entry {
     /// How many grants are remembered (0 to [`MAX_SENT`]): the latest, inline, and
     /// `older`.
     nsent: u8,
+    /// The agent's stream ([`Agent::stream`]) that a grant of this entry named its key
+    /// on (0: none yet): later grants on that stream go by handle alone
+    /// ([`Hello::grants_by_handle`]). Beside the grant a recomputation writes, in the
+    /// third line's padding: deciding costs no lookup.
+    told: u16,
     /// The other grants that may be in use, oldest first, while there are any (most
     /// entries remember one grant: the box keeps the entry at three lines where an
     /// inline list of two took 104 of its 256 bytes).
@@ -562,6 +560,7 @@ impl Entry {
     fn new(agent: u32) -> Entry {
         Entry {
             agent,
+            told: 0,
             has_demand: false,
             rejecting: false,
             rejecting_used: false,
@@ -900,11 +899,11 @@ struct Agent {
     /// The agent's hello asked for grants that name a key by handle alone once its
     /// stream has had the key's name ([`Hello::grants_by_handle`]).
     by_handle: bool,
-    /// With `by_handle`: the handles of keys whose name a grant drained for this
-    /// stream carried (cleared by each hello; a key the agent names by name in a
-    /// report leaves it, the agent having no handle for it, as does a key whose entry
-    /// goes). At most twice the agent's entries plus [`TOLD_SLACK`].
-    told: HashSet<u64, FixedState>,
+    /// This agent's stream, as far as key names go: a new one (1 and up, wrapping
+    /// back to 1 after [`u16::MAX`] with every entry's stamp cleared) at each hello
+    /// and each time grants went undelivered. An entry whose [`Entry::told`] is this
+    /// has had its key's name on it.
+    stream: u16,
 }
 
 /// The allocation core. See the module docs.
@@ -1004,6 +1003,9 @@ struct Pending {
     agent: u32,
     key: u32,
     fleet_size: u32,
+    /// The agent's stream when its entry had already been told the key's name, so
+    /// the grant may go by handle if that stream is still the one (0: name it).
+    told: u16,
     rate: u64,
     burst: u64,
     lease_expires_at_ns: u64,
@@ -1253,12 +1255,9 @@ impl Allocator {
             let before = self.graves.incarnation_before(p.agent, i);
             // The key's name goes with the grant unless the agent's current stream
             // asked for grants by handle and has had this key's name already.
-            let named = match self.agents[p.agent as usize].as_mut() {
+            let named = match self.agents[p.agent as usize].as_ref() {
                 Some(ag) if ag.by_handle && key_handle != 0 && before.is_none() => {
-                    if ag.told.len() >= 2 * ag.entries.len() + TOLD_SLACK {
-                        ag.told.clear();
-                    }
-                    ag.told.insert(key_handle)
+                    p.told == 0 || p.told != ag.stream
                 }
                 _ => true,
             };
@@ -1728,15 +1727,8 @@ impl Allocator {
             key.rare_entries -= 1;
         }
         let moved = key.entries.get(pos as usize).map(|m| m.agent);
-        let handle = key_handle(self.key_gens[k as usize], k);
         let ag = self.agent_mut(e.agent);
         ag.entries.remove(&k);
-        // Told names follow the agent's entries (a grant drained after its entry went
-        // may leave one more: the bound catches those).
-        ag.told.remove(&handle);
-        if ag.told.len() > 2 * ag.entries.len() + TOLD_SLACK {
-            ag.told.clear();
-        }
         if let Some(m) = moved {
             self.agent_mut(m).entries.insert(k, pos);
         }
@@ -2053,14 +2045,14 @@ impl Allocator {
         let ag = self.agent_mut(a);
         ag.weight = hello.weight.max(1) as f64;
         ag.report_interval_ns = AllocatorConfig::ns(hello.report_interval_ms.min(3_600_000));
-        // A new stream: it has been told no key's name.
         ag.by_handle = hello.grants_by_handle;
-        ag.told.clear();
         ag.connected = true;
         ag.last_heard_ns = now;
         ag.report_ts = hello.agent_time_ns;
         ag.report_recv_ns = now;
         ag.renew_due_ns = now;
+        // A new stream: it has been told no key's name.
+        self.new_stream(a);
         for (h, r) in hello.held.iter().zip(resolved) {
             let Some((key, rule, hash)) = r else {
                 self.ignored_lines += 1;
@@ -2100,7 +2092,7 @@ impl Allocator {
             ext_queued: false,
             stale_epochs: false,
             by_handle: false,
-            told: HashSet::with_hasher(FixedState::with_seed(4)),
+            stream: 1,
         };
         let a = match self.free_agents.pop() {
             Some(a) => {
@@ -2134,7 +2126,23 @@ impl Allocator {
     /// ignored.
     pub fn grants_undelivered(&mut self, agent: &str) {
         if let Ok(a) = self.agent_id(agent) {
-            self.agent_mut(a).told.clear();
+            self.new_stream(a);
+        }
+    }
+
+    /// Agent `a`'s stream has been told no key's name (a hello, grants undelivered):
+    /// a new stream number, which no entry's stamp holds.
+    fn new_stream(&mut self, a: u32) {
+        let ag = self.agent_mut(a);
+        if ag.stream < u16::MAX {
+            ag.stream += 1;
+            return;
+        }
+        // Wrapped (after 65,535 streams): clear the stamps, which could match again.
+        ag.stream = 1;
+        let held: Vec<(u32, u32)> = ag.entries.iter().map(|(&k, &p)| (k, p)).collect();
+        for (k, pos) in held {
+            self.key_mut(k).entries[pos as usize].told = 0;
         }
     }
 
@@ -2324,15 +2332,18 @@ impl Allocator {
         ag.report_recv_ns = now;
         ag.last_heard_ns = now;
         ag.connected = true;
-        if ag.by_handle && !ag.told.is_empty() {
+        if ag.by_handle {
             // A line by name says the agent has no handle for the key (it names keys
             // by handle once a grant gave one): its next grant names the key again.
             for (kr, r) in report.keys.iter().zip(resolved.iter()) {
                 if kr.key_handle == 0
-                    && let Some(Resolved { key: Some(k), .. }) = r
+                    && let Some(Resolved {
+                        key: Some(k),
+                        entry: Some(pos),
+                        ..
+                    }) = r
                 {
-                    let h = key_handle(self.key_gens[*k as usize], *k);
-                    self.agent_mut(a).told.remove(&h);
+                    self.key_mut(*k).entries[*pos as usize].told = 0;
                 }
             }
         }
@@ -3204,16 +3215,8 @@ impl Allocator {
             if ag.ext.through > 0 && ag.ext.term != self.term {
                 return Err(format!("agent {}: extension of another term", ag.id));
             }
-            // Bounded by the agent's keys, whatever keys came and went on its stream.
-            if ag.told.len() > 2 * ag.entries.len() + TOLD_SLACK
-                || (!ag.by_handle && !ag.told.is_empty())
-            {
-                return Err(format!(
-                    "agent {}: {} key names told for {} entries",
-                    ag.id,
-                    ag.told.len(),
-                    ag.entries.len()
-                ));
+            if ag.stream == 0 {
+                return Err(format!("agent {}: stream 0", ag.id));
             }
         }
         let mut entries = 0;
@@ -3233,6 +3236,12 @@ impl Allocator {
                 };
                 if ag.entries.get(&(k as u32)) != Some(&(pos as u32)) {
                     return Err(format!("{}: agent index out of step", key.name));
+                }
+                if e.told > ag.stream {
+                    return Err(format!(
+                        "{}: told on stream {} of {}, which is at {}",
+                        key.name, e.told, ag.id, ag.stream
+                    ));
                 }
                 // Counted and compared in one pass, without collecting them: the
                 // simulator runs this over millions of entries.
@@ -3777,7 +3786,7 @@ mod tests {
     }
 
     #[test]
-    fn the_names_a_stream_was_told_stay_bounded_by_its_keys() {
+    fn a_key_name_is_told_once_per_stream_and_entry_even_when_stream_numbers_wrap() {
         let now = 5 * SEC;
         let mut a = warm_allocator(1, now);
         let hello = Hello {
@@ -3786,37 +3795,60 @@ mod tests {
         };
         a.handle_hello(now, &hello).unwrap();
         let x = key("rps", "x");
-        a.handle_report(now, &report("h", 1, 10, vec![line(x.clone(), 0, 5, None)]))
-            .unwrap();
-        let g = settle(&mut a, now + 10 * MS);
-        assert!(g.iter().all(|g| g.named) && !g.is_empty(), "{g:?}");
+        let mut ts = 10;
+        let mut t = now;
+        // Lines by the handle the first grant gave (a line by name says the agent has
+        // none, and its next grant names the key again).
+        let mut handle = 0;
+        let mut grant = |a: &mut Allocator, admitted: u64| {
+            ts += 250 * MS;
+            t += SEC;
+            let mut l = line(x.clone(), admitted, 5, None);
+            l.key_handle = handle;
+            a.handle_report(t, &report("h", 1, ts, vec![l])).unwrap();
+            a.handle_timeout(t + 10 * MS);
+            let g: Vec<Grant> = a.drain_grants().collect();
+            a.check_invariants().unwrap();
+            if let Some(first) = g.first() {
+                handle = first.key_handle;
+            }
+            g
+        };
+        let first = grant(&mut a, 0);
+        assert!(
+            !first.is_empty() && first.iter().all(|g| g.named),
+            "{first:?}"
+        );
+        let later = grant(&mut a, 900);
+        assert!(
+            !later.is_empty() && later.iter().all(|g| !g.named),
+            "{later:?}"
+        );
+        // The stream numbers run out: every stamp is cleared, none can match again.
         let h = a.agent_id("h").unwrap();
-        // Handles of keys long forgotten (their generations never come back), past
-        // the bound: the invariant check sees it.
-        let stale = 2 * a.agent(h).entries.len() + TOLD_SLACK + 1;
-        a.agent_mut(h)
-            .told
-            .extend((1..=stale as u64).map(|i| i << 40));
+        a.agent_mut(h).stream = u16::MAX;
+        let k = *a.agent(h).entries.keys().next().unwrap();
+        let pos = a.agent(h).entries[&k] as usize;
+        a.key_mut(k).entries[pos].told = u16::MAX;
+        a.check_invariants().unwrap();
+        a.grants_undelivered("h");
+        assert_eq!(a.agent(h).stream, 1);
+        assert_eq!(a.key(k).entries[pos].told, 0);
+        let wrapped = grant(&mut a, 2_000);
+        assert!(
+            !wrapped.is_empty() && wrapped.iter().all(|g| g.named),
+            "{wrapped:?}"
+        );
+        // A stamp ahead of its agent's stream is caught.
+        a.key_mut(k).entries[pos].told = 7;
         let err = a.check_invariants().unwrap_err();
-        assert!(err.contains("key names told"), "{err}");
-        // The next grant drained starts the set afresh and names its key again.
-        a.handle_report(
-            now + SEC,
-            &report("h", 1, 20, vec![line(x.clone(), 400, 900, None)]),
-        )
-        .unwrap();
-        a.handle_timeout(now + SEC + 10 * MS);
-        let g: Vec<Grant> = a.drain_grants().collect();
-        assert!(!g.is_empty() && g.iter().all(|g| g.named), "{g:?}");
-        assert_eq!(a.agent(h).told.len(), 1);
+        assert!(err.contains("told on stream 7"), "{err}");
+        a.key_mut(k).entries[pos].told = 1;
+        // An entry that goes takes its stamp; the key's next entry names it again.
+        a.remove_entry(k, pos as u32);
         a.check_invariants().unwrap();
-        // An entry that goes takes its key's name with it.
-        let before = a.agent(h).told.len();
-        let k = a.agent(h).entries.keys().next().copied().unwrap();
-        let pos = a.agent(h).entries[&k];
-        a.remove_entry(k, pos);
-        assert_eq!(a.agent(h).told.len(), before - 1);
-        a.check_invariants().unwrap();
+        let back = grant(&mut a, 3_000);
+        assert!(!back.is_empty() && back.iter().all(|g| g.named), "{back:?}");
     }
 
     #[test]

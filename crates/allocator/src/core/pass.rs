@@ -149,6 +149,19 @@ impl<A: Agents + ?Sized> Pass<'_, A> {
             .saturating_add(self.ctx.lease_ns)
             .saturating_sub(self.ctx.drift_ns);
         let ext = ag.ext;
+        // The key's name goes with the first grant on each stream of an agent that
+        // asked for grants by handle; later ones carry the stream they may skip it on.
+        let told = if ag.by_handle {
+            let e = &mut key.entries[pos as usize];
+            if e.told == ag.stream {
+                ag.stream
+            } else {
+                e.told = ag.stream;
+                0
+            }
+        } else {
+            0
+        };
         self.agents.issued(agent, seq, expires_ns, self.ctx.hold_ns);
         key.push_grant(
             pos as usize,
@@ -169,6 +182,7 @@ impl<A: Agents + ?Sized> Pass<'_, A> {
         }
         self.out.outbox.push(Pending {
             agent,
+            told,
             key: k,
             rate: slice.rate,
             burst: slice.burst,
