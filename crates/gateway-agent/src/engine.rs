@@ -1050,13 +1050,6 @@ impl KeyTable {
     }
 }
 
-#[inline]
-fn key_is(key: &LimitKey, rule: u32, values: &[&str]) -> bool {
-    key.rule == rule
-        && key.values.len() == values.len()
-        && key.values.iter().zip(values).all(|(a, b)| **a == **b)
-}
-
 #[derive(Clone, Copy, Debug)]
 struct SliceState {
     epoch: u64,
@@ -1919,9 +1912,10 @@ impl Engine {
 
     /// The live slot for a key, from pending or the table, without creating one.
     fn current_slot(&self, id: u64, rule: u32, values: &[&str]) -> Option<Arc<Slot>> {
+        let check = self.hashing.key_check(rule, values.iter().copied());
         let slow = self.slow();
         let table = self.table.load();
-        find_live(&slow, &table, id, rule, values).map(|(_, s)| s)
+        find_live(&slow, &table, id, check).map(|(_, s)| s)
     }
 
     /// The slow path: find the key's live slot, or create it.
@@ -1932,9 +1926,10 @@ impl Engine {
         rule: u32,
         values: &[&str],
     ) -> Result<Arc<Slot>, AdmitError> {
+        let check = self.hashing.key_check(rule, values.iter().copied());
         let mut slow = self.slow();
         let table = self.table.load();
-        if let Some((_, s)) = find_live(&slow, &table, id, rule, values) {
+        if let Some((_, s)) = find_live(&slow, &table, id, check) {
             // A key still waiting in `pending` is used again: publish soon, so it
             // leaves the slow path. The interval grows with the table (a publish copies
             // its chunk array, and all of it when it rebuilds): 1 ms plus 1 us per key,
@@ -2705,8 +2700,9 @@ impl Engine {
     ) -> Result<(SliceApplied, Arc<LimitKey>), SliceError> {
         let vals: Vec<&str> = values.iter().map(|s| s.as_str()).collect();
         let id = self.hashing.key_id(rule, vals.iter().copied());
+        let check = self.hashing.key_check(rule, vals.iter().copied());
         let table = self.table.load();
-        let existing = find_live(slow, &table, id, rule, &vals);
+        let existing = find_live(slow, &table, id, check);
         if let Some((old_id, old)) = &existing
             && old.params == params
             && transfer == 0
@@ -2899,8 +2895,9 @@ impl Engine {
             // The slice the sync client reports changed, whether or not the slot did.
             let vals: Vec<&str> = key.0.values().collect();
             let id = self.hashing.key_id(rule, vals.iter().copied());
+            let check = self.hashing.key_check(rule, vals.iter().copied());
             let table = self.table.load();
-            if let Some((live_id, live)) = find_live(slow, &table, id, rule, &vals) {
+            if let Some((live_id, live)) = find_live(slow, &table, id, check) {
                 live.walk_unseen();
                 self.changed.mark(live_id);
             }
@@ -3002,7 +2999,7 @@ impl Engine {
                 values.clear();
                 values.extend(key.values());
                 let id = self.hashing.key_id(key.rule, values.iter().copied());
-                if find_live(&slow, &table, id, key.rule, &values).is_none() {
+                if find_live(&slow, &table, id, key.check).is_none() {
                     gone.push(KeyDemand {
                         rule: Arc::clone(&slow.compiled[key.rule as usize].name),
                         counters: SlotCounters(Arc::clone(s)),
@@ -3141,15 +3138,12 @@ impl Engine {
             return false;
         }
         let table = self.table.load();
-        let mut values: Vec<&str> = Vec::with_capacity(MAX_DESCRIPTORS);
         // Numbered in order: start after `from` (a poll every 20 ms walked up to
         // `CREATED_MAX` read entries to find the few new ones).
         let start = slow.created.partition_point(|(seq, _)| *seq <= from);
         for (_, key) in slow.created.range(start..) {
-            values.clear();
-            values.extend(key.values());
             // The key's live slot: the one created, or the one a grant replaced it with.
-            if let Some((_, s)) = find_live(&slow, &table, key.id, key.rule, &values) {
+            if let Some((_, s)) = find_live(&slow, &table, key.id, key.check) {
                 out.push(self.demand_of(&slow, &s));
             }
         }
@@ -3650,17 +3644,14 @@ fn live_slots<'a>(
         .filter(|(_, s)| !s.is_sealed())
 }
 
-fn find_live(
-    slow: &Slow,
-    table: &KeyTable,
-    id: u64,
-    rule: u32,
-    values: &[&str],
-) -> Option<(u64, Arc<Slot>)> {
+/// The live slot of the key with hashes `id` and `check`, from pending or the table.
+/// Matched by the two hashes on the slot's first line, as a decision matches it
+/// (`KeyTable::lookup`), not by comparing the key's names.
+fn find_live(slow: &Slow, table: &KeyTable, id: u64, check: u64) -> Option<(u64, Arc<Slot>)> {
     for p in 0..MAX_PROBE {
         let i = id.wrapping_add(p);
         for s in [slow.pending.get(&i), table.get(i)].into_iter().flatten() {
-            if key_is(&s.key, rule, values) && !s.is_sealed() {
+            if s.check == check && !s.is_sealed() {
                 return Some((i, Arc::clone(s)));
             }
         }
