@@ -48,6 +48,11 @@ struct ServeArgs {
     /// mode, ...); other changes are refused and need a restart.
     #[arg(long)]
     config: Option<PathBuf>,
+    /// Also re-read `--config` when its contents change, looking this often (ms; 0:
+    /// only on SIGHUP). For files that change under the agent, such as a mounted
+    /// Kubernetes ConfigMap.
+    #[arg(long, default_value_t = 0, requires = "config", value_parser = clap::value_parser!(u64).range(0..=3_600_000))]
+    watch_config_ms: u64,
     /// HTTP JSON API address (port 0 picks a free port).
     #[arg(long, default_value = "127.0.0.1:8080")]
     http: std::net::SocketAddr,
@@ -206,6 +211,8 @@ fn main() -> Result<()> {
 }
 
 fn serve(args: ServeArgs) -> Result<()> {
+    // What the rules were read from (`--watch-config-ms` reloads when it changes).
+    let mut seen = args.config.as_deref().and_then(|p| std::fs::read(p).ok());
     let mut config = match &args.config {
         Some(p) => Config::from_file(p).map_err(|e| anyhow::anyhow!("{e}"))?,
         None => {
@@ -369,11 +376,29 @@ fn serve(args: ServeArgs) -> Result<()> {
             .context("SIGTERM handler")?;
         let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
             .context("SIGHUP handler")?;
+        // `--watch-config-ms`: the file's contents as last read (a change reloads).
+        let mut watch = tokio::time::interval(Duration::from_millis(args.watch_config_ms.max(1)));
+        watch.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 _ = tokio::signal::ctrl_c() => break,
                 _ = term.recv() => break,
-                _ = hup.recv() => reload(&state, args.config.as_deref(), args.allocator.is_some(), &api_keys),
+                _ = hup.recv() => {
+                    if let Some(path) = args.config.as_deref() {
+                        seen = std::fs::read(path).ok();
+                    }
+                    reload(&state, args.config.as_deref(), args.allocator.is_some(), &api_keys);
+                }
+                _ = watch.tick(), if args.watch_config_ms > 0 => {
+                    let Some(path) = args.config.as_deref() else { continue };
+                    // Unreadable for a moment (a ConfigMap's symlinks being swapped):
+                    // looked at again next tick.
+                    let Ok(now) = std::fs::read(path) else { continue };
+                    if seen.as_deref() != Some(now.as_slice()) {
+                        seen = Some(now);
+                        reload(&state, Some(path), args.allocator.is_some(), &api_keys);
+                    }
+                }
             }
         }
         eprintln!("bursar-agent: shutting down");
@@ -388,7 +413,8 @@ fn serve(args: ServeArgs) -> Result<()> {
     served
 }
 
-/// SIGHUP: re-reads `--config` and applies the rules' new numbers, or says why not.
+/// SIGHUP (or a change `--watch-config-ms` saw): re-reads `--config` and applies the
+/// rules' new numbers, or says why not.
 fn reload(
     state: &bursar_agent::shell::AgentState,
     path: Option<&std::path::Path>,

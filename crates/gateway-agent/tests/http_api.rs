@@ -303,3 +303,28 @@ fn sighup_reloads_the_numbers_of_the_rules_and_refuses_the_rest() {
     }
     assert_eq!(agent.leases_drained(), 0);
 }
+
+/// `--watch-config-ms`: a changed file is reloaded without a signal (a mounted
+/// ConfigMap), once per change; a file that is refused is not retried until it
+/// changes again.
+#[test]
+fn a_watched_config_file_reloads_when_it_changes() {
+    let agent = Agent::start_with(RULES, &["--watch-config-ms", "50"]);
+    let applied = "bursar_rules_reloads_total{result=\"applied\"} ";
+    let refused = "bursar_rules_reloads_total{result=\"refused\"} ";
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    assert_eq!(
+        agent.metric(applied),
+        0,
+        "an unchanged file is not reloaded"
+    );
+    agent.rewrite_config(&RULES.replace("rate = 3\n", "rate = 600\n"));
+    assert_eq!(agent.wait_metric(applied, 1), 1);
+    let r = admit(&agent, "w1", "acme", 10);
+    assert_eq!(r.header("x-ratelimit-limit-requests"), Some("600"));
+    agent.rewrite_config(&RULES.replace("org-rpm", "org-requests"));
+    assert_eq!(agent.wait_metric(refused, 1), 1);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert_eq!(agent.metric(refused), 1, "a refused file is read once");
+    assert_eq!(agent.metric(applied), 1);
+}
