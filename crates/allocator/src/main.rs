@@ -26,7 +26,8 @@ one line `bursar-allocator listening: grpc=ADDR admin=ADDR` once bound (port 0 p
 port) and stops on Ctrl-C or SIGTERM. The admin endpoint is JSON: GET /v1/keys \
 (per key: limit, demand, committed, per-agent grants, the overshoot bound), GET /v1/status \
 (with the rules in force, their version and the last reload error), GET /healthz, and \
-POST /v1/admin/reload.\n\nSIGHUP (or POST /v1/admin/reload) re-reads the --config file: a \
+POST /v1/admin/reload.\n\nSIGHUP (or POST /v1/admin/reload, or with --watch-config-ms a change \
+to the file's contents) re-reads the --config file: a \
 file that does not parse or validate is refused with an error naming the file, rule and \
 field, and the rules in force stay unchanged; a valid one is applied at once (shrunk limits \
 revoke before anything grows, removed rules' grants are released) and its version is sent \
@@ -62,6 +63,11 @@ struct ServeArgs {
     /// Rules file (TOML; the agents' file). Default: the embedded demo rules.
     #[arg(long)]
     config: Option<PathBuf>,
+    /// Also re-read `--config` when its contents change, looking this often (ms; 0:
+    /// only on SIGHUP or POST /v1/admin/reload). For a file that changes under the
+    /// allocator, such as a mounted Kubernetes ConfigMap.
+    #[arg(long, default_value_t = 0, requires = "config", value_parser = clap::value_parser!(u64).range(0..=3_600_000))]
+    watch_config_ms: u64,
     /// Agents' gRPC stream address (port 0 picks a free port).
     #[arg(long, default_value = "127.0.0.1:7070")]
     grpc: std::net::SocketAddr,
@@ -187,6 +193,8 @@ fn next_term(path: &Path) -> Result<u64> {
 }
 
 fn serve(args: ServeArgs) -> Result<()> {
+    // What the rules were read from (`--watch-config-ms` reloads when it changes).
+    let seen = args.config.as_deref().and_then(|p| std::fs::read(p).ok());
     let rules = match &args.config {
         Some(p) => Config::from_file(p).map_err(|e| anyhow::anyhow!("{e}"))?,
         None => {
@@ -195,7 +203,7 @@ fn serve(args: ServeArgs) -> Result<()> {
         }
     };
     if args.etcd.is_some() {
-        return serve_elected(args, rules);
+        return serve_elected(args, rules, seen);
     }
     let term = match (args.term, &args.term_file) {
         (Some(t), _) => t,
@@ -224,6 +232,11 @@ fn serve(args: ServeArgs) -> Result<()> {
             .context("SIGTERM handler")?;
         let mut sighup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
             .context("SIGHUP handler")?;
+        let mut watch = bursar_agent::shell::ConfigWatch::new(
+            args.config.as_deref(),
+            args.watch_config_ms,
+            seen,
+        );
         println!(
             "bursar-allocator listening: grpc={} admin={}",
             bound.grpc,
@@ -240,7 +253,11 @@ fn serve(args: ServeArgs) -> Result<()> {
             tokio::select! {
                 _ = tokio::signal::ctrl_c() => break,
                 _ = sigterm.recv() => break,
-                _ = sighup.recv() => reload(&handle).await,
+                _ = sighup.recv() => {
+                    watch.reread();
+                    reload(&handle, "SIGHUP").await;
+                }
+                _ = watch.changed() => reload(&handle, "the rules file changed").await,
             }
         }
         eprintln!("bursar-allocator: shutting down");
@@ -268,7 +285,7 @@ fn allocator_config(args: &ServeArgs) -> AllocatorConfig {
 /// Serves as one replica of an elected allocator: standby (redirecting agents) until
 /// elected, then the allocator with the election's term, until stopped or the etcd
 /// lease is lost (then exit 1: step down).
-fn serve_elected(args: ServeArgs, mut rules: Config) -> Result<()> {
+fn serve_elected(args: ServeArgs, mut rules: Config, seen: Option<Vec<u8>>) -> Result<()> {
     let endpoint = args.etcd.clone().context("--etcd")?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -298,6 +315,11 @@ fn serve_elected(args: ServeArgs, mut rules: Config) -> Result<()> {
             .context("SIGTERM handler")?;
         let mut sighup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
             .context("SIGHUP handler")?;
+        let mut watch = bursar_agent::shell::ConfigWatch::new(
+            args.config.as_deref(),
+            args.watch_config_ms,
+            seen,
+        );
         let win = election.win(&advertise);
         tokio::pin!(win);
         let leadership = loop {
@@ -307,7 +329,12 @@ fn serve_elected(args: ServeArgs, mut rules: Config) -> Result<()> {
                 _ = sigterm.recv() => return Ok(()),
                 // A standby has no core: it re-reads the file now and serves the new
                 // rules if elected (a refused file leaves the rules it has).
-                _ = sighup.recv() => match &args.config {
+                _ = async {
+                    tokio::select! {
+                        _ = sighup.recv() => watch.reread(),
+                        _ = watch.changed() => {}
+                    }
+                } => match &args.config {
                     None => eprintln!("bursar-allocator: SIGHUP: no --config file to reload"),
                     Some(p) => match shell::reload_rules(p) {
                         Ok(r) => {
@@ -343,7 +370,11 @@ fn serve_elected(args: ServeArgs, mut rules: Config) -> Result<()> {
             tokio::select! {
                 _ = tokio::signal::ctrl_c() => break,
                 _ = sigterm.recv() => break,
-                _ = sighup.recv() => reload(&handle).await,
+                _ = sighup.recv() => {
+                    watch.reread();
+                    reload(&handle, "SIGHUP").await;
+                }
+                _ = watch.changed() => reload(&handle, "the rules file changed").await,
                 _ = lost.wait_for(|l| *l) => {
                     eprintln!("bursar-allocator: etcd lease not renewed for {} s: stepping down", args.election_ttl_s);
                     let _ = tx.send(true);
@@ -358,10 +389,11 @@ fn serve_elected(args: ServeArgs, mut rules: Config) -> Result<()> {
     })
 }
 
-/// SIGHUP: re-read the rules file. The core task logs the outcome (a refused file
-/// names the file, rule and field; the rules in force stay unchanged).
-async fn reload(handle: &shell::Handle) {
-    eprintln!("bursar-allocator: SIGHUP: reloading the rules");
+/// SIGHUP, or a change `--watch-config-ms` saw (`why`): re-read the rules file. The
+/// core task logs the outcome (a refused file names the file, rule and field; the
+/// rules in force stay unchanged).
+async fn reload(handle: &shell::Handle, why: &str) {
+    eprintln!("bursar-allocator: {why}: reloading the rules");
     if handle.reload().await.is_none() {
         eprintln!("bursar-allocator: reload: the core task has stopped");
     }

@@ -503,3 +503,45 @@ async fn a_malformed_rules_file_is_refused_with_the_old_limits_kept_and_a_valid_
     assert_eq!(told, new_version);
     drop(tx);
 }
+
+/// `--watch-config-ms`: a rules file that changes under the allocator (a mounted
+/// ConfigMap) is reloaded without a signal, once per change.
+#[test]
+fn a_watched_rules_file_reloads_when_it_changes() {
+    let a = Allocator::start(&["--term", "3", "--watch-config-ms", "50"]);
+    let wait_for = |what: &str, pred: &dyn Fn(&serde_json::Value) -> bool| {
+        let start = std::time::Instant::now();
+        loop {
+            let v = a.get_json("/v1/status");
+            if pred(&v) {
+                return v;
+            }
+            assert!(start.elapsed() < Duration::from_secs(10), "{what}: {v}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    std::thread::sleep(Duration::from_millis(200));
+    let v = a.get_json("/v1/status");
+    assert_eq!(
+        v["config"]["reloads"], 0,
+        "an unchanged file is not reloaded"
+    );
+    let old_version = v["config"]["version"].clone();
+    let tmp = a.config.with_extension("toml.new");
+    std::fs::write(&tmp, RULES.replace("rate = 100", "rate = 60")).unwrap();
+    std::fs::rename(&tmp, &a.config).unwrap();
+    let v = wait_for("the watched reload", &|v| v["config"]["reloads"] == 1);
+    assert_ne!(v["config"]["version"], old_version);
+    std::fs::write(&tmp, RULES.replace("rate = 100", "rate = -5")).unwrap();
+    std::fs::rename(&tmp, &a.config).unwrap();
+    wait_for("the refused reload", &|v| {
+        v["config"]["reloads_failed"] == 1
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let v = a.get_json("/v1/status");
+    assert_eq!(
+        v["config"]["reloads_failed"], 1,
+        "a refused file is read once"
+    );
+    assert_eq!(v["config"]["reloads"], 1);
+}

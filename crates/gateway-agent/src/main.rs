@@ -212,7 +212,7 @@ fn main() -> Result<()> {
 
 fn serve(args: ServeArgs) -> Result<()> {
     // What the rules were read from (`--watch-config-ms` reloads when it changes).
-    let mut seen = args.config.as_deref().and_then(|p| std::fs::read(p).ok());
+    let seen = args.config.as_deref().and_then(|p| std::fs::read(p).ok());
     let mut config = match &args.config {
         Some(p) => Config::from_file(p).map_err(|e| anyhow::anyhow!("{e}"))?,
         None => {
@@ -376,28 +376,21 @@ fn serve(args: ServeArgs) -> Result<()> {
             .context("SIGTERM handler")?;
         let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
             .context("SIGHUP handler")?;
-        // `--watch-config-ms`: the file's contents as last read (a change reloads).
-        let mut watch = tokio::time::interval(Duration::from_millis(args.watch_config_ms.max(1)));
-        watch.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut watch = bursar_agent::shell::ConfigWatch::new(
+            args.config.as_deref(),
+            args.watch_config_ms,
+            seen,
+        );
         loop {
             tokio::select! {
                 _ = tokio::signal::ctrl_c() => break,
                 _ = term.recv() => break,
                 _ = hup.recv() => {
-                    if let Some(path) = args.config.as_deref() {
-                        seen = std::fs::read(path).ok();
-                    }
+                    watch.reread();
                     reload(&state, args.config.as_deref(), args.allocator.is_some(), &api_keys);
                 }
-                _ = watch.tick(), if args.watch_config_ms > 0 => {
-                    let Some(path) = args.config.as_deref() else { continue };
-                    // Unreadable for a moment (a ConfigMap's symlinks being swapped):
-                    // looked at again next tick.
-                    let Ok(now) = std::fs::read(path) else { continue };
-                    if seen.as_deref() != Some(now.as_slice()) {
-                        seen = Some(now);
-                        reload(&state, Some(path), args.allocator.is_some(), &api_keys);
-                    }
+                _ = watch.changed() => {
+                    reload(&state, args.config.as_deref(), args.allocator.is_some(), &api_keys);
                 }
             }
         }

@@ -80,6 +80,60 @@ impl AgentState {
     }
 }
 
+/// Watches a rules file for changed contents (`--watch-config-ms`): for files that
+/// change under a process, such as a mounted Kubernetes ConfigMap, which nobody would
+/// signal process by process. Used by `bursar-agent` and `bursar-allocator`.
+pub struct ConfigWatch {
+    path: Option<std::path::PathBuf>,
+    every: Option<tokio::time::Interval>,
+    seen: Option<Vec<u8>>,
+}
+
+impl ConfigWatch {
+    /// Watches `path` every `every_ms` (0, or no path: never reports a change). Read
+    /// the file's contents before the process parses it and pass them as `seen`, so
+    /// that a change in between is not missed.
+    pub fn new(path: Option<&std::path::Path>, every_ms: u64, seen: Option<Vec<u8>>) -> Self {
+        let every = (every_ms > 0 && path.is_some()).then(|| {
+            let mut i = tokio::time::interval(Duration::from_millis(every_ms));
+            i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            i
+        });
+        ConfigWatch {
+            path: path.map(|p| p.to_path_buf()),
+            every,
+            seen,
+        }
+    }
+
+    /// Resolves once the file's contents differ from the last seen (each change once,
+    /// whether the reload it triggers is applied or refused). A file that cannot be
+    /// read for a moment (a ConfigMap's links being swapped) is looked at again at the
+    /// next tick. Cancel-safe: use it in `select!`.
+    pub async fn changed(&mut self) {
+        let (Some(every), Some(path)) = (self.every.as_mut(), self.path.as_deref()) else {
+            return std::future::pending().await;
+        };
+        loop {
+            every.tick().await;
+            if let Ok(now) = std::fs::read(path)
+                && self.seen.as_deref() != Some(now.as_slice())
+            {
+                self.seen = Some(now);
+                return;
+            }
+        }
+    }
+
+    /// The file was re-read for another reason (SIGHUP): its contents now are the
+    /// ones seen.
+    pub fn reread(&mut self) {
+        if let Some(path) = &self.path {
+            self.seen = std::fs::read(path).ok();
+        }
+    }
+}
+
 /// Re-reads the rules file at `path` and applies its new numbers to the engine
 /// ([`Engine::reload`]: what a reload may change, and what it does to keys and
 /// reservations). `allocated`: the agent runs with an allocator (the file's
