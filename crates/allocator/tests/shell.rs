@@ -545,3 +545,43 @@ fn a_watched_rules_file_reloads_when_it_changes() {
     );
     assert_eq!(v["config"]["reloads"], 1);
 }
+
+/// Agents and the allocator hash one rules file into one `config_version` (in the
+/// hello, the welcome, the agent's `bursar_rules_info` and the allocator's status):
+/// they warn only when the files differ.
+#[test]
+fn agents_and_the_allocator_give_one_file_one_version() {
+    // Several rules: their name index is a hash map, whose order differs from parse
+    // to parse (it was in the hashed text until the twenty-fourth session).
+    let file = format!(
+        "{RULES}{}",
+        (1..6)
+            .map(|i| {
+                format!(
+                    "\n[[rule]]\nname = \"team-{i}\"\nmatch = {{ team = \"*\" }}\n\
+                     dimension = \"requests\"\nrate = {i}\nper = \"second\"\n"
+                )
+            })
+            .collect::<String>()
+    );
+    let cfg = bursar_agent::Config::from_toml(&file).unwrap();
+    for _ in 0..10 {
+        let engine = bursar_agent::Engine::new(
+            bursar_agent::Config::from_toml(&file).unwrap(),
+            std::sync::Arc::new(bursar_agent::DiscardSink),
+        );
+        assert_eq!(
+            bursar_allocator::shell::config_version(&cfg),
+            bursar_agent::shell::sync::config_version(&engine)
+        );
+    }
+    let engine = bursar_agent::Engine::new(
+        bursar_agent::Config::from_toml(&file).unwrap(),
+        std::sync::Arc::new(bursar_agent::DiscardSink),
+    );
+    let other = bursar_agent::Config::from_toml(&file.replace("rate = 100", "rate = 99")).unwrap();
+    assert_ne!(
+        bursar_allocator::shell::config_version(&other),
+        bursar_agent::shell::sync::config_version(&engine)
+    );
+}

@@ -275,9 +275,19 @@ fn sighup_reloads_the_numbers_of_the_rules_and_refuses_the_rest() {
     // The request limit to 600 a minute: the bucket is not refilled by the reload
     // (the next request waits for the new rate's next unit, 100 ms), and the
     // headers show the new limit.
+    let version = |agent: &Agent| {
+        let m = request(agent.http, "GET", "/metrics", b"").body;
+        m.lines()
+            .find_map(|l| l.strip_prefix("bursar_rules_info{version=\""))
+            .and_then(|l| l.split('"').next())
+            .map(String::from)
+            .expect("bursar_rules_info")
+    };
+    let before = version(&agent);
     agent.rewrite_config(&RULES.replace("rate = 3\n", "rate = 600\n"));
     agent.hup();
     assert_eq!(agent.wait_metric(applied, 1), 1);
+    assert_ne!(version(&agent), before, "the version follows the reload");
     std::thread::sleep(std::time::Duration::from_millis(250));
     let r = admit(&agent, "a5", "acme", 10);
     assert_eq!(r.status, 200, "{}", r.body);

@@ -436,6 +436,11 @@ async fn metrics(State(state): State<Arc<AgentState>>) -> Response {
     for s in &stats {
         out.push_str(&format!("bursar_keys{{rule=\"{}\"}} {}\n", s.rule, s.keys));
     }
+    out.push_str("# HELP bursar_rules_info The rules in force: their version, as agents and the allocator compare it.\n# TYPE bursar_rules_info gauge\n");
+    out.push_str(&format!(
+        "bursar_rules_info{{version=\"{}\"}} 1\n",
+        super::sync::config_version(&state.engine)
+    ));
     out.push_str("# HELP bursar_rules_reloads_total Rules reloads (SIGHUP) applied and refused.\n# TYPE bursar_rules_reloads_total counter\n");
     out.push_str(&format!(
         "bursar_rules_reloads_total{{result=\"applied\"}} {}\nbursar_rules_reloads_total{{result=\"refused\"}} {}\n",
