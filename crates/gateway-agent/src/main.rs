@@ -150,10 +150,15 @@ struct ServeArgs {
 enum Command {
     /// Run the engine standalone against synthetic LLM traffic and print a live summary.
     Demo(DemoArgs),
-    /// Validate a rules file and print what it defines. Exit code 1 on an invalid file.
+    /// Validate a rules file and print what it defines. Exit code 1 on an invalid file
+    /// (or, with `--reload-from`, one a running agent's reload would refuse).
     CheckConfig {
         /// The TOML rules file.
         file: PathBuf,
+        /// The file in force: say whether an agent running it would take `file` on a
+        /// reload (SIGHUP), and which rules would change.
+        #[arg(long)]
+        reload_from: Option<PathBuf>,
     },
     /// Print the SHA-256 of an API key read from stdin, for an `[[api_key]]` entry.
     HashKey,
@@ -193,7 +198,13 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Some(Command::Demo(args)) => demo(args),
-        Some(Command::CheckConfig { file }) => check_config(&file),
+        Some(Command::CheckConfig { file, reload_from }) => {
+            check_config(&file)?;
+            match reload_from {
+                Some(old) => check_reload(&old, &file),
+                None => Ok(()),
+            }
+        }
         Some(Command::HashKey) => {
             let mut key = String::new();
             std::io::stdin()
@@ -433,6 +444,29 @@ fn reload(
             bursar_agent::shell::sync::config_version(&state.engine)
         ),
         Err(e) => eprintln!("bursar-agent: reload refused: {e}"),
+    }
+}
+
+/// Whether an agent running `old` would take `new` on a reload: the same checks, on an
+/// engine built from `old`.
+fn check_reload(old: &std::path::Path, new: &std::path::Path) -> Result<()> {
+    let in_force = Config::from_file(old).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let next = Config::from_file(new).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let engine = Engine::new(in_force, Arc::new(bursar_agent::DiscardSink));
+    match engine.reload(0, next) {
+        Ok(s) if s.changed.is_empty() => {
+            println!("reload from {}: no change", old.display());
+            Ok(())
+        }
+        Ok(s) => {
+            println!(
+                "reload from {}: would apply; changed {}",
+                old.display(),
+                s.changed.join(", ")
+            );
+            Ok(())
+        }
+        Err(e) => bail!("reload from {} would be refused: {e}", old.display()),
     }
 }
 

@@ -294,3 +294,47 @@ fn reloads_under_load_never_hand_out_more_than_the_largest_limit_allows() {
     assert!(got <= bound, "admitted {got}, bound {bound}");
     assert!(got >= 50, "the first burst at least: {got}");
 }
+
+/// `bursar-agent check-config NEW --reload-from OLD`: a dry run of the reload an agent
+/// running OLD would make (exit 0 and what changes, or 1 and why it would refuse).
+#[test]
+fn check_config_says_whether_a_reload_would_take_the_file() {
+    let dir = std::env::temp_dir().join(format!("bursar-reload-check-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let write = |name: &str, text: &str| {
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    };
+    let old = write("old.toml", &rules(10, 10, "enforce", 3));
+    let run = |new: &std::path::Path| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_bursar-agent"))
+            .arg("check-config")
+            .arg(new)
+            .arg("--reload-from")
+            .arg(&old)
+            .env_remove("RUST_BACKTRACE")
+            .env_remove("RUST_LIB_BACKTRACE")
+            .output()
+            .expect("run bursar-agent");
+        let text = String::from_utf8_lossy(&out.stdout).to_string()
+            + &String::from_utf8_lossy(&out.stderr);
+        (out.status.code(), text)
+    };
+    let (code, text) = run(&write("numbers.toml", &rules(20, 20, "enforce", 3)));
+    assert_eq!(code, Some(0), "{text}");
+    assert!(text.contains("would apply; changed org-rps"), "{text}");
+    let (code, text) = run(&write(
+        "renamed.toml",
+        &rules(10, 10, "enforce", 3).replace("org-conc", "org-slots"),
+    ));
+    assert_eq!(code, Some(1), "{text}");
+    assert!(
+        text.contains("would be refused") && text.contains("org-slots"),
+        "{text}"
+    );
+    let (code, text) = run(&old);
+    assert_eq!(code, Some(0), "{text}");
+    assert!(text.contains("no change"), "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
