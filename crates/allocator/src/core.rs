@@ -2332,9 +2332,14 @@ impl Allocator {
         ag.report_recv_ns = now;
         ag.last_heard_ns = now;
         ag.connected = true;
+        let (stream, last_seq) = (ag.stream, ag.last_seq);
         if ag.by_handle {
-            // A line by name says the agent has no handle for the key (it names keys
-            // by handle once a grant gave one): its next grant names the key again.
+            // A line by name for a key its stream was told says the agent has no
+            // handle for it any more (evicted, rebased, a grant lost): the key's next
+            // grant names it. One already queued carries the stream it was issued on,
+            // so if the agent has any grant queued, the stream starts afresh (every
+            // key's next grant named: rare, as the shell drains after each batch).
+            let mut forgot = false;
             for (kr, r) in report.keys.iter().zip(resolved.iter()) {
                 if kr.key_handle == 0
                     && let Some(Resolved {
@@ -2343,8 +2348,15 @@ impl Allocator {
                         ..
                     }) = r
                 {
-                    self.key_mut(*k).entries[*pos as usize].told = 0;
+                    let e = &mut self.key_mut(*k).entries[*pos as usize];
+                    if e.told == stream {
+                        e.told = 0;
+                        forgot = true;
+                    }
                 }
+            }
+            if forgot && self.pending_len() > 0 && last_seq >= self.first_pending_seq() {
+                self.new_stream(a);
             }
         }
         let soon = self.recompute_due(now);
@@ -3783,6 +3795,66 @@ mod tests {
         e.older = Some(Box::new(smallvec::smallvec![newer]));
         let err = a.check_invariants().unwrap_err();
         assert!(err.contains("out of order"), "{err}");
+    }
+
+    #[test]
+    fn a_grant_queued_by_handle_goes_named_once_the_agent_names_its_key_by_name() {
+        let now = 5 * SEC;
+        let mut a = warm_allocator(1, now);
+        let hello = Hello {
+            grants_by_handle: true,
+            ..hello("h", 1, 1)
+        };
+        a.handle_hello(now, &hello).unwrap();
+        let x = key("rps", "x");
+        a.handle_report(now, &report("h", 1, 10, vec![line(x.clone(), 0, 5, None)]))
+            .unwrap();
+        a.handle_timeout(now + 10 * MS);
+        let first: Vec<Grant> = a.drain_grants().collect();
+        assert!(
+            !first.is_empty() && first.iter().all(|g| g.named),
+            "{first:?}"
+        );
+        let h = a.agent_id("h").unwrap();
+        let k = *a.agent(h).entries.keys().next().unwrap();
+        let pos = a.agent(h).entries[&k];
+        let by_handle = |admitted: u64| {
+            let mut l = line(x.clone(), admitted, 5, None);
+            l.key_handle = first[0].key_handle;
+            l
+        };
+        // A grant queued, the agent still naming the key by handle: it goes by handle.
+        let half = |a: &Allocator| {
+            let cur = a.key(k).entries[pos as usize].cur;
+            Slice {
+                rate: cur.rate / 2,
+                burst: cur.burst / 2,
+            }
+        };
+        let s = half(&a);
+        a.issue(k, pos, s, 0);
+        a.handle_report(now + SEC, &report("h", 1, 20 * MS, vec![by_handle(10)]))
+            .unwrap();
+        let kept: Vec<Grant> = a.drain_grants().collect();
+        assert!(
+            !kept.is_empty() && kept.iter().all(|g| !g.named),
+            "{kept:?}"
+        );
+        // Queued again, then a line by name (the agent lost its handle) before the
+        // outbox drains: the queued grant goes named, as does the next.
+        let s = half(&a);
+        a.issue(k, pos, s, 0);
+        a.handle_report(
+            now + 2 * SEC,
+            &report("h", 1, 30 * MS, vec![line(x.clone(), 20, 5, None)]),
+        )
+        .unwrap();
+        let queued: Vec<Grant> = a.drain_grants().collect();
+        assert!(
+            !queued.is_empty() && queued.iter().all(|g| g.named),
+            "{queued:?}"
+        );
+        a.check_invariants().unwrap();
     }
 
     #[test]
