@@ -159,6 +159,10 @@ enum Command {
         /// reload (SIGHUP), and which rules would change.
         #[arg(long)]
         reload_from: Option<PathBuf>,
+        /// With `--reload-from`: the agent runs with `--allocator` (its
+        /// `slice_source` is `allocated` whatever the files say).
+        #[arg(long, requires = "reload_from")]
+        allocated: bool,
     },
     /// Print the SHA-256 of an API key read from stdin, for an `[[api_key]]` entry.
     HashKey,
@@ -198,10 +202,14 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Some(Command::Demo(args)) => demo(args),
-        Some(Command::CheckConfig { file, reload_from }) => {
+        Some(Command::CheckConfig {
+            file,
+            reload_from,
+            allocated,
+        }) => {
             check_config(&file)?;
             match reload_from {
-                Some(old) => check_reload(&old, &file),
+                Some(old) => check_reload(&old, &file, allocated),
                 None => Ok(()),
             }
         }
@@ -447,11 +455,18 @@ fn reload(
     }
 }
 
-/// Whether an agent running `old` would take `new` on a reload: the same checks, on an
-/// engine built from `old`.
-fn check_reload(old: &std::path::Path, new: &std::path::Path) -> Result<()> {
-    let in_force = Config::from_file(old).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let next = Config::from_file(new).map_err(|e| anyhow::anyhow!("{e}"))?;
+/// Whether an agent running `old` (with `--allocator` if `allocated`) would take `new`
+/// on a reload: the same checks as its SIGHUP, on an engine built from `old`.
+fn check_reload(old: &std::path::Path, new: &std::path::Path, allocated: bool) -> Result<()> {
+    let mut in_force = Config::from_file(old).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut next = Config::from_file(new).map_err(|e| anyhow::anyhow!("{e}"))?;
+    if allocated {
+        in_force.engine.slice_source = bursar_agent::SliceSource::Allocated;
+    }
+    if let Err(why) = bursar_agent::shell::prepare_reload(&mut next, allocated, &in_force.api_keys)
+    {
+        bail!("reload from {} would be refused: {why}", old.display());
+    }
     let engine = Engine::new(in_force, Arc::new(bursar_agent::DiscardSink));
     match engine.reload(0, next) {
         Ok(s) if s.changed.is_empty() => {

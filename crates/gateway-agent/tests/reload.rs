@@ -336,5 +336,15 @@ fn check_config_says_whether_a_reload_would_take_the_file() {
     let (code, text) = run(&old);
     assert_eq!(code, Some(0), "{text}");
     assert!(text.contains("no change"), "{text}");
+    // A new proxy key (read only at start) with a new number: refused, as the running
+    // agent's reload would be.
+    let keyed = format!(
+        "{}\n[[api_key]]\nsha256 = \"{}\"\ndescriptors = {{ org = \"acme\" }}\n",
+        rules(20, 20, "enforce", 3),
+        "ab".repeat(32)
+    );
+    let (code, text) = run(&write("keyed.toml", &keyed));
+    assert_eq!(code, Some(1), "{text}");
+    assert!(text.contains("[[api_key]] entries differ"), "{text}");
     let _ = std::fs::remove_dir_all(&dir);
 }

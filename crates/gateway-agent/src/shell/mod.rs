@@ -162,18 +162,33 @@ pub fn reload_rules(
         Ok(c) => c,
         Err(e) => return refused(e.to_string()),
     };
-    if allocated {
-        config.engine.slice_source = crate::SliceSource::Allocated;
-    }
-    if config.api_keys != api_keys {
-        return refused(
-            "its [[api_key]] entries differ from those in force; the proxy reads them only at start (restart the agent)".into(),
-        );
+    if let Err(why) = prepare_reload(&mut config, allocated, api_keys) {
+        return refused(why);
     }
     match state.engine.reload(state.clock.now_ns(), config) {
         Ok(s) => Ok(s),
         Err(e) => refused(e.to_string()),
     }
+}
+
+/// What the agent checks and sets on a new rules file before the engine's reload: the
+/// `slice_source` the agent runs with (`allocated`: it has `--allocator`), and the
+/// proxy's keys, read only at start. Shared by [`reload_rules`] and the dry run
+/// (`bursar-agent check-config --reload-from`).
+pub fn prepare_reload(
+    config: &mut crate::Config,
+    allocated: bool,
+    api_keys: &[crate::ApiKey],
+) -> Result<(), String> {
+    if allocated {
+        config.engine.slice_source = crate::SliceSource::Allocated;
+    }
+    if config.api_keys != api_keys {
+        return Err(
+            "its [[api_key]] entries differ from those in force; the proxy reads them only at start (restart the agent)".into(),
+        );
+    }
+    Ok(())
 }
 
 /// Where the front doors listen. `None` disables one.
