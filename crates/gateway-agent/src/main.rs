@@ -32,7 +32,11 @@ limit service v3 over gRPC, standalone: each limit key's slice is the rule's who
 prints one line `bursar-agent listening: http=ADDR grpc=ADDR` once bound, and stops on \
 Ctrl-C or SIGTERM. With --proxy-listen and --proxy-upstream it also runs an \
 OpenAI-compatible proxy (/v1/chat/completions, /v1/completions, /v1/embeddings).\n\nWith \
---allocator ADDR it joins a fleet: slices come from `bursar-allocator` (docs/allocator.md)."
+--allocator ADDR it joins a fleet: slices come from `bursar-allocator` (docs/allocator.md).\n\n\
+SIGHUP (or, with --watch-config-ms, a change to the file) re-reads --config: new numbers of \
+the rules in force apply at once, without a fresh burst; a file that adds, removes or \
+re-matches rules is refused with the rule and field named, and changes nothing (`check-config \
+NEW --reload-from CURRENT` tries it first; docs/configuration.md, \"Reloading the rules\")."
 )]
 struct Cli {
     #[command(subcommand)]
