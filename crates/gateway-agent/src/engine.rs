@@ -1808,7 +1808,7 @@ impl Engine {
         if first && let Some(s) = table.lookup(id, check) {
             return Ok((SlotRef::Table(s), id));
         }
-        self.resolve_slow(now, id, rule, values)
+        self.resolve_slow(now, id, check, rule, values)
             .map(|s| (SlotRef::Owned(s), id))
     }
 
@@ -1911,22 +1911,23 @@ impl Engine {
     }
 
     /// The live slot for a key, from pending or the table, without creating one.
-    fn current_slot(&self, id: u64, rule: u32, values: &[&str]) -> Option<Arc<Slot>> {
-        let check = self.hashing.key_check(rule, values.iter().copied());
+    fn current_slot(&self, rule: u32, values: &[&str]) -> Option<Arc<Slot>> {
+        let (id, check) = self.key_hashes(rule, values);
         let slow = self.slow();
         let table = self.table.load();
         find_live(&slow, &table, id, check).map(|(_, s)| s)
     }
 
-    /// The slow path: find the key's live slot, or create it.
+    /// The slow path: find the key's live slot, or create it. `id` and `check`: the
+    /// key's hashes ([`Engine::key_hashes`]).
     fn resolve_slow(
         &self,
         now: u64,
         id: u64,
+        check: u64,
         rule: u32,
         values: &[&str],
     ) -> Result<Arc<Slot>, AdmitError> {
-        let check = self.hashing.key_check(rule, values.iter().copied());
         let mut slow = self.slow();
         let table = self.table.load();
         if let Some((_, s)) = find_live(&slow, &table, id, check) {
@@ -1956,7 +1957,11 @@ impl Engine {
             max: self.cfg.max_keys,
         })?;
         let c = &slow.compiled[rule as usize];
-        let named = Named::new(&self.hashing, rule, values);
+        let named = Named {
+            check,
+            rule,
+            values,
+        };
         let (params, state) = match slow.slices.get(&named as &dyn KeyView) {
             // A granted key whose slot was evicted at rest: recreate it full, as it was.
             Some(s) => (s.grant, Slot::full_state(&s.grant, now)),
@@ -2490,7 +2495,10 @@ impl Engine {
                 }
                 let k = Arc::clone(&slot.key);
                 let vals: Vec<&str> = k.values().collect();
-                match self.resolve_slow(now, k.id, k.rule, &vals) {
+                // By the key's hashes: its `id` is the cell it sits in, which probing
+                // may have moved past the hashed one.
+                let (id, check) = self.key_hashes(k.rule, &vals);
+                match self.resolve_slow(now, id, check, k.rule, &vals) {
                     Ok(s) => slot = s,
                     Err(_) => break,
                 }
@@ -2699,8 +2707,7 @@ impl Engine {
         transfer: u64,
     ) -> Result<(SliceApplied, Arc<LimitKey>), SliceError> {
         let vals: Vec<&str> = values.iter().map(|s| s.as_str()).collect();
-        let id = self.hashing.key_id(rule, vals.iter().copied());
-        let check = self.hashing.key_check(rule, vals.iter().copied());
+        let (id, check) = self.key_hashes(rule, &vals);
         let table = self.table.load();
         let existing = find_live(slow, &table, id, check);
         if let Some((old_id, old)) = &existing
@@ -2750,7 +2757,7 @@ impl Engine {
                 let c = &slow.compiled[rule as usize];
                 let key = Arc::new(LimitKey {
                     id: slot_id,
-                    check: self.hashing.key_check(rule, vals.iter().copied()),
+                    check,
                     rule,
                     display: display_key(&c.rule, &vals).into(),
                     values: vals.iter().map(|v| Box::<str>::from(*v)).collect(),
@@ -2894,8 +2901,7 @@ impl Engine {
             }
             // The slice the sync client reports changed, whether or not the slot did.
             let vals: Vec<&str> = key.0.values().collect();
-            let id = self.hashing.key_id(rule, vals.iter().copied());
-            let check = self.hashing.key_check(rule, vals.iter().copied());
+            let (id, check) = self.key_hashes(rule, &vals);
             let table = self.table.load();
             if let Some((live_id, live)) = find_live(slow, &table, id, check) {
                 live.walk_unseen();
@@ -3189,9 +3195,7 @@ impl Engine {
     /// For concurrency rules: free slots.
     pub fn level(&self, now: u64, rule: &str, values: &[&str]) -> Option<i128> {
         let (ri, _) = self.rules.load().by_name(rule)?;
-        let ri = ri as u32;
-        let id = self.hashing.key_id(ri, values.iter().copied());
-        let slot = self.current_slot(id, ri, values)?;
+        let slot = self.current_slot(ri as u32, values)?;
         let state = slot.load();
         (!slot.is_sealed()).then(|| Slot::level(&slot.params, state, now))
     }
@@ -3200,9 +3204,7 @@ impl Engine {
     /// held (one key's [`KeyDemand::counters`], without walking every key).
     pub fn key_counters(&self, rule: &str, values: &[&str]) -> Option<SlotCounters> {
         let (ri, _) = self.rules.load().by_name(rule)?;
-        let ri = ri as u32;
-        let id = self.hashing.key_id(ri, values.iter().copied());
-        self.current_slot(id, ri, values).map(SlotCounters)
+        self.current_slot(ri as u32, values).map(SlotCounters)
     }
 
     /// Live leases.
@@ -3310,7 +3312,7 @@ impl Engine {
         }
         let vals: Vec<&str> = key.values.iter().map(|v| &**v).collect();
         for _ in 0..8 {
-            let slot = self.resolve_slow(now, key.id, key.rule, &vals)?;
+            let slot = self.resolve_slow(now, key.id, key.check, key.rule, &vals)?;
             let admit = |slot: &Slot| self.count(&slot.admitted, key.id, cost);
             if let Some(admitted) = self.acquire_on(
                 &slot,
@@ -3366,6 +3368,11 @@ impl Engine {
                 "{} keys > max_keys {}",
                 slow.keys, self.cfg.max_keys
             ));
+        }
+        // A decision reads its rules from the table snapshot: the published one must
+        // carry the rules in force (a reload publishes them).
+        if !Arc::ptr_eq(&table.compiled, &slow.compiled) {
+            return Err("the published table carries rules other than those in force".into());
         }
         let mut live: HashMap<u64, Arc<Slot>> = HashMap::new();
         for (id, s) in live_slots(&slow, &table) {

@@ -235,7 +235,8 @@ fn main() -> Result<()> {
 
 fn serve(args: ServeArgs) -> Result<()> {
     // What the rules were read from (`--watch-config-ms` reloads when it changes).
-    let seen = args.config.as_deref().and_then(|p| std::fs::read(p).ok());
+    let seen =
+        bursar_agent::shell::ConfigWatch::contents(args.config.as_deref(), args.watch_config_ms);
     let mut config = match &args.config {
         Some(p) => Config::from_file(p).map_err(|e| anyhow::anyhow!("{e}"))?,
         None => {

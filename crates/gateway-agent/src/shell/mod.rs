@@ -90,9 +90,16 @@ pub struct ConfigWatch {
 }
 
 impl ConfigWatch {
-    /// Watches `path` every `every_ms` (0, or no path: never reports a change). Read
-    /// the file's contents before the process parses it and pass them as `seen`, so
-    /// that a change in between is not missed.
+    /// What to pass [`ConfigWatch::new`] as `seen`: the file's contents, read before
+    /// the process parses it (so that a change in between is not missed), when it will
+    /// be watched; nothing otherwise.
+    pub fn contents(path: Option<&std::path::Path>, every_ms: u64) -> Option<Vec<u8>> {
+        path.filter(|_| every_ms > 0)
+            .and_then(|p| std::fs::read(p).ok())
+    }
+
+    /// Watches `path` every `every_ms` (0, or no path: never reports a change), its
+    /// contents as read before parsing being `seen` ([`ConfigWatch::contents`]).
     pub fn new(path: Option<&std::path::Path>, every_ms: u64, seen: Option<Vec<u8>>) -> Self {
         let every = (every_ms > 0 && path.is_some()).then(|| {
             let mut i = tokio::time::interval(Duration::from_millis(every_ms));
@@ -128,7 +135,7 @@ impl ConfigWatch {
     /// The file was re-read for another reason (SIGHUP): its contents now are the
     /// ones seen.
     pub fn reread(&mut self) {
-        if let Some(path) = &self.path {
+        if let (Some(_), Some(path)) = (&self.every, &self.path) {
             self.seen = std::fs::read(path).ok();
         }
     }
