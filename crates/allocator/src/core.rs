@@ -3637,16 +3637,20 @@ mod tests {
         .unwrap();
     }
 
+    /// Agent `agent`'s hello asking for grants by handle.
+    fn hello_by_handle(agent: &str, ts: u64) -> Hello {
+        Hello {
+            grants_by_handle: true,
+            ..hello(agent, 1, ts)
+        }
+    }
+
     #[test]
     fn grants_name_a_key_once_per_stream_for_agents_that_find_keys_by_handle() {
         let now = 5 * SEC;
         let mut a = warm_allocator(1, now);
         let x = key("rps", "x");
-        let hello_by_handle = |ts| Hello {
-            grants_by_handle: true,
-            ..hello("h", 1, ts)
-        };
-        a.handle_hello(now, &hello_by_handle(1)).unwrap();
+        a.handle_hello(now, &hello_by_handle("h", 1)).unwrap();
         a.handle_hello(now, &hello("n", 1, 1)).unwrap();
         // Both report demand that moves every time, so each report brings a grant.
         let names = |a: &mut Allocator, t: u64, ts: u64, by_handle: u64| {
@@ -3684,7 +3688,8 @@ mod tests {
         );
         assert!(again.iter().any(|g| g.0 == "h"), "{again:?}");
         // Named once more after a hello (a new stream), and after grants went undelivered.
-        a.handle_hello(now + 6 * SEC, &hello_by_handle(30)).unwrap();
+        a.handle_hello(now + 6 * SEC, &hello_by_handle("h", 30))
+            .unwrap();
         let fresh = names(&mut a, now + 6 * SEC, 40, h);
         assert!(fresh.iter().any(|g| g.0 == "h"), "{fresh:?}");
         assert!(
@@ -3801,11 +3806,7 @@ mod tests {
     fn a_grant_queued_by_handle_goes_named_once_the_agent_names_its_key_by_name() {
         let now = 5 * SEC;
         let mut a = warm_allocator(1, now);
-        let hello = Hello {
-            grants_by_handle: true,
-            ..hello("h", 1, 1)
-        };
-        a.handle_hello(now, &hello).unwrap();
+        a.handle_hello(now, &hello_by_handle("h", 1)).unwrap();
         let x = key("rps", "x");
         a.handle_report(now, &report("h", 1, 10, vec![line(x.clone(), 0, 5, None)]))
             .unwrap();
@@ -3861,11 +3862,7 @@ mod tests {
     fn a_key_name_is_told_once_per_stream_and_entry_even_when_stream_numbers_wrap() {
         let now = 5 * SEC;
         let mut a = warm_allocator(1, now);
-        let hello = Hello {
-            grants_by_handle: true,
-            ..hello("h", 1, 1)
-        };
-        a.handle_hello(now, &hello).unwrap();
+        a.handle_hello(now, &hello_by_handle("h", 1)).unwrap();
         let x = key("rps", "x");
         let mut ts = 10;
         let mut t = now;

@@ -393,18 +393,7 @@ async fn a_malformed_rules_file_is_refused_with_the_old_limits_kept_and_a_valid_
     let pid = a.child.id().to_string();
     let config = a.config.clone();
     let a = tokio::task::spawn_blocking(move || {
-        let wait_for = |what: &str, pred: &dyn Fn(&serde_json::Value) -> bool| {
-            let start = std::time::Instant::now();
-            loop {
-                let v = a.get_json("/v1/status");
-                if pred(&v) {
-                    return v;
-                }
-                assert!(start.elapsed() < Duration::from_secs(10), "{what}: {v}");
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        };
-        wait_for("the report is recorded", &|v| v["keys"] == 1);
+        a.wait_status("the report is recorded", |v| v["keys"] == 1);
         let status = a.get_json("/v1/status");
         assert_eq!(status["config"]["version"], old_version.as_str());
         assert_eq!(
@@ -416,9 +405,7 @@ async fn a_malformed_rules_file_is_refused_with_the_old_limits_kept_and_a_valid_
         std::fs::write(&config, RULES.replace("rate = 100", "rate = -5")).unwrap();
         let hup = Command::new("kill").args(["-HUP", &pid]).status().unwrap();
         assert!(hup.success());
-        let v = wait_for("the refused reload", &|v| {
-            v["config"]["reloads_failed"] == 1
-        });
+        let v = a.wait_status("the refused reload", |v| v["config"]["reloads_failed"] == 1);
         let err = v["config"]["last_reload_error"]
             .as_str()
             .unwrap()
@@ -462,7 +449,7 @@ async fn a_malformed_rules_file_is_refused_with_the_old_limits_kept_and_a_valid_
         .unwrap();
         let hup = Command::new("kill").args(["-HUP", &pid]).status().unwrap();
         assert!(hup.success());
-        let v = wait_for("the applied reload", &|v| v["config"]["reloads"] == 1);
+        let v = a.wait_status("the applied reload", |v| v["config"]["reloads"] == 1);
         assert!(v["config"]["last_reload_error"].is_null(), "{v}");
         assert_ne!(v["config"]["version"], old_version.as_str());
         assert!(
@@ -509,17 +496,6 @@ async fn a_malformed_rules_file_is_refused_with_the_old_limits_kept_and_a_valid_
 #[test]
 fn a_watched_rules_file_reloads_when_it_changes() {
     let a = Allocator::start(&["--term", "3", "--watch-config-ms", "50"]);
-    let wait_for = |what: &str, pred: &dyn Fn(&serde_json::Value) -> bool| {
-        let start = std::time::Instant::now();
-        loop {
-            let v = a.get_json("/v1/status");
-            if pred(&v) {
-                return v;
-            }
-            assert!(start.elapsed() < Duration::from_secs(10), "{what}: {v}");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    };
     std::thread::sleep(Duration::from_millis(200));
     let v = a.get_json("/v1/status");
     assert_eq!(
@@ -530,13 +506,11 @@ fn a_watched_rules_file_reloads_when_it_changes() {
     let tmp = a.config.with_extension("toml.new");
     std::fs::write(&tmp, RULES.replace("rate = 100", "rate = 60")).unwrap();
     std::fs::rename(&tmp, &a.config).unwrap();
-    let v = wait_for("the watched reload", &|v| v["config"]["reloads"] == 1);
+    let v = a.wait_status("the watched reload", |v| v["config"]["reloads"] == 1);
     assert_ne!(v["config"]["version"], old_version);
     std::fs::write(&tmp, RULES.replace("rate = 100", "rate = -5")).unwrap();
     std::fs::rename(&tmp, &a.config).unwrap();
-    wait_for("the refused reload", &|v| {
-        v["config"]["reloads_failed"] == 1
-    });
+    a.wait_status("the refused reload", |v| v["config"]["reloads_failed"] == 1);
     std::thread::sleep(Duration::from_millis(300));
     let v = a.get_json("/v1/status");
     assert_eq!(

@@ -116,6 +116,24 @@ impl Allocator {
         v
     }
 
+    /// Polls `GET /v1/status` until `pred` holds (10 s at most, then fails naming
+    /// `what`); the status that satisfied it.
+    pub fn wait_status(
+        &self,
+        what: &str,
+        pred: impl Fn(&serde_json::Value) -> bool,
+    ) -> serde_json::Value {
+        let start = std::time::Instant::now();
+        loop {
+            let v = self.get_json("/v1/status");
+            if pred(&v) {
+                return v;
+            }
+            assert!(start.elapsed() < Duration::from_secs(10), "{what}: {v}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// One admin request: the status code and the JSON body.
     pub fn request(&self, method: &str, path: &str) -> (u16, serde_json::Value) {
         let mut s = TcpStream::connect(self.admin).unwrap();
