@@ -57,7 +57,8 @@ const MS: u64 = 1_000_000;
 /// What a request costs, before each rule picks its dimension.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Cost {
-    /// Requests (usually 1; 0 with zero tokens makes the admit a pure check).
+    /// Requests (usually 1; 0 with zero tokens makes the admit a pure check:
+    /// [`Cost::is_check`]).
     pub requests: u64,
     /// Prompt tokens.
     pub input_tokens: u64,
@@ -80,6 +81,14 @@ impl Cost {
         input_tokens: 0,
         max_output_tokens: Some(0),
     };
+
+    /// Whether this cost is a pure check: no request, no tokens and no output
+    /// reserved (`None` counts as no output only where no rule reserves a default).
+    /// Only a check is answered without a lease; anything else gets one even when the
+    /// rules it matched count none of it, so that its completion is recorded.
+    pub fn is_check(&self) -> bool {
+        self.requests == 0 && self.input_tokens == 0 && self.max_output_tokens.unwrap_or(0) == 0
+    }
 }
 
 /// One admission request. Borrowed: building it allocates nothing.
@@ -1691,9 +1700,12 @@ impl Engine {
         if !matched && self.cfg.unmatched == Unmatched::Reject {
             return Err(AdmitError::NoMatchingRule);
         }
-        if !any_cost && matched {
+        if !any_cost && matched && req.cost.is_check() {
             // A pure check: nothing was debited, nothing is held (`out` is already
-            // that admission).
+            // that admission). A request that costs something its rules happen not to
+            // count (one request under token rules, a prompt estimated at zero tokens)
+            // still takes a lease, with nothing reserved: its completion is recorded,
+            // and charges what it used.
             return Ok(());
         }
         let expires = now.saturating_add(ttl_ms * MS);

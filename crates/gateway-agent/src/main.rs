@@ -113,6 +113,11 @@ struct ServeArgs {
     /// Time the proxy allows the upstream to answer with its response head (504 after).
     #[arg(long, default_value_t = 60_000)]
     proxy_upstream_timeout_ms: u64,
+    /// Largest non-streamed upstream response the proxy reads (streams pass through
+    /// unbounded). A larger one is answered 502 and charged its prompt estimate and
+    /// the output reserved: the upstream did the work.
+    #[arg(long, default_value_t = 32 << 20, value_parser = clap::value_parser!(u64).range(1024..=1 << 32))]
+    proxy_max_response_bytes: u64,
     /// Directory of the durable usage outbox (`outbox.redb`, created if missing; one
     /// agent per directory). Every usage record is committed there before its
     /// completion is answered, and kept until min(2, number of --ledger) ledger nodes
@@ -263,6 +268,7 @@ fn serve(args: ServeArgs) -> Result<()> {
                     upstream_timeout: std::time::Duration::from_millis(
                         args.proxy_upstream_timeout_ms,
                     ),
+                    max_response_bytes: args.proxy_max_response_bytes as usize,
                     ..Default::default()
                 },
             ))

@@ -683,6 +683,52 @@ fn a_zero_cost_request_is_a_check_that_holds_nothing() {
 }
 
 #[test]
+fn a_request_its_rules_count_nothing_of_still_takes_a_lease_and_is_recorded() {
+    // Token rules only: one request with a prompt estimated at zero tokens costs them
+    // nothing, but it is not a check (the caller will complete it with its usage).
+    let sink = Arc::new(MemorySink::new(10));
+    let e = engine_with_sink(
+        r#"
+        [[rule]]
+        name = "itpm"
+        match = { org = "*" }
+        dimension = "input_tokens"
+        rate = 1000
+        per = "hour"
+        "#,
+        sink.clone(),
+    );
+    let d = e
+        .admit(0, &req("r", &[("org", "a")], Cost::ONE_REQUEST))
+        .unwrap();
+    let Decision::Admitted(a) = d else { panic!() };
+    assert!(
+        a.lease_expires_at_ns.is_some(),
+        "a lease, with nothing reserved"
+    );
+    assert_eq!(e.leases_in_flight(), 1);
+    assert_eq!(e.level(0, "itpm", &["a"]), Some(1000));
+    let used = Usage {
+        input_tokens: 40,
+        cached_input_tokens: 0,
+        output_tokens: 0,
+    };
+    assert_eq!(
+        e.complete(0, "r", used, CompletionStatus::Ok).unwrap(),
+        Completion::Settled
+    );
+    assert_eq!(
+        e.level(0, "itpm", &["a"]),
+        Some(960),
+        "what it used is charged"
+    );
+    let (records, _) = sink.take();
+    assert_eq!(records.len(), 1);
+    assert_eq!(records[0].usage, Some(used));
+    e.check_invariants(0).unwrap();
+}
+
+#[test]
 fn post_hoc_charges_go_past_zero() {
     let e = engine(LLM);
     let n = e

@@ -104,6 +104,14 @@ async fn chat(seen: Seen, body: Bytes) -> Response {
     }
     let stream = v["stream"] == json!(true);
     let include_usage = v["stream_options"]["include_usage"] == json!(true);
+    if model == "huge" {
+        // A whole answer larger than a small --proxy-max-response-bytes.
+        return json_response(json!({
+            "id": "c1", "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "x".repeat(4000)}}],
+            "usage": {"prompt_tokens": 12, "completion_tokens": 2000, "total_tokens": 2012},
+        }));
+    }
     if !stream {
         let mut out = json!({
             "id": "c1", "object": "chat.completion",
@@ -114,10 +122,15 @@ async fn chat(seen: Seen, body: Bytes) -> Response {
         }
         return json_response(out).into_response();
     }
-    let slow = model == "slow-stream";
+    // slow-stream: 100 chunks 100 ms apart; long-stream: 20 (two seconds).
+    let slow = model == "slow-stream" || model == "long-stream";
     let usage = include_usage && model != "no-usage";
+    let chunks = match model.as_str() {
+        "slow-stream" => 100,
+        "long-stream" => 20,
+        _ => 3,
+    };
     let s = futures_util::stream::unfold(0u32, move |i| async move {
-        let chunks = if slow { 100 } else { 3 };
         if slow && i > 0 {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -454,6 +467,180 @@ fn proxied_completions_are_committed_to_the_usage_outbox_before_the_response_end
         format!("{:?}", events[1].1.body),
         "Usage { status: Ok, tokens: Tokens { input_tokens: 12, cached_input_tokens: 0, output_tokens: 3 } }"
     );
+    ob.close();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_null_stream_options_still_asks_the_upstream_for_usage() {
+    let seen = Seen::default();
+    let (agent, proxy) = start(&seen, &[]);
+    let r = chat_call(
+        proxy,
+        json!({"model": "gpt-4o", "stream": true, "stream_options": null, "max_tokens": 400,
+               "messages": [{"role": "user", "content": "hi"}]}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let sent = seen
+        .lock()
+        .unwrap()
+        .last()
+        .cloned()
+        .expect("the upstream saw it");
+    assert_eq!(
+        sent["stream_options"]["include_usage"],
+        json!(true),
+        "{sent}"
+    );
+    assert_eq!(agent.leases_drained(), 0);
+}
+
+#[test]
+fn several_choices_reserve_max_tokens_for_each_up_to_the_cap() {
+    let seen = Seen::default();
+    let (agent, proxy) = start(&seen, &[]);
+    // Two choices of at most 300: 600 reserved (the cap is 800).
+    let r = chat_call(
+        proxy,
+        json!({"model": "gpt-4o", "n": 2, "max_tokens": 300, "messages": []}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(remaining_tokens(&r), 400);
+    assert_eq!(agent.leases_drained(), 0);
+    // Settled at the 5 used (the bucket refills 1,000 a second meanwhile). Three
+    // candidates without max_tokens reserve the cap.
+    let r = chat_call(
+        proxy,
+        json!({"model": "gpt-4o", "best_of": 3, "messages": []}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let left = remaining_tokens(&r);
+    assert!((195..=200).contains(&left), "{left}");
+    assert_eq!(agent.leases_drained(), 0);
+    // A null max_completion_tokens leaves max_tokens in force.
+    let r = chat_call(
+        proxy,
+        json!({"model": "gpt-4o", "max_completion_tokens": null, "max_tokens": 50, "messages": []}),
+    );
+    let left = remaining_tokens(&r);
+    assert!((940..=950).contains(&left), "{left}");
+    for bad in [json!(0), json!(129), json!(-1), json!("2")] {
+        let r = chat_call(proxy, json!({"model": "gpt-4o", "n": bad, "messages": []}));
+        assert_eq!(r.status, 400, "n = {bad}: {}", r.body);
+        assert!(r.body.contains("invalid_n"), "{}", r.body);
+    }
+    assert_eq!(agent.leases_drained(), 0);
+}
+
+#[test]
+fn a_stream_longer_than_the_lease_ttl_keeps_its_lease() {
+    let seen = Seen::default();
+    let up = upstream(seen.clone());
+    let upstream_url = format!("http://{up}");
+    let rules = format!("[engine]\nlease_ttl_ms = 600\n{}", rules());
+    let agent = Agent::start_with(
+        &rules,
+        &[
+            "--proxy-listen",
+            "127.0.0.1:0",
+            "--proxy-upstream",
+            upstream_url.as_str(),
+        ],
+    );
+    let proxy = agent.proxy.expect("proxy address");
+    let reader = std::thread::spawn(move || {
+        chat_call(
+            proxy,
+            json!({"model": "long-stream", "stream": true, "max_tokens": 500, "messages": []}),
+        )
+    });
+    // Two seconds of stream against a 600 ms TTL: the lease is extended as it flows.
+    for _ in 0..6 {
+        std::thread::sleep(Duration::from_millis(250));
+        assert_eq!(agent.leases_in_flight(), 1, "the lease expired mid-stream");
+    }
+    let r = reader.join().expect("reader");
+    assert_eq!(r.status, 200);
+    assert!(r.body.contains("[DONE]"));
+    assert_eq!(agent.leases_drained(), 0);
+}
+
+#[test]
+fn requests_that_cost_their_rules_nothing_are_still_recorded() {
+    use bursar_agent::shell::outbox::{Outbox, OutboxConfig};
+    let seen = Seen::default();
+    let up = upstream(seen.clone());
+    let upstream_url = format!("http://{up}");
+    let dir = std::env::temp_dir().join(format!("bursar-proxy-zero-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    // Output tokens only: an embedding reserves none of them. A slow refill, so that
+    // what a request was charged still shows in the next one's remaining.
+    let hash = bursar_agent::shell::proxy::key_hash_hex(KEY);
+    let rules = format!(
+        "[[rule]]\nname = \"org-otpm\"\nmatch = {{ org = \"*\" }}\ndimension = \"output_tokens\"\n\
+         rate = 600\nper = \"hour\"\nburst = 1000\n\n\
+         [[api_key]]\nsha256 = \"{hash}\"\ndescriptors = {{ org = \"acme\" }}\n"
+    );
+    let agent = Agent::start_with(
+        &rules,
+        &[
+            "--proxy-listen",
+            "127.0.0.1:0",
+            "--proxy-upstream",
+            upstream_url.as_str(),
+            "--proxy-max-response-bytes",
+            "1024",
+            "--outbox-dir",
+            dir.to_str().unwrap(),
+            "--ledger",
+            "http://127.0.0.1:9",
+            "--agent-id",
+            "proxy-agent",
+        ],
+    );
+    let proxy = agent.proxy.expect("proxy address");
+    let r = request_with(
+        proxy,
+        "POST",
+        "/v1/embeddings",
+        &[&format!("Authorization: Bearer {KEY}")],
+        json!({"model": "text-embedding-3-small", "input": [[1, 2, 3]]})
+            .to_string()
+            .as_bytes(),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(agent.leases_drained(), 0);
+    // An answer over --proxy-max-response-bytes: 502, charged what it reserved.
+    let r = chat_call(
+        proxy,
+        json!({"model": "huge", "max_tokens": 100, "messages": []}),
+    );
+    assert_eq!(r.status, 502, "{}", r.body);
+    assert_eq!(agent.leases_drained(), 0);
+    let r = chat_call(
+        proxy,
+        json!({"model": "gpt-4o", "max_tokens": 100, "messages": []}),
+    );
+    assert_eq!(
+        remaining_tokens(&r),
+        1000 - 100 - 100,
+        "the huge answer's 100 stay spent"
+    );
+    assert_eq!(agent.leases_drained(), 0);
+    drop(agent);
+    let ob = Outbox::open(OutboxConfig::new(dir.clone(), 1)).expect("reopen the outbox");
+    let events = ob.read_after(0, 10).expect("read");
+    let bodies: Vec<String> = events
+        .iter()
+        .map(|(_, e)| format!("{:?}", e.body))
+        .collect();
+    assert_eq!(bodies.len(), 3, "{bodies:?}");
+    assert_eq!(
+        bodies[0],
+        "Usage { status: Ok, tokens: Tokens { input_tokens: 4, cached_input_tokens: 0, output_tokens: 0 } }"
+    );
+    assert!(bodies[1].contains("UpstreamError"), "{}", bodies[1]);
+    assert!(bodies[1].contains("output_tokens: 100"), "{}", bodies[1]);
     ob.close();
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -35,6 +35,7 @@ use super::AgentState;
 use super::headers;
 use crate::clock::Clock;
 use crate::config::ApiKey;
+use crate::config::{Dimension, MAX_COST};
 use crate::engine::{AdmitRequest, Cost, Decision, RejectReason};
 use crate::{AdmitError, CompletionStatus, Usage};
 
@@ -172,18 +173,22 @@ pub fn count_tokens(model: &str, text: &str) -> u64 {
     bpe.encode_with_special_tokens(text).len() as u64
 }
 
-fn text_of(v: &Value, out: &mut String) {
+/// Collects the text of a prompt or content value into `out`, and counts the token ids
+/// it holds in `ids`: OpenAI's completions and embeddings take a prompt as token ids
+/// (`[1234, 5678]`, or a list of such lists), each one token.
+fn text_of(v: &Value, out: &mut String, ids: &mut u64) {
     match v {
         Value::String(s) => {
             out.push_str(s);
             out.push('\n');
         }
-        Value::Array(items) => items.iter().for_each(|i| text_of(i, out)),
+        Value::Number(_) => *ids += 1,
+        Value::Array(items) => items.iter().for_each(|i| text_of(i, out, ids)),
         Value::Object(o) => {
             // Content parts: {"type": "text", "text": "..."}; other parts (images,
             // audio) are not counted here: the upstream's usage settles them.
             if let Some(t) = o.get("text") {
-                text_of(t, out);
+                text_of(t, out, ids);
             }
         }
         _ => {}
@@ -194,6 +199,7 @@ fn text_of(v: &Value, out: &mut String) {
 /// costs its content, its role and ~4 tokens of framing; the reply is primed with 3).
 fn input_tokens(kind: Kind, model: &str, body: &Value) -> u64 {
     let mut text = String::new();
+    let mut ids = 0u64;
     match kind {
         Kind::Chat => {
             let mut framing = 3u64;
@@ -201,30 +207,30 @@ fn input_tokens(kind: Kind, model: &str, body: &Value) -> u64 {
                 for m in msgs {
                     framing += 4;
                     if let Some(role) = m.get("role") {
-                        text_of(role, &mut text);
+                        text_of(role, &mut text, &mut ids);
                     }
                     if let Some(c) = m.get("content") {
-                        text_of(c, &mut text);
+                        text_of(c, &mut text, &mut ids);
                     }
                     if let Some(n) = m.get("name") {
-                        text_of(n, &mut text);
+                        text_of(n, &mut text, &mut ids);
                     }
                 }
             }
-            return count_tokens(model, &text) + framing;
+            return count_tokens(model, &text) + ids + framing;
         }
         Kind::Completions => {
             if let Some(p) = body.get("prompt") {
-                text_of(p, &mut text);
+                text_of(p, &mut text, &mut ids);
             }
         }
         Kind::Embeddings => {
             if let Some(p) = body.get("input") {
-                text_of(p, &mut text);
+                text_of(p, &mut text, &mut ids);
             }
         }
     }
-    count_tokens(model, &text)
+    count_tokens(model, &text) + ids
 }
 
 fn usage_of(v: &Value) -> Option<Usage> {
@@ -246,47 +252,65 @@ fn usage_of(v: &Value) -> Option<Usage> {
     })
 }
 
+/// What a choice (or a stream chunk's choice) generated, as text to count when the
+/// upstream reports no usage: its content, and also what a model generates besides
+/// content (tool and function call names and arguments, a refusal, reasoning text),
+/// which are output tokens too.
 fn generated_text(v: &Value, out: &mut String) {
-    if let Some(choices) = v.get("choices").and_then(Value::as_array) {
-        for c in choices {
-            for path in [
-                &["delta", "content"][..],
-                &["message", "content"],
-                &["text"],
-            ] {
-                let mut at = c;
-                let mut ok = true;
-                for p in path {
-                    match at.get(p) {
-                        Some(x) => at = x,
-                        None => {
-                            ok = false;
-                            break;
-                        }
-                    }
-                }
-                if ok && let Some(s) = at.as_str() {
-                    out.push_str(s);
-                }
+    let Some(choices) = v.get("choices").and_then(Value::as_array) else {
+        return;
+    };
+    let mut push = |x: Option<&Value>| {
+        if let Some(s) = x.and_then(Value::as_str) {
+            out.push_str(s);
+        }
+    };
+    for c in choices {
+        push(c.get("text"));
+        for m in ["delta", "message"].iter().filter_map(|k| c.get(*k)) {
+            for field in ["content", "refusal", "reasoning_content", "reasoning"] {
+                push(m.get(field));
+            }
+            let calls = m.get("tool_calls").and_then(Value::as_array);
+            let functions = calls
+                .into_iter()
+                .flatten()
+                .filter_map(|t| t.get("function"))
+                .chain(m.get("function_call"));
+            for f in functions {
+                push(f.get("name"));
+                push(f.get("arguments"));
             }
         }
     }
 }
 
 /// Settles a lease exactly once: explicitly at the end of a response, or on drop (the
-/// client went away mid-stream) with what was generated so far.
+/// client went away mid-stream) with what was generated so far. Keeps the lease alive
+/// meanwhile ([`keeping_lease`]).
 struct Settle {
     agent: Arc<AgentState>,
     id: String,
     model: String,
     input: u64,
+    /// Output tokens reserved (the most any output rule took, else what the request
+    /// asked for): charged when what the upstream generated cannot be known.
+    reserved_output: u64,
     usage: Option<Usage>,
     text: String,
     done: bool,
+    /// How often the lease is extended while the upstream works (a third of the TTL).
+    keep_every: Duration,
+    /// Engine time of the last extension (or the admission).
+    kept_at_ns: u64,
 }
 
 /// Generated text kept for counting when the upstream reports no usage.
 const MAX_COUNTED_TEXT: usize = 8 << 20;
+
+/// Most choices (`n`) or candidates (`best_of`) a request may ask for (OpenAI's own
+/// bound on `n`).
+const MAX_CHOICES: u64 = 128;
 
 impl Settle {
     fn finish(&mut self, status: CompletionStatus) {
@@ -308,6 +332,43 @@ impl Settle {
     fn release(&mut self) {
         self.usage = Some(Usage::default());
         self.finish(CompletionStatus::UpstreamError);
+    }
+
+    /// The upstream answered 200 but the proxy could not read what it generated (a
+    /// body over the response bound, or one that broke off): the upstream did the work,
+    /// so the estimate of the prompt and the output reserved are charged.
+    fn charge_reserved(&mut self) {
+        self.usage = Some(Usage {
+            input_tokens: self.input,
+            cached_input_tokens: 0,
+            output_tokens: self.reserved_output,
+        });
+        self.finish(CompletionStatus::UpstreamError);
+    }
+
+    /// Extends the lease if a third of its TTL has passed since the last extension.
+    fn keep_lease(&mut self) {
+        let now = self.agent.clock.now_ns();
+        if now.saturating_sub(self.kept_at_ns) >= self.keep_every.as_nanos() as u64 {
+            self.kept_at_ns = now;
+            // Not live (expired or settled): nothing to keep.
+            let _ = self.agent.engine.extend(now, &self.id, None);
+        }
+    }
+}
+
+/// Awaits `f` while the upstream works on `settle`'s request, extending its lease every
+/// third of the TTL meanwhile: a generation longer than the TTL (a long stream, a slow
+/// reasoning model) would otherwise have its lease expire mid-flight and give back its
+/// concurrency slot while the upstream still works.
+async fn keeping_lease<F: std::future::Future>(settle: &mut Settle, f: F) -> F::Output {
+    let mut f = std::pin::pin!(f);
+    loop {
+        settle.keep_lease();
+        tokio::select! {
+            out = &mut f => return out,
+            _ = tokio::time::sleep(settle.keep_every) => {}
+        }
     }
 }
 
@@ -425,6 +486,7 @@ async fn handle(State(p): State<Arc<Proxy>>, req: Request, kind: Kind) -> Respon
         Kind::Embeddings => Some(0),
         _ => match body
             .get("max_completion_tokens")
+            .filter(|v| !v.is_null())
             .or_else(|| body.get("max_tokens"))
         {
             None | Some(Value::Null) => None,
@@ -440,6 +502,35 @@ async fn handle(State(p): State<Arc<Proxy>>, req: Request, kind: Kind) -> Respon
                 }
             },
         },
+    };
+    // `max_tokens` bounds each choice: `n` choices (or `best_of` candidates, generated
+    // and all paid for) reserve that many times it, still capped by each rule's
+    // `max_output_tokens_cap`; without `max_tokens`, several choices reserve the cap.
+    let mut choices = 1u64;
+    if kind != Kind::Embeddings {
+        for field in ["n", "best_of"] {
+            match body.get(field) {
+                None | Some(Value::Null) => {}
+                Some(v) => match v.as_u64().filter(|n| (1..=MAX_CHOICES).contains(n)) {
+                    Some(n) => choices = choices.max(n),
+                    None => {
+                        return openai_error(
+                            StatusCode::BAD_REQUEST,
+                            "invalid_request_error",
+                            "invalid_n",
+                            &format!(
+                                "{field} must be a whole number from 1 to {MAX_CHOICES}, got {v}"
+                            ),
+                        );
+                    }
+                },
+            }
+        }
+    }
+    let max_out = match (max_out, choices) {
+        (m, 1) => m,
+        (Some(m), c) => Some(m.saturating_mul(c).min(MAX_COST)),
+        (None, _) => Some(MAX_COST),
     };
     let stream = kind != Kind::Embeddings && body.get("stream") == Some(&Value::Bool(true));
     let input = input_tokens(kind, &model, &body);
@@ -506,6 +597,9 @@ async fn handle(State(p): State<Arc<Proxy>>, req: Request, kind: Kind) -> Respon
     if let Decision::Rejected(r) = &d {
         p.agent.counters.rejected.fetch_add(1, Ordering::Relaxed);
         let rule = p.agent.engine.rules().rules()[r.rule].name.clone();
+        // A key with no budget granted (allocator mode, rate 0) is the fleet's
+        // condition, not the tenant's: 503, as the HTTP API answers.
+        let no_budget = headers::tripped(&d).is_some_and(|l| matches!(l.rate(), Some((0, _))));
         let resp = match r.reason {
             RejectReason::NeverFits { cost, burst } => openai_error(
                 StatusCode::BAD_REQUEST,
@@ -516,15 +610,22 @@ async fn handle(State(p): State<Arc<Proxy>>, req: Request, kind: Kind) -> Respon
                 ),
             ),
             RejectReason::RetryLater { retry_after_ns } => {
-                let mut r = openai_error(
-                    StatusCode::TOO_MANY_REQUESTS,
-                    "requests",
-                    "rate_limit_exceeded",
-                    &format!(
-                        "rate limit {rule} reached; retry in {}",
-                        headers::go_duration(retry_after_ns.unwrap_or(1_000_000_000))
-                    ),
-                );
+                let retry = headers::go_duration(retry_after_ns.unwrap_or(1_000_000_000));
+                let mut r = if no_budget {
+                    openai_error(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "server_error",
+                        "no_budget",
+                        &format!("no budget granted for limit {rule} yet; retry in {retry}"),
+                    )
+                } else {
+                    openai_error(
+                        StatusCode::TOO_MANY_REQUESTS,
+                        "requests",
+                        "rate_limit_exceeded",
+                        &format!("rate limit {rule} reached; retry in {retry}"),
+                    )
+                };
                 r.headers_mut().insert(
                     "retry-after",
                     HeaderValue::from(headers::retry_after_secs(retry_after_ns)),
@@ -535,23 +636,39 @@ async fn handle(State(p): State<Arc<Proxy>>, req: Request, kind: Kind) -> Respon
         return with_headers(resp, &hs);
     }
     p.agent.counters.admitted.fetch_add(1, Ordering::Relaxed);
+    let reserved_output = d
+        .limits()
+        .iter()
+        .filter(|l| l.dimension == Dimension::OutputTokens)
+        .map(|l| l.cost)
+        .max()
+        .unwrap_or(max_out.unwrap_or(0));
+    let ttl_ms = p.agent.engine.config().lease_ttl_ms;
     let mut settle = Settle {
         agent: Arc::clone(&p.agent),
         id,
         model: model.clone(),
         input,
+        reserved_output,
         usage: None,
         text: String::new(),
         done: false,
+        keep_every: Duration::from_millis((ttl_ms / 3).max(1)),
+        kept_at_ns: now,
     };
 
     // Forward.
     if stream {
+        // Ask for the usage chunk; a `stream_options` that is null or not an object is
+        // replaced (an entry left at null asked for nothing).
         let opts = body
             .as_object_mut()
             .expect("checked above")
             .entry("stream_options")
             .or_insert_with(|| json!({}));
+        if !opts.is_object() {
+            *opts = json!({});
+        }
         if let Some(o) = opts.as_object_mut() {
             o.insert("include_usage".into(), Value::Bool(true));
         }
@@ -575,7 +692,8 @@ async fn handle(State(p): State<Arc<Proxy>>, req: Request, kind: Kind) -> Respon
     if let Some(a) = auth {
         up = up.header("authorization", a);
     }
-    let upstream = match tokio::time::timeout(p.cfg.upstream_timeout, up.send()).await {
+    let sent = tokio::time::timeout(p.cfg.upstream_timeout, up.send());
+    let upstream = match keeping_lease(&mut settle, sent).await {
         Ok(Ok(r)) => r,
         Ok(Err(e)) => {
             settle.release();
@@ -619,14 +737,15 @@ async fn handle(State(p): State<Arc<Proxy>>, req: Request, kind: Kind) -> Respon
     if !stream {
         let mut buf = Vec::new();
         let mut s = upstream.bytes_stream();
-        while let Some(chunk) = s.next().await {
+        while let Some(chunk) = keeping_lease(&mut settle, s.next()).await {
             match chunk {
                 Ok(c) if buf.len() + c.len() <= p.cfg.max_response_bytes => {
                     buf.extend_from_slice(&c)
                 }
                 Ok(_) | Err(_) => {
-                    // Too large or broken mid-body: what was generated is unknown.
-                    settle.release();
+                    // Too large or broken mid-body: the upstream did the work, but what
+                    // it generated is unknown.
+                    settle.charge_reserved();
                     return with_headers(
                         openai_error(
                             StatusCode::BAD_GATEWAY,
@@ -657,7 +776,7 @@ async fn handle(State(p): State<Arc<Proxy>>, req: Request, kind: Kind) -> Respon
             if ended {
                 return None;
             }
-            match s.next().await {
+            match keeping_lease(&mut settle, s.next()).await {
                 Some(Ok(chunk)) => {
                     tap.feed(&chunk, &mut settle);
                     Some((Ok::<Bytes, std::io::Error>(chunk), (s, settle, tap, false)))
@@ -710,4 +829,44 @@ fn with_headers(mut r: Response, hs: &[(&'static str, String)]) -> Response {
         }
     }
     r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompts_of_token_ids_count_one_token_an_id() {
+        let m = "some-unknown-model";
+        let b = json!({"prompt": [1234, 5678, 9]});
+        assert_eq!(input_tokens(Kind::Completions, m, &b), 3);
+        let b = json!({"input": [[1, 2, 3], [4]]});
+        assert_eq!(input_tokens(Kind::Embeddings, m, &b), 4);
+        // Text and ids together: "abcd\n" is 5 bytes, 3 tokens at 2 bytes a token.
+        let b = json!({"input": ["abcd", [7, 8]]});
+        assert_eq!(input_tokens(Kind::Embeddings, m, &b), 3 + 2);
+    }
+
+    #[test]
+    fn generated_text_counts_tool_calls_refusals_and_reasoning() {
+        let mut out = String::new();
+        generated_text(
+            &json!({"choices": [{"delta": {"tool_calls": [
+                {"index": 0, "function": {"name": "get_weather", "arguments": "{\"city\":"}},
+                {"index": 0, "function": {"arguments": "\"Paris\"}"}}
+            ]}}]}),
+            &mut out,
+        );
+        assert_eq!(out, "get_weather{\"city\":\"Paris\"}");
+        let mut out = String::new();
+        generated_text(
+            &json!({"choices": [
+                {"message": {"content": null, "refusal": "no", "reasoning_content": "think"}},
+                {"message": {"function_call": {"name": "f", "arguments": "{}"}}},
+                {"text": "plain"}
+            ]}),
+            &mut out,
+        );
+        assert_eq!(out, "nothinkf{}plain");
+    }
 }
