@@ -381,13 +381,15 @@ impl Client {
                 _ => (&self.status.reports_sent, 1),
             };
             match tx.try_send(m) {
-                Ok(()) => {}
+                // Counted as sent only when queued: a dropped one is counted as dropped.
+                Ok(()) => {
+                    counter.0.fetch_add(counter.1, Ordering::Relaxed);
+                }
                 Err(mpsc::error::TrySendError::Full(_)) => {
                     self.status.dropped.fetch_add(1, Ordering::Relaxed);
                 }
                 Err(mpsc::error::TrySendError::Closed(_)) => return false,
             }
-            counter.0.fetch_add(counter.1, Ordering::Relaxed);
         }
         true
     }
