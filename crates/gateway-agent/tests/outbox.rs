@@ -904,3 +904,96 @@ fn with_three_ledgers_an_event_is_trimmed_once_two_hold_it() {
         100
     );
 }
+
+/// A stand-in for a load balancer in front of ledger `a` whose `/healthz` was answered
+/// by another node (`b`): it says `b` at `/healthz` and sends every POST to `a`.
+fn misrouting_balancer(a_url: String) -> String {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async move {
+            let client = reqwest::Client::new();
+            let app = axum::Router::new()
+                .route(
+                    "/healthz",
+                    axum::routing::get(|| async {
+                        (
+                            [("content-type", "application/json")],
+                            json!({"status": "ok", "node_id": "ledger-b"}).to_string(),
+                        )
+                    }),
+                )
+                .route(
+                    "/v1/events",
+                    axum::routing::post(move |body: axum::body::Bytes| {
+                        let (client, a_url) = (client.clone(), a_url.clone());
+                        async move {
+                            let r = client
+                                .post(format!("{a_url}/v1/events"))
+                                .header("content-type", "application/json")
+                                .body(body)
+                                .send()
+                                .await
+                                .expect("ledger a");
+                            let status = r.status().as_u16();
+                            let text = r.text().await.expect("answer");
+                            (
+                                axum::http::StatusCode::from_u16(status).unwrap(),
+                                [("content-type", "application/json")],
+                                text,
+                            )
+                        }
+                    }),
+                );
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            tx.send(l.local_addr().unwrap()).unwrap();
+            axum::serve(l, app).await.unwrap();
+        });
+    });
+    format!("http://{}", rx.recv().expect("balancer address"))
+}
+
+/// Regression (review, twenty-fifth session): the forwarder credited every answer to
+/// the node id it learned at `/healthz`. Behind a balancer that sent the POSTs
+/// elsewhere, one node held the events while two ids were credited, and the outbox
+/// deleted them. It now credits the node that answered (the answer's `node_id`).
+#[test]
+fn events_are_credited_to_the_node_that_answered_not_the_one_learned() {
+    let a = Ledger::start("ledger-a");
+    let balancer = misrouting_balancer(a.url());
+    let outbox = tempdir("agent-balanced");
+    let agent = AgentProc::start(&outbox, &[balancer.clone(), a.url()], &[]);
+    for i in 0..50u64 {
+        let r = agent
+            .admit_complete(&format!("lb-{i}"), "acme", 10, 1)
+            .expect("complete");
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    wait_until(
+        "ledger a to hold every event",
+        Duration::from_secs(30),
+        || a.events() == 50,
+    );
+    // Both forwarders at the end of the outbox: each has been answered for it (both by
+    // ledger a, as it happens).
+    wait_until(
+        "both forwarders to be answered",
+        Duration::from_secs(30),
+        || {
+            let cursor =
+                |url: &str| agent.metric(&format!("bursar_ledger_cursor{{ledger=\"{url}\"}} "));
+            cursor(&balancer) == 50 && cursor(&a.url()) == 50
+        },
+    );
+    // One node holds them, whatever two URLs say: the outbox keeps every event until
+    // a second node does.
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(
+        agent.pending(),
+        50,
+        "events were credited to a node that lacks them"
+    );
+}

@@ -91,7 +91,8 @@ pub struct Answer {
     /// either side): the responder's [`SUB_BUCKETS`] sub-digests of each, so the
     /// initiator can find the sub-buckets that differ ([`split_request`]).
     pub split: Vec<(Bucket, Vec<Digest>)>,
-    /// True when `events` stopped at `events_max`.
+    /// True when `events` stopped at `events_max`, or the lists of buckets at
+    /// [`ANSWER_LISTS_BYTES_MAX`]: another round continues.
     pub truncated: bool,
 }
 
@@ -288,15 +289,26 @@ pub fn answer(
     };
     let mut want = Vec::new();
     let mut split = Vec::new();
+    // What the lists of buckets may take in the answer's frame, beside its events.
+    let mut room = ANSWER_LISTS_BYTES_MAX;
+    let mut cut = false;
     for b in differing_buckets(&local, &offer.buckets) {
         let (mine, theirs) = (count(&local, &b), count(&offer.buckets, &b));
         // Split when the bucket cannot travel whole, or when both sides hold enough of
         // it that resending what they share would cost more than the sub-digests (and
         // the hashing of both sides' events they take). A side that holds little of
         // the bucket gets it whole: no shared events to spare.
-        if mine.max(theirs) > limits.events_max as u64
-            || mine.min(theirs) > limits.split_above as u64
-        {
+        let splits = mine.max(theirs) > limits.events_max as u64
+            || mine.min(theirs) > limits.split_above as u64;
+        let cost = wire_bytes(&b) + if splits { SPLIT_BYTES } else { 0 };
+        if cost > room {
+            // The rest waits for the next round (the range does not move on while
+            // buckets differ): an answer over the frame bound would fail every round.
+            cut = true;
+            break;
+        }
+        room -= cost;
+        if splits {
             split.push((b.clone(), sub_digests(store, &b)?));
         } else {
             want.push(b);
@@ -307,9 +319,23 @@ pub fn answer(
         events,
         want,
         split,
-        truncated,
+        truncated: truncated || cut,
     })
 }
+
+/// Most bytes an answer's lists of wanted and split buckets take (their sub-digests
+/// included), so that with `events_max` events the answer stays inside a cluster
+/// frame: 1,500 split buckets (after a partition through a busy hour) were 34 MB of
+/// sub-digests, over the 32 MiB frame, and the round failed the same way every time.
+pub const ANSWER_LISTS_BYTES_MAX: usize = 8 << 20;
+
+/// A bucket on the wire, generously: its hour, its tenant and framing.
+fn wire_bytes(b: &Bucket) -> usize {
+    32 + b.tenant.len()
+}
+
+/// A split bucket's sub-digests on the wire, generously.
+const SPLIT_BYTES: usize = SUB_BUCKETS * 96;
 
 /// Step 3: the initiator's events in the buckets the responder wants; true if
 /// truncated at `events_max`.
@@ -397,6 +423,59 @@ mod tests {
     use crate::testing::usage_stream;
 
     const NOW: u64 = 490_000 * HOUR_MS;
+
+    /// Regression (review, twenty-fifth session): after a partition through a busy hour,
+    /// every tenant's bucket differed and was split; 1,500 of them were 34 MB of
+    /// sub-digests, over the cluster's 32 MiB frame, so the answer was refused in every
+    /// round and those buckets never converged. The answer now stops its lists at a
+    /// byte budget and the rest follows in the next rounds.
+    #[test]
+    fn an_answer_with_many_split_buckets_fits_one_frame_and_the_rest_follows() {
+        use crate::cluster::exchange::answer_msg;
+        use crate::cluster::frame::{self, FRAME_MAX_DEFAULT};
+        let a = MemStore::new();
+        let b = MemStore::new();
+        for t in 0..1_500u64 {
+            let tenant = format!("tenant-{t}");
+            let mk = |seed: u64, prefix: String, origin: &str, n: u64| {
+                let mut v = usage_stream(seed, &prefix, origin, n, NOW);
+                v.iter_mut().for_each(|e| {
+                    e.time_ms = NOW;
+                    e.tenant = tenant.clone();
+                });
+                v
+            };
+            let shared = mk(3 * t, format!("s{t}"), "agent-a", 2);
+            a.apply(&shared).unwrap();
+            b.apply(&shared).unwrap();
+            a.apply(&mk(3 * t + 1, format!("a{t}"), "agent-a", 1))
+                .unwrap();
+            b.apply(&mk(3 * t + 2, format!("b{t}"), "agent-b", 1))
+                .unwrap();
+        }
+        let limits = ReconcileLimits {
+            split_above: 1,
+            ..ReconcileLimits::default()
+        };
+        let o = offer(&a, u64::MAX, &limits).unwrap();
+        let ans = answer(&b, &o, &limits).unwrap();
+        assert!(ans.truncated, "the lists were cut");
+        assert!(
+            !ans.split.is_empty() && ans.split.len() < 1_500,
+            "{} split",
+            ans.split.len()
+        );
+        let bytes = frame::encode(&answer_msg(&ans));
+        assert!(bytes.len() < FRAME_MAX_DEFAULT, "{} bytes", bytes.len());
+        frame::decode(&bytes, FRAME_MAX_DEFAULT).expect("the answer decodes");
+        let (rounds, _) = reconcile_in_memory(&a, &b, &limits, 20).unwrap();
+        assert_eq!(
+            a.root().unwrap(),
+            b.root().unwrap(),
+            "after {rounds} rounds"
+        );
+        assert_eq!(a.root().unwrap().events, 1_500 * 4);
+    }
 
     /// Regression: a bucket far above `events_max`, held by one side only, used to
     /// livelock (every round sent the same arrival-order prefix, cutting through every

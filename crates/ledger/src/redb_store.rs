@@ -47,7 +47,7 @@ use crate::digest::{Bucket, Digest, DigestSet};
 use crate::event::{Event, EventKey};
 use crate::id_runs::{self, BLOCKS, LEVEL_FROZEN, MERGE, RUNS, Runs, Tables};
 use crate::merge::{ApplyReport, Conflict};
-use crate::store::{Cursor, Store, StoreError, TxnOps, apply_batch};
+use crate::store::{Cursor, ReadView, Store, StoreError, TxnOps, apply_batch};
 
 // Byte-string keys, not &str: redb would re-validate UTF-8 on every comparison.
 const CHUNKS: TableDefinition<(u64, &[u8], u64), &[u8]> = TableDefinition::new("event_chunks");
@@ -685,6 +685,58 @@ impl TxnOps for Txn<'_, '_> {
     }
 }
 
+/// A read transaction is a view of one commit.
+impl ReadView for redb::ReadTransaction {
+    fn visit_bucket(&self, bucket: &Bucket, f: &mut dyn FnMut(&Event)) -> Result<(), StoreError> {
+        let chunks = self.open_table(CHUNKS).map_err(backend)?;
+        let t = bucket.tenant.as_bytes();
+        for row in chunks
+            .range((bucket.hour, t, 0u64)..=(bucket.hour, t, u64::MAX))
+            .map_err(backend)?
+        {
+            let (_, v) = row.map_err(backend)?;
+            let chunk = v.value();
+            for e in entries(chunk) {
+                let (seq, _, body) = e?;
+                f(&decode(seq, &chunk[body])?);
+            }
+        }
+        Ok(())
+    }
+
+    fn digests(
+        &self,
+        from_hour: u64,
+        to_hour: u64,
+        tenant: Option<&str>,
+    ) -> Result<Vec<(Bucket, Digest)>, StoreError> {
+        let mut out = Vec::new();
+        if from_hour >= to_hour {
+            return Ok(out);
+        }
+        let t = self.open_table(DIGESTS).map_err(backend)?;
+        for row in t.range((from_hour, "")..).map_err(backend)? {
+            let (k, v) = row.map_err(backend)?;
+            let (hour, ten) = k.value();
+            if hour >= to_hour {
+                break;
+            }
+            if tenant.is_some_and(|want| want != ten) {
+                continue;
+            }
+            let d = digest_of(&format!("({hour}, {ten:?})"), v.value())?;
+            out.push((
+                Bucket {
+                    hour,
+                    tenant: ten.to_string(),
+                },
+                d,
+            ));
+        }
+        Ok(out)
+    }
+}
+
 impl Store for RedbStore {
     fn apply(&self, events: &[Event]) -> Result<ApplyReport, StoreError> {
         // Held until the commit is done: the index's filters must match the file.
@@ -802,19 +854,13 @@ impl Store for RedbStore {
 
     fn visit_bucket(&self, bucket: &Bucket, f: &mut dyn FnMut(&Event)) -> Result<(), StoreError> {
         let r = self.db.begin_read().map_err(backend)?;
-        let chunks = r.open_table(CHUNKS).map_err(backend)?;
-        let t = bucket.tenant.as_bytes();
-        for row in chunks
-            .range((bucket.hour, t, 0u64)..=(bucket.hour, t, u64::MAX))
-            .map_err(backend)?
-        {
-            let (_, v) = row.map_err(backend)?;
-            let chunk = v.value();
-            for e in entries(chunk) {
-                let (seq, _, body) = e?;
-                f(&decode(seq, &chunk[body])?);
-            }
-        }
+        ReadView::visit_bucket(&r, bucket, f)
+    }
+
+    fn read_view(&self, f: &mut dyn FnMut(&dyn ReadView)) -> Result<(), StoreError> {
+        // One read transaction: redb's snapshot of the last commit.
+        let r = self.db.begin_read().map_err(backend)?;
+        f(&r);
         Ok(())
     }
 
@@ -880,31 +926,8 @@ impl Store for RedbStore {
         to_hour: u64,
         tenant: Option<&str>,
     ) -> Result<Vec<(Bucket, Digest)>, StoreError> {
-        let mut out = Vec::new();
-        if from_hour >= to_hour {
-            return Ok(out);
-        }
         let r = self.db.begin_read().map_err(backend)?;
-        let t = r.open_table(DIGESTS).map_err(backend)?;
-        for row in t.range((from_hour, "")..).map_err(backend)? {
-            let (k, v) = row.map_err(backend)?;
-            let (hour, ten) = k.value();
-            if hour >= to_hour {
-                break;
-            }
-            if tenant.is_some_and(|want| want != ten) {
-                continue;
-            }
-            let d = digest_of(&format!("({hour}, {ten:?})"), v.value())?;
-            out.push((
-                Bucket {
-                    hour,
-                    tenant: ten.to_string(),
-                },
-                d,
-            ));
-        }
-        Ok(out)
+        ReadView::digests(&r, from_hour, to_hour, tenant)
     }
 
     fn root(&self) -> Result<Digest, StoreError> {
@@ -956,6 +979,69 @@ mod tests {
                 configure(RedbStore::open(&path).expect("reopen"))
             },
         );
+    }
+
+    /// Regression (review, twenty-fifth session): `usage_totals` read the digests,
+    /// the corrections and the usage in three read transactions, so a commit landing
+    /// between them (an event and its void) gave totals of neither state. A view reads
+    /// one commit, whatever lands meanwhile; `usage_totals` reads through one.
+    #[test]
+    fn a_read_view_sees_one_commit_while_another_lands() {
+        use crate::event::HOUR_MS;
+        use crate::store::usage_totals;
+        use crate::totals::TotalsLimits;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = RedbStore::open(&dir.path().join("v.redb")).expect("open");
+        let hour = 490_000;
+        let now = hour * HOUR_MS;
+        let at = |mut v: Vec<Event>| {
+            v.iter_mut().for_each(|e| {
+                e.time_ms = now;
+                e.tenant = "acme".into();
+            });
+            v
+        };
+        store
+            .apply(&at(crate::testing::usage_stream(1, "old", "a", 20, now)))
+            .expect("apply");
+        let before = usage_totals(
+            &store,
+            "acme",
+            hour,
+            hour + 1,
+            false,
+            TotalsLimits::default(),
+        )
+        .expect("totals");
+        let landing = at(crate::testing::usage_stream(2, "new", "a", 5, now));
+        let mut seen = None;
+        store
+            .read_view(&mut |v| {
+                let digests = v.digests(hour, hour + 1, Some("acme")).expect("digests");
+                store.apply(&landing).expect("a commit lands meanwhile");
+                let mut n = 0u64;
+                for (b, _) in &digests {
+                    v.visit_bucket(b, &mut |_| n += 1).expect("visit");
+                }
+                let again = v.digests(hour, hour + 1, Some("acme")).expect("digests");
+                seen = Some((digests, again, n));
+            })
+            .expect("view");
+        let (first, again, n) = seen.expect("the view ran");
+        assert_eq!(first, again, "the view's digests moved");
+        assert_eq!(n, 20, "the view saw events of a later commit");
+        let after = usage_totals(
+            &store,
+            "acme",
+            hour,
+            hour + 1,
+            false,
+            TotalsLimits::default(),
+        )
+        .expect("totals");
+        assert_eq!(before.total.requests, 20);
+        assert_eq!(after.total.requests, 25);
+        assert_eq!(after.digest.events, 25);
     }
 
     #[test]

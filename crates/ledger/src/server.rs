@@ -503,6 +503,9 @@ async fn post_events(State(s): State<AppState>, body: Bytes) -> Response {
                 "new": r.new,
                 "duplicate": r.duplicate,
                 "conflict": r.conflict,
+                // Which node holds them now: a forwarder behind a load balancer credits
+                // the node that answered, not the one it learned at /healthz.
+                "node_id": s.cfg.node_id,
             }))
             .into_response()
         }

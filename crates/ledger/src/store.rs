@@ -89,6 +89,26 @@ pub trait Store: Send + Sync {
 
     /// Up to `limit` recorded conflicts, in key order.
     fn conflicts(&self, limit: usize) -> Result<Vec<Conflict>, StoreError>;
+
+    /// Calls `f` with a read-only view of one committed state: every read through it
+    /// sees the same commits, whatever lands meanwhile (exact totals are computed from
+    /// several reads, and must match the digest they report).
+    fn read_view(&self, f: &mut dyn FnMut(&dyn ReadView)) -> Result<(), StoreError>;
+}
+
+/// Reads from one committed state of a store ([`Store::read_view`]); the same
+/// contracts as the [`Store`] methods of the same names.
+pub trait ReadView {
+    /// As [`Store::visit_bucket`].
+    fn visit_bucket(&self, bucket: &Bucket, f: &mut dyn FnMut(&Event)) -> Result<(), StoreError>;
+
+    /// As [`Store::digests`].
+    fn digests(
+        &self,
+        from_hour: u64,
+        to_hour: u64,
+        tenant: Option<&str>,
+    ) -> Result<Vec<(Bucket, Digest)>, StoreError>;
 }
 
 /// The primitive operations a backend offers inside one write transaction. Events are
@@ -197,11 +217,29 @@ pub fn usage_totals(
     group_by_model: bool,
     limits: TotalsLimits,
 ) -> Result<UsageTotals, QueryError> {
+    let mut result = Ok(UsageTotals::default());
+    // One committed state for every read: a commit landing between the digests, the
+    // corrections pass and the usage pass (say an event and its void) would otherwise
+    // give totals that match neither state, nor the digest they report.
+    store.read_view(&mut |view| {
+        result = totals_in(view, tenant, from_hour, to_hour, group_by_model, limits);
+    })?;
+    result
+}
+
+fn totals_in(
+    view: &dyn ReadView,
+    tenant: &str,
+    from_hour: u64,
+    to_hour: u64,
+    group_by_model: bool,
+    limits: TotalsLimits,
+) -> Result<UsageTotals, QueryError> {
     let mut out = UsageTotals::default();
-    for (bucket, digest) in store.digests(from_hour, to_hour, Some(tenant))? {
+    for (bucket, digest) in view.digests(from_hour, to_hour, Some(tenant))? {
         let mut pass = BucketPass::new(&mut out, &digest, group_by_model, limits);
-        store.visit_bucket(&bucket, &mut |e| pass.correction(e))?;
-        store.visit_bucket(&bucket, &mut |e| pass.usage(e))?;
+        view.visit_bucket(&bucket, &mut |e| pass.correction(e))?;
+        view.visit_bucket(&bucket, &mut |e| pass.usage(e))?;
         pass.finish()?;
     }
     Ok(out)
@@ -300,6 +338,34 @@ impl MemStore {
     }
 }
 
+impl ReadView for MemInner {
+    fn visit_bucket(&self, bucket: &Bucket, f: &mut dyn FnMut(&Event)) -> Result<(), StoreError> {
+        for (b, seq) in self.index.range((bucket.clone(), 0)..) {
+            if b != bucket {
+                break;
+            }
+            f(&decode(*seq, &self.log[seq])?);
+        }
+        Ok(())
+    }
+
+    fn digests(
+        &self,
+        from_hour: u64,
+        to_hour: u64,
+        tenant: Option<&str>,
+    ) -> Result<Vec<(Bucket, Digest)>, StoreError> {
+        Ok(self
+            .digests
+            .buckets()
+            .iter()
+            .filter(|(b, _)| b.hour >= from_hour && b.hour < to_hour)
+            .filter(|(b, _)| tenant.is_none_or(|t| b.tenant == t))
+            .map(|(b, d)| (b.clone(), *d))
+            .collect())
+    }
+}
+
 fn decode(seq: u64, bytes: &[u8]) -> Result<Event, StoreError> {
     Event::decode(bytes).map_err(|source| StoreError::Corrupt {
         what: format!("event at log position {seq}"),
@@ -327,14 +393,7 @@ impl Store for MemStore {
     }
 
     fn visit_bucket(&self, bucket: &Bucket, f: &mut dyn FnMut(&Event)) -> Result<(), StoreError> {
-        let g = self.lock();
-        for (b, seq) in g.index.range((bucket.clone(), 0)..) {
-            if b != bucket {
-                break;
-            }
-            f(&decode(*seq, &g.log[seq])?);
-        }
-        Ok(())
+        self.lock().visit_bucket(bucket, f)
     }
 
     fn scan(
@@ -372,18 +431,18 @@ impl Store for MemStore {
         to_hour: u64,
         tenant: Option<&str>,
     ) -> Result<Vec<(Bucket, Digest)>, StoreError> {
-        let g = self.lock();
-        Ok(g.digests
-            .buckets()
-            .iter()
-            .filter(|(b, _)| b.hour >= from_hour && b.hour < to_hour)
-            .filter(|(b, _)| tenant.is_none_or(|t| b.tenant == t))
-            .map(|(b, d)| (b.clone(), *d))
-            .collect())
+        ReadView::digests(&*self.lock(), from_hour, to_hour, tenant)
     }
 
     fn root(&self) -> Result<Digest, StoreError> {
         Ok(self.lock().digests.root())
+    }
+
+    fn read_view(&self, f: &mut dyn FnMut(&dyn ReadView)) -> Result<(), StoreError> {
+        // The lock held for the whole view: writers wait (this is the reference model,
+        // not a server's store).
+        f(&*self.lock());
+        Ok(())
     }
 
     fn conflicts(&self, limit: usize) -> Result<Vec<Conflict>, StoreError> {

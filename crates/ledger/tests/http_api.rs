@@ -22,13 +22,13 @@ fn posting_events_answers_new_and_duplicate_counts() {
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(
         r.json(),
-        json!({"events": 3, "new": 3, "duplicate": 0, "conflict": 0})
+        json!({"events": 3, "new": 3, "duplicate": 0, "conflict": 0, "node_id": "test-node"})
     );
     let d = usage_json("r4", "acme", "claude", t, 1, 1);
     let r = node.post_json("/v1/events", &json!([a, d, c, d]));
     assert_eq!(
         r.json(),
-        json!({"events": 4, "new": 1, "duplicate": 3, "conflict": 0})
+        json!({"events": 4, "new": 1, "duplicate": 3, "conflict": 0, "node_id": "test-node"})
     );
     let mut a2 = a.clone();
     a2["output_tokens"] = json!(11);

@@ -232,6 +232,19 @@ async fn step(
             "POST /v1/events: sent {n} events, the answer counts {counted:?}: {text}"
         ));
     }
+    if let Some(other) = v.get("node_id").and_then(Value::as_str)
+        && other != id
+        && !other.is_empty()
+    {
+        // Another node answered at this URL (a load balancer, a replaced node): it
+        // holds this batch, but not necessarily what the learned node's cursor covers,
+        // so nothing is credited; the next step sends from the answering node's own
+        // cursor (what it already holds is counted once there).
+        *st.node_id.lock().unwrap_or_else(|e| e.into_inner()) = Some(other.to_string());
+        *node = Some(other.to_string());
+        st.cursor.store(outbox.cursor(other), Ordering::Relaxed);
+        return Ok(Step::Sent);
+    }
     outbox.ack(&id, last);
     st.cursor.store(last, Ordering::Relaxed);
     st.delivered.fetch_add(n, Ordering::Relaxed);

@@ -93,7 +93,7 @@ impl Channel<'_> {
         frame::decode_events(
             b,
             &self.inner.cfg.limits,
-            self.inner.cfg.reconcile.events_max.max(PUSH_EVENTS_MAX) * 2,
+            message_events_max(&self.inner.cfg.reconcile),
         )
         .inspect_err(|_| {
             self.inner
@@ -120,8 +120,42 @@ async fn read_exact(r: &mut quinn::RecvStream, buf: &mut [u8]) -> Result<(), Exc
     })
 }
 
+/// An answer as the responder sends it.
+pub(crate) fn answer_msg(ans: &reconcile::Answer) -> Msg {
+    Msg::Answer {
+        events: frame::encode_events(&ans.events),
+        want: ans.want.iter().map(WireBucket::from).collect(),
+        split: ans
+            .split
+            .iter()
+            .map(|(b, subs)| {
+                (
+                    WireBucket::from(b),
+                    subs.iter().map(|d| d.to_bytes().to_vec()).collect(),
+                )
+            })
+            .collect(),
+        truncated: ans.truncated,
+    }
+}
+
 /// Most events in one push batch.
 pub const PUSH_EVENTS_MAX: usize = 50_000;
+
+/// Most events one message may carry: what a receiver accepts, and what every sender
+/// keeps to (a message over it is refused whole, and the same round would be refused
+/// again each time).
+pub fn message_events_max(limits: &reconcile::ReconcileLimits) -> usize {
+    limits.events_max.max(PUSH_EVENTS_MAX) * 2
+}
+
+/// Cuts `events` to `max`. Only returned conflict winners are ever cut: their buckets
+/// still differ, so the next round sends them again.
+fn cut_to(events: &mut Vec<Event>, max: usize) -> bool {
+    let cut = events.len() > max;
+    events.truncate(max);
+    cut
+}
 
 async fn apply(inner: &Inner, events: Vec<Event>) -> Result<ApplyReport, ExchangeError> {
     if events.is_empty() {
@@ -216,24 +250,11 @@ async fn respond(inner: &Arc<Inner>, ch: &mut Channel<'_>) -> Result<(), Exchang
             };
             let limits = inner.cfg.reconcile;
             let ans = blocking(inner, move |s| reconcile::answer(s, &offer, &limits)).await?;
-            let mut split = Vec::with_capacity(ans.split.len());
-            for (b, subs) in &ans.split {
-                split.push((
-                    WireBucket::from(b),
-                    subs.iter().map(|d| d.to_bytes().to_vec()).collect(),
-                ));
-            }
             inner
                 .stats
                 .sync_events_sent
                 .fetch_add(ans.events.len() as u64, Ordering::Relaxed);
-            ch.send(&Msg::Answer {
-                events: frame::encode_events(&ans.events),
-                want: ans.want.iter().map(WireBucket::from).collect(),
-                split,
-                truncated: ans.truncated,
-            })
-            .await?;
+            ch.send(&answer_msg(&ans)).await?;
             let Msg::Serve { events, sub_wants } = ch.recv().await? else {
                 return Err(ExchangeError::Protocol("expected serve".into()));
             };
@@ -253,6 +274,7 @@ async fn respond(inner: &Arc<Inner>, ch: &mut Channel<'_>) -> Result<(), Exchang
             let report = apply(inner, events.clone()).await?;
             let won = blocking(inner, move |s| reconcile::winners(s, &events, &report)).await?;
             back.extend(won);
+            cut_to(&mut back, message_events_max(&limits));
             inner
                 .stats
                 .sync_events_sent
@@ -393,7 +415,13 @@ pub(crate) async fn sync_with(
     let nothing_differs = want.is_empty() && split_in.is_empty();
     let (mut mine, serve_cut, sub_wants) = blocking(inner, move |s| {
         let (mut events, cut) = reconcile::serve(s, &want, &limits)?;
-        let (sub_wants, sub_events) = reconcile::split_request(s, &split_in, &limits)?;
+        // The sub-buckets' events share the serve's `events_max`, so that with the
+        // winners below the message stays within `message_events_max`.
+        let room = reconcile::ReconcileLimits {
+            events_max: limits.events_max.saturating_sub(events.len()),
+            ..limits
+        };
+        let (sub_wants, sub_events) = reconcile::split_request(s, &split_in, &room)?;
         events.extend(sub_events);
         Ok((events, cut, sub_wants))
     })
@@ -402,6 +430,7 @@ pub(crate) async fn sync_with(
     let report = apply(inner, theirs.clone()).await?;
     let won = blocking(inner, move |s| reconcile::winners(s, &theirs, &report)).await?;
     mine.extend(won);
+    let winners_cut = cut_to(&mut mine, message_events_max(&limits));
     let sent_first = mine.len() as u64;
     ch.send(&Msg::Serve {
         events: frame::encode_events(&mine),
@@ -417,7 +446,8 @@ pub(crate) async fn sync_with(
     let back = ch.events(&back)?;
     let received_back = back.len() as u64;
     let report = apply(inner, back.clone()).await?;
-    let last = blocking(inner, move |s| reconcile::winners(s, &back, &report)).await?;
+    let mut last = blocking(inner, move |s| reconcile::winners(s, &back, &report)).await?;
+    let last_cut = cut_to(&mut last, message_events_max(&limits));
     let sent_last = last.len() as u64;
     ch.send(&Msg::Last(frame::encode_events(&last))).await?;
     match ch.recv().await? {
@@ -438,7 +468,12 @@ pub(crate) async fn sync_with(
         busy: false,
         sent: sent_first + sent_last,
         received: received_first + received_back,
-        more: truncated || serve_cut || nothing_differs || !mine.is_empty(),
+        more: truncated
+            || serve_cut
+            || winners_cut
+            || last_cut
+            || nothing_differs
+            || !mine.is_empty(),
     };
     inner
         .stats
@@ -467,30 +502,40 @@ pub(crate) async fn push_loop(inner: Arc<Inner>, mut rx: mpsc::Receiver<Vec<Even
             inner.stats.push_failed.fetch_add(1, Ordering::Relaxed);
             continue;
         }
-        let batch = Arc::new(frame::encode_events(&events));
-        let n = events.len() as u64;
-        let peers = inner.pick_peers(inner.cfg.push_fanout);
-        let mut tasks = Vec::with_capacity(peers.len());
-        for p in peers {
-            let inner = inner.clone();
-            let batch = batch.clone();
-            tasks.push(tokio::spawn(async move {
-                let t = inner.cfg.exchange_timeout;
-                let r = tokio::time::timeout(t, push_to(&inner, p, &batch)).await;
-                match r {
-                    Ok(Ok(_)) => {
-                        inner.stats.push_ok.fetch_add(1, Ordering::Relaxed);
-                        inner.stats.push_events.fetch_add(n, Ordering::Relaxed);
-                    }
-                    _ => {
-                        inner.stats.push_failed.fetch_add(1, Ordering::Relaxed);
-                    }
+        // One group commit may hold more than a push's bound: push it in parts (a
+        // batch over the receiver's bound is refused whole).
+        for part in events.chunks(PUSH_EVENTS_MAX) {
+            push_part(&inner, part).await;
+        }
+    }
+}
+
+/// Pushes one batch of at most [`PUSH_EVENTS_MAX`] events to `push_fanout` random
+/// live peers.
+async fn push_part(inner: &Arc<Inner>, events: &[Event]) {
+    let batch = Arc::new(frame::encode_events(events));
+    let n = events.len() as u64;
+    let peers = inner.pick_peers(inner.cfg.push_fanout);
+    let mut tasks = Vec::with_capacity(peers.len());
+    for p in peers {
+        let inner = inner.clone();
+        let batch = batch.clone();
+        tasks.push(tokio::spawn(async move {
+            let t = inner.cfg.exchange_timeout;
+            let r = tokio::time::timeout(t, push_to(&inner, p, &batch)).await;
+            match r {
+                Ok(Ok(_)) => {
+                    inner.stats.push_ok.fetch_add(1, Ordering::Relaxed);
+                    inner.stats.push_events.fetch_add(n, Ordering::Relaxed);
                 }
-            }));
-        }
-        for t in tasks {
-            let _ = t.await;
-        }
+                _ => {
+                    inner.stats.push_failed.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        let _ = t.await;
     }
 }
 
