@@ -135,6 +135,18 @@ impl RedbStore {
                 ),
             });
         }
+        if !marker.exists() && std::fs::metadata(&path).is_ok_and(|m| m.len() == 0) {
+            // An empty data file and no marker: a first start killed before it wrote
+            // the file's header, and before the marker (written before anything is
+            // served), so nothing was ever acknowledged from it. Start it afresh
+            // rather than refuse forever.
+            std::fs::remove_file(&path).map_err(|e| StoreError::Open {
+                path: path.display().to_string(),
+                reason: format!(
+                    "cannot remove the empty data file of an unfinished first start: {e}"
+                ),
+            })?;
+        }
         let store = RedbStore::open(&path)?;
         if !marker.exists() {
             let write = || -> std::io::Result<()> {
@@ -1374,6 +1386,22 @@ mod tests {
             !dir.path().join(FILE_NAME).exists(),
             "a new file was created"
         );
+    }
+
+    /// Review, twenty-fifth session: a first start killed before redb wrote the file's
+    /// header left a 0-byte file and no marker, and every later start refused it.
+    #[test]
+    fn an_empty_file_without_a_marker_is_a_first_start_that_died_and_starts_afresh() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join(FILE_NAME), b"").expect("write");
+        let s = RedbStore::open_dir(dir.path()).expect("a fresh start");
+        assert_eq!(s.root().expect("root").events, 0);
+        assert!(dir.path().join(MARKER_NAME).exists());
+        drop(s);
+        // With the marker, an empty file is data gone missing: refused.
+        std::fs::write(dir.path().join(FILE_NAME), b"").expect("truncate");
+        let err = RedbStore::open_dir(dir.path()).expect_err("refused");
+        assert!(err.to_string().contains("the file is empty"), "{err}");
     }
 
     #[test]
