@@ -87,6 +87,17 @@ impl RateParams {
         }
         let num = (limit.period_ns as u128) << FP_BITS;
         let interval_fp = num.div_ceil(limit.rate as u128);
+        // A burst whose refill time passes `MAX_REFILL_NS` is cut to the largest that
+        // does not (rules are refused at load beyond it; a grant of a tiny rate with a
+        // large burst, as an allocator may send, is not): a tolerance at the TAT's
+        // ceiling would let every take through, however empty the bucket.
+        let burst_max = ((crate::config::MAX_REFILL_NS << FP_BITS) / interval_fp).max(1);
+        let limit = RateLimit {
+            burst: limit
+                .burst
+                .min(u64::try_from(burst_max).unwrap_or(u64::MAX)),
+            ..limit
+        };
         let mut p = RateParams {
             limit,
             interval_fp: [(interval_fp >> 64) as u64, interval_fp as u64],

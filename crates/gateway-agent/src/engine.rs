@@ -1617,6 +1617,12 @@ impl Engine {
                 && rule.enforce
             {
                 self.rollback(now, &held, &slots);
+                // A retry of a live lease (admitted before a reload shrank the rule) is
+                // answered with its lease, as on a busy bucket.
+                if let Some(l) = self.leases.with_live(hash, req.request_id, Lease::clone) {
+                    *out = self.replay(table, &l, now);
+                    return Ok(());
+                }
                 out.reject(
                     ri as usize,
                     RejectReason::NeverFits {
@@ -1724,10 +1730,13 @@ impl Engine {
         // the slow path: a completion's snapshot may not show it either, and an eviction
         // then drops it from pending before the record is written). Those leases keep
         // the key's name (see `LeaseTable::insert`).
+        // So may a key this lease reserved nothing on (it holds nothing there, so the
+        // key may be evicted at rest before the completion charges what was used).
         let sealed = |j: usize| {
+            let nothing_held = held[j].as_ref().is_some_and(|l| l.reserved == 0);
             slots[j]
                 .as_ref()
-                .filter(|s| matches!(s, SlotRef::Owned(_)) || s.is_sealed())
+                .filter(|s| matches!(s, SlotRef::Owned(_)) || s.is_sealed() || nothing_held)
                 .map(|s| &s.key)
         };
         match self
@@ -1895,18 +1904,66 @@ impl Engine {
 
     /// Charges `units` beyond `l`'s reservation to its key: on `found` (the key's slot
     /// in the table), else on its current one.
-    fn charge_units(&self, now: u64, l: &LeaseLimit, units: u64, found: Option<&Slot>) {
+    fn charge_units(
+        &self,
+        now: u64,
+        l: &LeaseLimit,
+        units: u64,
+        found: Option<&Slot>,
+        name: Option<&Arc<LimitKey>>,
+    ) {
         if found.is_some_and(|s| s.charge(now, units)) {
             return;
         }
         for _ in 0..8 {
-            let Some(slot) = self.current_of(l) else {
-                return;
+            let slot = match self.current_of(l) {
+                Some(s) => s,
+                // Evicted at rest since (a lease that holds nothing, or one that
+                // expired, does not keep its key): recreated as it was, full, and
+                // charged. Lost only if its name is gone too or the key table is full.
+                None => match self.recreate(now, l, name) {
+                    Some(s) => s,
+                    None => return,
+                },
             };
             if slot.charge(now, units) {
                 return;
             }
         }
+    }
+
+    /// Gives `units` back on the current slot of `sealed`'s key: a debit taken on a
+    /// slot that a slice change or a reload sealed since was carried over to its
+    /// successor (a rejected RLS decision undoes it there, as `settle_current` does
+    /// for a lease).
+    fn undo_on_current(&self, now: u64, sealed: &Slot, units: u64) {
+        let k = &sealed.key;
+        let vals: Vec<&str> = k.values().collect();
+        for _ in 0..8 {
+            let Some(slot) = self.current_slot(k.rule, &vals) else {
+                return; // evicted at rest: it held nothing
+            };
+            let amount = match &slot.params {
+                Params::Rate(p) => p.refund_ns(units),
+                Params::Closed(_) | Params::Slots(_) => 0,
+            };
+            if slot.settle(now, amount, 0) {
+                return;
+            }
+        }
+    }
+
+    /// `l`'s key made again after an eviction, from the name the lease kept or a
+    /// sealed slot still shows.
+    fn recreate(
+        &self,
+        now: u64,
+        l: &LeaseLimit,
+        name: Option<&Arc<LimitKey>>,
+    ) -> Option<Arc<Slot>> {
+        let key = name.cloned().or_else(|| self.name_of(l))?;
+        let values: Vec<&str> = key.values.iter().map(|v| &**v).collect();
+        self.resolve_slow(now, l.id, l.check, l.rule, &values).ok()
     }
 
     /// The live slot of `l`'s key, from pending or the table, without creating one.
@@ -2182,9 +2239,10 @@ impl Engine {
             Removed::Unknown => return Err(CompleteError::UnknownRequest),
         };
         let found = self.found(table, lease);
-        for (l, f) in lease.limit_slots().iter().zip(&found) {
+        for (j, (l, f)) in lease.limit_slots().iter().zip(&found).enumerate() {
             if let Some(l) = l {
-                self.settle(now, &table.compiled, l, f.map(|s| &**s), &usage, live);
+                let name = lease.name(j);
+                self.settle(now, &table.compiled, l, f.map(|s| &**s), name, &usage, live);
             }
         }
         self.record(request_id, outcome, Some(usage), now, lease, &found);
@@ -2287,12 +2345,14 @@ impl Engine {
     /// slot in the table snapshot, if it showed one: the refund is exact on the bucket
     /// debited (same generation), else in units on the key's current slot.
     #[inline]
+    #[allow(clippy::too_many_arguments)]
     fn settle(
         &self,
         now: u64,
         compiled: &[CompiledRule],
         l: &LeaseLimit,
         found: Option<&Slot>,
+        name: Option<&Arc<LimitKey>>,
         usage: &Usage,
         live: bool,
     ) {
@@ -2323,7 +2383,7 @@ impl Engine {
             }
         }
         if actual > l.reserved {
-            self.charge_units(now, l, actual - l.reserved, found);
+            self.charge_units(now, l, actual - l.reserved, found, name);
         }
     }
 
@@ -2398,7 +2458,11 @@ impl Engine {
         let mut memo = KeyMemo::default();
         let undo = |taken: &[Option<(SlotRef<'_>, u64, u64)>]| {
             for (slot, amount, _) in taken.iter().flatten() {
-                slot.settle(now, *amount, 0);
+                if !slot.settle(now, *amount, 0) {
+                    // Sealed since (a slice change or a reload carried the debit over
+                    // to the key's new slot): give the units back there.
+                    self.undo_on_current(now, slot, hits);
+                }
             }
         };
         let candidates = self.candidates(domain);

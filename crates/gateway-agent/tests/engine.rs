@@ -728,6 +728,63 @@ fn a_request_its_rules_count_nothing_of_still_takes_a_lease_and_is_recorded() {
     e.check_invariants(0).unwrap();
 }
 
+/// Review, twenty-fifth session: a lease that holds nothing on a key does not keep it
+/// (a zero take leaves its bucket at rest), so the key could be evicted before the
+/// completion charged what was used, and the charge was lost. The key is recreated
+/// (as it was: full) and charged.
+#[test]
+fn usage_beyond_a_reservation_is_charged_even_after_the_key_was_evicted() {
+    let e = engine(
+        r#"
+        [[rule]]
+        name = "itpm"
+        match = { org = "*" }
+        dimension = "input_tokens"
+        rate = 1000
+        per = "hour"
+        "#,
+    );
+    e.admit(0, &req("r", &[("org", "a")], Cost::ONE_REQUEST))
+        .unwrap();
+    let later = 61 * SEC;
+    e.maintain(later);
+    assert_eq!(e.key_count(), 0, "the idle key was evicted");
+    let used = Usage {
+        input_tokens: 1000,
+        cached_input_tokens: 0,
+        output_tokens: 0,
+    };
+    assert_eq!(
+        e.complete(later, "r", used, CompletionStatus::Ok).unwrap(),
+        Completion::Settled
+    );
+    assert!(
+        !e.admit(later, &req("s", &[("org", "a")], tokens(1, Some(0))))
+            .unwrap()
+            .is_admitted(),
+        "the 1,000 used were not charged"
+    );
+    e.check_invariants(later).unwrap();
+}
+
+/// Review, twenty-fifth session: a grant of a tiny rate with a large burst (an
+/// allocator's floor on a small slice) put the GCRA tolerance at the TAT's ceiling,
+/// where every take passed however empty the bucket. The burst is cut to what the
+/// bucket can represent (a refill of at most 2^62 ns).
+#[test]
+fn a_grant_of_a_tiny_rate_and_a_huge_burst_still_starts_empty() {
+    let e = engine(ALLOCATED);
+    let applied = e.apply_slices(0, &[slice(1, 1 << 40, 1, 1)]);
+    assert!(applied[0].is_ok(), "{applied:?}");
+    assert!(
+        !e.admit(0, &req("a", &[("org", "a")], Cost::ONE_REQUEST))
+            .unwrap()
+            .is_admitted(),
+        "a new grant starts empty"
+    );
+    e.check_invariants(0).unwrap();
+}
+
 #[test]
 fn post_hoc_charges_go_past_zero() {
     let e = engine(LLM);

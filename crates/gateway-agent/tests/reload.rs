@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use bursar_agent::testing::engine;
 use bursar_agent::{
-    AdmitRequest, Completion, CompletionStatus, Config, Cost, Decision, Engine, RejectReason,
-    ReloadError, ReloadSummary, SliceSource, Usage,
+    AdmitRequest, Completion, CompletionStatus, Config, Cost, Decision, DiscardSink, Engine,
+    RejectReason, ReloadError, ReloadSummary, SliceSource, Usage,
 };
 
 const SEC: u64 = 1_000_000_000;
@@ -347,4 +347,32 @@ fn check_config_says_whether_a_reload_would_take_the_file() {
     assert_eq!(code, Some(1), "{text}");
     assert!(text.contains("[[api_key]] entries differ"), "{text}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Review, twenty-fifth session: a retry of a live lease after a reload shrank its
+/// rule below the request's cost was answered "never fits" instead of with its lease.
+#[test]
+fn a_retry_of_a_live_lease_is_answered_with_it_after_a_reload_shrinks_the_rule() {
+    let e = Engine::new(
+        config(&rules(10, 10, "enforce", 100)),
+        Arc::new(DiscardSink),
+    );
+    let r = AdmitRequest {
+        request_id: "big",
+        domain: None,
+        descriptors: &ORG,
+        cost: Cost {
+            requests: 5,
+            input_tokens: 0,
+            max_output_tokens: Some(0),
+        },
+        ttl_ms: None,
+    };
+    assert!(e.admit(0, &r).unwrap().is_admitted());
+    e.reload(SEC, config(&rules(2, 2, "enforce", 100))).unwrap();
+    match e.admit(SEC, &r).unwrap() {
+        Decision::Admitted(a) => assert!(a.replayed, "a new admission: {a:?}"),
+        d => panic!("the retry was not answered with its lease: {d:?}"),
+    }
+    assert_eq!(e.leases_in_flight(), 1);
 }

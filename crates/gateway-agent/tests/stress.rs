@@ -225,3 +225,87 @@ fn a_report_walk_sees_every_key_while_grants_replace_slots_and_new_keys_arrive()
     );
     e.check_invariants(1).unwrap();
 }
+
+/// Review, twenty-fifth session: an Envoy RLS decision that debited one rule and was
+/// rejected by the next undid its debit on the slot it took it from; if a slice change
+/// had sealed that slot meanwhile (the debit carried over to its successor), the undo
+/// failed silently and a rejected request kept spending the first rule's budget.
+#[test]
+fn rejected_rls_decisions_leave_no_debit_across_concurrent_slice_changes() {
+    let e = engine(
+        r#"
+[engine]
+slice_source = "allocated"
+
+[[rule]]
+name = "a"
+match = { org = "*" }
+dimension = "requests"
+rate = 1000
+per = "hour"
+burst = 100
+
+[[rule]]
+name = "b"
+match = { org = "*" }
+dimension = "requests"
+rate = 1000
+per = "hour"
+burst = 100
+"#,
+    );
+    let grant =
+        |rule: &str, rate: u64, burst: u64, seq: u64, transfer: u64| bursar_agent::SliceUpdate {
+            rule: rule.into(),
+            values: vec!["x".into()],
+            rate,
+            burst,
+            epoch: 1,
+            seq,
+            lease_expires_at_ns: u64::MAX / 2,
+            fleet_size: 1,
+            transfer_tokens: transfer,
+        };
+    // `a` full (100 transferred), `b` empty: every decision debits `a`, then is
+    // rejected by `b` and undoes it.
+    for r in e.apply_slices(0, &[grant("a", 1000, 100, 1, 100), grant("b", 1, 1, 2, 0)]) {
+        r.expect("applied");
+    }
+    assert_eq!(e.level(0, "a", &["x"]), Some(100));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flipper = {
+        let (e, stop) = (Arc::clone(&e), Arc::clone(&stop));
+        std::thread::spawn(move || {
+            // Each grant replaces (seals) `a`'s slot; the level carries over. The
+            // burst changes, not the rate: with the same emission interval a level
+            // carries over exactly (a conversion between intervals rounds a partial
+            // unit down, and with the clock held still nothing refills it).
+            let mut seq = 3;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                for r in e.apply_slices(0, &[grant("a", 1000, 100 + seq % 2, seq, 0)]) {
+                    r.expect("applied");
+                }
+                seq += 1;
+            }
+            seq - 3
+        })
+    };
+    let mut rejected = 0;
+    for _ in 0..20_000 {
+        let d = e.decide_hits(0, None, &[("org", "x")], 1).expect("decided");
+        rejected += matches!(d, Decision::Rejected(_)) as u32;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let flips = flipper.join().expect("flipper");
+    assert_eq!(rejected, 20_000, "`b` admits nothing");
+    assert!(
+        flips > 100,
+        "only {flips} slice changes ran beside the decisions"
+    );
+    assert_eq!(
+        e.level(0, "a", &["x"]),
+        Some(100),
+        "rejected decisions kept a debit on `a` ({flips} slice changes)"
+    );
+    e.check_invariants(0).unwrap();
+}
