@@ -241,6 +241,11 @@ struct RuleInfo {
     /// The cost of a typical request (the rule's `typical_cost`; 0: unknown). A slice
     /// whose burst is below it cannot admit such a request: see `concentrate`.
     typical: u64,
+    /// New keys of this rule start with no transfer pool before this (allocator time):
+    /// grants of its keys were released before their leases ended (an agent
+    /// restarted), so a key forgotten and made again may not have been quiet for the
+    /// margin [`Allocator::new_key_pool`] assumes.
+    pool_quiet_until_ns: u64,
 }
 
 /// What gives a rule's keys their meaning; a reload that changes any of it replaces
@@ -293,6 +298,7 @@ fn build_rules(
                 fallback_posture: r.posture,
                 fallback_limit: Slice::ZERO,
                 typical: r.typical_cost,
+                pool_quiet_until_ns: 0,
             },
             RuleLimit::Concurrency { max_in_flight } => RuleInfo {
                 wildcards,
@@ -307,6 +313,7 @@ fn build_rules(
                 fallback_posture: r.posture,
                 fallback_limit: Slice::ZERO,
                 typical: 0,
+                pool_quiet_until_ns: 0,
             },
         };
         info.held_cap = info.limit();
@@ -1591,10 +1598,13 @@ impl Allocator {
     /// idle (its agent gone, whose grants lapsed a margin before, or not reporting the
     /// key for a lease, so its engine dropped it). The global bucket has refilled
     /// `R x reclaim_margin_ms` in that time, up to `B`. Nothing while learning
-    /// (holdings are not all known yet), nothing for concurrency rules.
-    fn new_key_pool(&self, rule: u32) -> u64 {
+    /// (holdings are not all known yet), nothing for concurrency rules, and nothing
+    /// for a margin after an agent's restart released grants of the rule before their
+    /// leases ended (the key may be forgotten and made again at once: a restarted
+    /// agent's fresh key with a full pool was a second burst).
+    fn new_key_pool(&self, now: u64, rule: u32) -> u64 {
         let info = &self.rules[rule as usize];
-        if self.learning || info.concurrency {
+        if self.learning || info.concurrency || now < info.pool_quiet_until_ns {
             return 0;
         }
         let quiet = AllocatorConfig::ns(self.cfg.reclaim_margin_ms) as u128;
@@ -1602,8 +1612,8 @@ impl Allocator {
         refill.min(info.burst as u128) as u64
     }
 
-    fn create_key(&mut self, name: &KeyName, rule: u32, hash: Fp) -> u32 {
-        let pool = self.new_key_pool(rule);
+    fn create_key(&mut self, now: u64, name: &KeyName, rule: u32, hash: Fp) -> u32 {
+        let pool = self.new_key_pool(now, rule);
         let key = Key {
             name: Arc::new(name.clone()),
             fp: hash,
@@ -2060,7 +2070,7 @@ impl Allocator {
             };
             let k = match key.or_else(|| self.find_key(hash)) {
                 Some(k) => k,
-                None => self.create_key(&h.key, rule, hash),
+                None => self.create_key(now, &h.key, rule, hash),
             };
             let pos = match self.entry_pos(a, k) {
                 Some(p) => p,
@@ -2112,8 +2122,16 @@ impl Allocator {
     /// Drops every entry of agent `a` (its grants are released: the process is gone).
     fn release_agent(&mut self, now: u64, a: u32) {
         let keys: Vec<u32> = self.agent(a).entries.keys().copied().collect();
+        let quiet = now.saturating_add(AllocatorConfig::ns(self.cfg.reclaim_margin_ms));
         for k in keys {
             if let Some(pos) = self.entry_pos(a, k) {
+                // Released before its lease ended: the key's rule gives new keys no
+                // pool for a margin (see `new_key_pool`).
+                if !self.key(k).entries[pos as usize].commitment().is_zero() {
+                    let rule = self.key(k).rule as usize;
+                    let r = &mut self.rules[rule];
+                    r.pool_quiet_until_ns = r.pool_quiet_until_ns.max(quiet);
+                }
                 self.remove_entry(k, pos);
                 self.mark_dirty(k, now);
             }
@@ -2369,7 +2387,7 @@ impl Allocator {
             };
             let k = match r.key.or_else(|| self.find_key(r.hash)) {
                 Some(k) => k,
-                None => self.create_key(&kr.key, r.rule, r.hash),
+                None => self.create_key(now, &kr.key, r.rule, r.hash),
             };
             let pos = match r.entry.or_else(|| self.entry_pos(a, k)) {
                 Some(p) => p,
@@ -5281,6 +5299,45 @@ mod tests {
             }
         ));
         a.check_invariants().unwrap();
+    }
+
+    /// Review, twenty-fifth session: a restart released the old incarnation's grant
+    /// at once, the emptied key was forgotten, and the new process's first request
+    /// made it again with a full transfer pool: a second burst on top of whatever the
+    /// old process had spent.
+    #[test]
+    fn a_restarted_agents_key_made_again_gets_no_second_burst() {
+        let now = 5 * SEC;
+        let mut a = warm_allocator(1, now);
+        join(&mut a, now, "a", "x");
+        let g1 = last_for(&settle(&mut a, now + 10 * MS), "a");
+        assert!(
+            g1.transfer_tokens > 0,
+            "a new key's first grant carries its pool"
+        );
+        a.handle_disconnect(now + 20 * MS, "a").unwrap();
+        a.handle_hello(now + 20 * MS, &hello("a", 2, 1)).unwrap();
+        settle(&mut a, now + 30 * MS);
+        assert!(
+            a.key_status(&key("rps", "x")).is_none(),
+            "the emptied key was forgotten"
+        );
+        a.handle_report(
+            now + 30 * MS,
+            &report("a", 2, 2, vec![line(key("rps", "x"), 0, 1, None)]),
+        )
+        .unwrap();
+        let g2 = last_for(&settle(&mut a, now + 40 * MS), "a");
+        assert_eq!(g2.transfer_tokens, 0, "a second burst: {g2:?}");
+        // Past the margin, a key made again starts with its pool as before.
+        let later = now + 40 * MS + AllocatorConfig::ns(a.cfg.reclaim_margin_ms);
+        a.handle_report(
+            later,
+            &report("a", 2, 3, vec![line(key("rps", "y"), 0, 1, None)]),
+        )
+        .unwrap();
+        let g3 = last_for(&settle(&mut a, later + 10 * MS), "a");
+        assert!(g3.transfer_tokens > 0, "{g3:?}");
     }
 
     #[test]

@@ -172,6 +172,7 @@ impl Allocator {
             new.held_cap = new.held_cap.max(old.held_cap);
             new.fallback_limit = new.fallback_limit.max(old.fallback_limit);
             new.fallback_posture = more_permissive(new.fallback_posture, old.fallback_posture);
+            new.pool_quiet_until_ns = new.pool_quiet_until_ns.max(old.pool_quiet_until_ns);
             if meta[j as usize] != *old_meta {
                 summary.replaced.push(old_meta.name.clone());
                 fate.push(None);
