@@ -2962,6 +2962,7 @@ impl Allocator {
                     .map_or(Ext::default(), |ag| ag.ext);
                 changed |= key.edit(pos, |e| {
                     let applied = e.applied;
+                    let in_flight = e.in_flight;
                     let mut fb = e.fallback();
                     let before = e.nsent;
                     e.edit_sent(term, |v| {
@@ -2975,7 +2976,14 @@ impl Allocator {
                             // It may be the grant in force: the agent now follows its
                             // posture.
                             if s.id() >= applied {
-                                let f = rule.fallback_of(s.epoch, term, s.slice, s.fleet);
+                                let mut f = rule.fallback_of(s.epoch, term, s.slice, s.fleet);
+                                if rule.concurrency {
+                                    // Work in flight is never revoked: it drains on its
+                                    // own, and until the agent says it has, the slots it
+                                    // last reported busy (within the grant) count in
+                                    // the bound beside the posture's.
+                                    f.burst = f.burst.max(in_flight.min(s.slice.burst));
+                                }
                                 if !f.is_zero() {
                                     let (prev, at) = fb.unwrap_or((Slice::ZERO, (0, 0)));
                                     fb = Some((prev.max(f), at.max(s.id())));
@@ -5530,6 +5538,53 @@ mod tests {
         a.handle_ack(t + 40 * MS, &drained).unwrap();
         let gs = settle(&mut a, t + 40 * MS);
         assert!(for_agent(&gs, "b").iter().any(|g| g.burst > 10 - ga.burst));
+    }
+
+    /// Review, twenty-fifth session: an agent cut off with its concurrency slots busy
+    /// keeps that work running past its lease (in-flight work is never revoked), but
+    /// the bound counted only its posture's fallback (none under `strict`).
+    #[test]
+    fn in_flight_work_of_an_agent_cut_off_counts_in_the_bound() {
+        let now = 5 * SEC;
+        let mut a = warm_allocator(1, now);
+        let k = key("conc", "x");
+        // Two holders, so the conservative posture falls back to 10 / 2 slots.
+        a.handle_hello(now, &hello("a", 1, 1)).unwrap();
+        a.handle_hello(now, &hello("b", 1, 1)).unwrap();
+        let mut l = line(k.clone(), 0, 0, None);
+        l.rejected = 80;
+        a.handle_report(now, &report("a", 1, 2, vec![l])).unwrap();
+        let mut l = line(k.clone(), 0, 0, None);
+        l.rejected = 5;
+        a.handle_report(now, &report("b", 1, 2, vec![l])).unwrap();
+        let gs = settle(&mut a, now + 20 * MS);
+        let (ga, gb) = (last_for(&gs, "a"), last_for(&gs, "b"));
+        assert!(ga.burst > 5, "{ga:?}");
+        a.handle_ack(now + 21 * MS, &ack(&ga, 1, 0)).unwrap();
+        a.handle_ack(now + 21 * MS, &ack(&gb, 1, 0)).unwrap();
+        // a: every slot of its grant busy, then not a word; b keeps reporting.
+        let t = now + 100 * MS;
+        let mut la = line(k.clone(), 0, 80, Some(ga.held()));
+        la.in_flight = ga.burst;
+        a.handle_report(t, &report("a", 1, 100 * MS, vec![la]))
+            .unwrap();
+        settle(&mut a, t + 10 * MS);
+        let (mut at, mut ts) = (t, 100 * MS);
+        while at < t + 5 * SEC {
+            at += 250 * MS;
+            ts += 250 * MS;
+            let lb = line(k.clone(), 0, 5, Some(gb.held()));
+            a.handle_report(at, &report("b", 1, ts, vec![lb])).unwrap();
+            settle(&mut a, at + 10 * MS);
+        }
+        let st = a.key_status(&k).unwrap();
+        assert_eq!(st.bound.partitioned_agents, 1, "{st:?}");
+        assert!(
+            st.bound.burst >= ga.burst,
+            "{} slots still busy, a bound of {}",
+            ga.burst,
+            st.bound.burst
+        );
     }
 
     #[test]
