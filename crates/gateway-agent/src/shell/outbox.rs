@@ -781,6 +781,9 @@ fn writer(sh: Arc<Shared>, mapper: Mapper) {
     let limits = bursar_ledger::Limits::default();
     // An acknowledgement-only commit skipped its fsync (see `commit`).
     let mut acks_not_durable = false;
+    // How far ahead of the wall clock the start reading was found to be (ms): event
+    // times are shifted back by it (see below).
+    let mut ahead_ms = 0u64;
     loop {
         let (acks, taken, stop) = {
             let mut q = sh.lock();
@@ -824,9 +827,13 @@ fn writer(sh: Arc<Shared>, mapper: Mapper) {
             );
             // Event times are the wall clock read at start plus monotonic time since.
             // If that start reading was ahead (an agent started before its clock was
-            // synchronised), the times would be in the future and refused; store the
-            // current time instead, and count it.
+            // synchronised), the times would be in the future and refused: shift them
+            // back by how far ahead it was found to be (every later event too, so an
+            // expired request's late completion lands in the same hour as its expiry:
+            // an adjust resolves only in its target's bucket), and count it.
+            e.time_ms = e.time_ms.saturating_sub(ahead_ms);
             if e.time_ms > now_ms + limits.future_skew_ms / 2 {
+                ahead_ms += e.time_ms - now_ms;
                 e.time_ms = now_ms;
                 if sh.stats.time_clamped.fetch_add(1, Ordering::Relaxed) == 0 {
                     eprintln!(
@@ -1220,6 +1227,39 @@ mod tests {
         );
         assert_eq!(ob.stats().time_clamped.load(Ordering::Relaxed), 1);
         assert_eq!(ob.stats().invalid.load(Ordering::Relaxed), 0);
+        ob.close();
+    }
+
+    /// Review, twenty-fifth session: with the start reading ahead, each event was
+    /// clamped to the time it was mapped, so an expired request's late completion (its
+    /// adjust) could land in another hour than its expiry, where it never resolves.
+    #[test]
+    fn with_the_clock_ahead_an_expiry_and_its_late_completion_share_a_time() {
+        let dir = tempdir("clock-ahead-late");
+        let ob = Arc::new(Outbox::open(config(&dir)).unwrap());
+        let cfg = Config::from_toml(RULES).unwrap();
+        let engine = Engine::new(cfg.clone(), Arc::clone(&ob) as Arc<dyn UsageSink>);
+        ob.start(cfg.rules, wall_origin_ms() + 3 * 3_600_000);
+        admit(&engine, "r-late", 10);
+        // Expired by the maintenance tick (TTL 300 s), then completed late.
+        engine.maintain(301 * 1_000_000_000);
+        assert!(ob.durable_blocking(ob.ticket(), Duration::from_secs(10)));
+        std::thread::sleep(Duration::from_millis(30));
+        engine
+            .complete(
+                302 * 1_000_000_000,
+                "r-late",
+                Usage::default(),
+                CompletionStatus::Ok,
+            )
+            .unwrap();
+        assert!(ob.durable_blocking(ob.ticket(), Duration::from_secs(10)));
+        let evs = ob.read_after(0, 10).unwrap();
+        assert_eq!(evs.len(), 2, "{evs:?}");
+        assert_eq!(
+            evs[0].1.time_ms, evs[1].1.time_ms,
+            "the expiry and its adjust must share an hour bucket"
+        );
         ob.close();
     }
 
