@@ -310,6 +310,8 @@ struct Exact {
     rate: i128,
     at: u64,
     min_level: i128,
+    /// The lowest level since the checker's last sample ([`Exact::take_window_deficit`]).
+    window_min: i128,
 }
 
 impl Exact {
@@ -321,6 +323,7 @@ impl Exact {
             rate: rate_per_s as i128,
             at,
             min_level: cap,
+            window_min: cap,
         }
     }
 
@@ -335,6 +338,21 @@ impl Exact {
         self.refill(now);
         self.level -= cost as i128 * SEC as i128;
         self.min_level = self.min_level.min(self.level);
+        self.window_min = self.window_min.min(self.level);
+    }
+
+    /// The deepest deficit (tokens) since the last call, which starts the next window
+    /// at the level as of `now` (the level only falls at a debit, so the window's
+    /// lowest is the lowest of its start and its debits).
+    fn take_window_deficit(&mut self, now: u64) -> f64 {
+        let d = self.window_deficit();
+        self.refill(now);
+        self.window_min = self.level;
+        d
+    }
+
+    fn window_deficit(&self) -> f64 {
+        (-self.window_min).max(0) as f64 / SEC as f64
     }
 
     /// The ideal limiter: admits if the cost fits.
@@ -374,6 +392,12 @@ struct KeyState {
     first_admit: Option<u64>,
     /// The stated bound accumulated so far, tokens.
     allowance: f64,
+    /// The most a window's deepest deficit exceeded the allowance as of the sample
+    /// ending the window (tokens; > 0 is a violation). A deficit is held to the bound
+    /// accumulated by its time, not by the end of the run: comparing the run's deepest
+    /// deficit with the run's whole allowance let a bound stated later (a partition
+    /// after the deficit, an overdraft accruing) cover an earlier breach.
+    worst_excess: f64,
     bound_rate: u64,
     bound_burst: u64,
     /// Admitted per `BIN_NS` bin since traffic started: fleet, ideal (shift only).
@@ -833,6 +857,7 @@ impl Sim {
                     first_offer: None,
                     first_admit: None,
                     allowance: 0.0,
+                    worst_excess: 0.0,
                     bound_rate: 0,
                     bound_burst: 0,
                     bins: (bins_len > 0).then(|| (vec![0; bins_len], vec![0; bins_len])),
@@ -1407,6 +1432,8 @@ impl Sim {
             key.allowance += burst.saturating_sub(key.bound_burst) as f64;
             key.bound_rate = rate;
             key.bound_burst = burst;
+            let deficit = key.verifier.take_window_deficit(self.now);
+            key.worst_excess = key.worst_excess.max(deficit - key.allowance);
         }
         if self.series.is_some() {
             self.sample_series();
@@ -1520,9 +1547,13 @@ impl Sim {
             let measured = k.verifier.deficit_tokens();
             over_max = over_max.max(measured / b);
             bound_max = bound_max.max(k.allowance / b);
-            if measured > k.allowance + 1e-6 {
+            // The tail since the last sample, against the allowance as it ends.
+            let excess = k
+                .worst_excess
+                .max(k.verifier.window_deficit() - k.allowance);
+            if excess > 1e-6 {
                 let msg = format!(
-                    "key {}: overshoot {measured:.1} tokens above its bound {:.1} (B = {b})",
+                    "key {}: overshoot {excess:.1} tokens above the bound stated by its time                      (deepest deficit {measured:.1}, bound over the run {:.1}, B = {b})",
                     k.name, k.allowance
                 );
                 self.violations += 1;
@@ -1810,6 +1841,31 @@ mod tests {
         let mut sc = Scenario::load(name).unwrap();
         sc.duration_s = 3.0;
         sc
+    }
+
+    /// Review, twenty-fifth session: the run's deepest deficit was compared with the
+    /// whole run's allowance, so a bound stated after a breach (a later partition, an
+    /// overdraft accruing) hid it. A deficit is held to the bound accumulated by the
+    /// sample that ends its window.
+    #[test]
+    fn a_deficit_is_held_to_the_bound_stated_by_its_time_not_by_the_end_of_the_run() {
+        let mut sc = small("steady");
+        sc.keys = 1;
+        // The stated bound grows by R each second (static split: the overdraft only).
+        sc.allocator.overdraft_permille = 1000;
+        let mut sim = Sim::new(&sc, 1, "static").unwrap();
+        let (t0, r, b) = (sim.t0, sc.limit.rate_per_s, sc.limit.burst);
+        sim.now = t0;
+        sim.sample();
+        // A deficit of R tokens 10 ms in: far above the 0.05 R stated by 50 ms, below
+        // the 3 R stated by the end.
+        sim.keys[0].verifier.debit(t0 + 10 * MS, b + r);
+        for i in 1..=60 {
+            sim.now = t0 + i * SAMPLE_NS;
+            sim.sample();
+        }
+        let report = sim.report();
+        assert!(report.summary.violations > 0, "{:?}", report.summary);
     }
 
     #[test]
