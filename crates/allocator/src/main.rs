@@ -78,7 +78,8 @@ struct ServeArgs {
     /// --term-file. Default without either: wall-clock milliseconds since 1970.
     #[arg(long, conflicts_with = "term_file", value_parser = clap::value_parser!(u64).range(1..))]
     term: Option<u64>,
-    /// File holding the last term; each start reads it, adds one, and writes it back
+    /// File holding the last term; each start reads it, adds one (or takes the wall
+    /// clock in ms, if higher: a lost file does not start over at 1), and writes it back
     /// (fsynced) before serving.
     #[arg(long)]
     term_file: Option<PathBuf>,
@@ -174,7 +175,14 @@ fn next_term(path: &Path) -> Result<u64> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
         Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
     };
-    let term = last.checked_add(1).context("term overflow")?;
+    // Never below the wall clock in ms (the default without a file): a lost or emptied
+    // file (a pod's emptyDir, a new volume) must not start the count again at 1, or
+    // every agent holding a grant of an earlier run is refused ("unknown seq", "newer
+    // term") until it restarts.
+    let wall = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let term = last.checked_add(1).context("term overflow")?.max(wall);
     let tmp = path.with_extension("tmp");
     {
         use std::io::Write;

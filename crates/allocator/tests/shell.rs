@@ -166,6 +166,8 @@ async fn each_start_with_a_term_file_serves_a_higher_term() {
     let file = std::env::temp_dir().join(format!("bursar-term-{}", std::process::id()));
     let _ = std::fs::remove_file(&file);
     let path = file.to_str().unwrap().to_string();
+    // A file already far ahead of the wall clock keeps counting from itself.
+    std::fs::write(&file, format!("{}\n", u64::MAX / 2)).unwrap();
     let mut terms = Vec::new();
     for _ in 0..2 {
         let a = Allocator::start(&["--term-file", &path]);
@@ -177,7 +179,25 @@ async fn each_start_with_a_term_file_serves_a_higher_term() {
         terms.push(w.term);
     }
     let _ = std::fs::remove_file(&file);
-    assert_eq!(terms, vec![1, 2]);
+    assert_eq!(terms, vec![u64::MAX / 2 + 1, u64::MAX / 2 + 2]);
+    // A lost file (a pod's emptyDir) does not start the count again at 1: it starts
+    // at the wall clock in ms, above any earlier run's wall-clock or file term.
+    let a = Allocator::start(&["--term-file", &path]);
+    let (_tx, r) = open(a.grpc, hello("node-t", pb::PROTOCOL_VERSION, 1)).await;
+    let m = r.unwrap().message().await.unwrap().unwrap();
+    let Some(pb::allocator_message::Msg::Welcome(w)) = m.msg else {
+        panic!("{m:?}");
+    };
+    let wall_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    assert!(
+        w.term > wall_ms - 60_000 && w.term <= wall_ms,
+        "term {} at {wall_ms}",
+        w.term
+    );
+    let _ = std::fs::remove_file(&file);
 }
 
 #[tokio::test]

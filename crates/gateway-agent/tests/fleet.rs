@@ -26,7 +26,7 @@
 //! - **The allocator killed** (`SIGKILL`): every agent keeps admitting within its
 //!   grant while its lease lasts, then follows the rule's `conservative` posture (its
 //!   slice falls to at most `min(grant, B / N)`, seen in the `limit` the agents
-//!   answer with). A restarted allocator (next term, from its term file) learns the
+//!   answer with). A restarted allocator (a higher term, from its term file) learns the
 //!   grants agents hold, and resumes: the hot agent's slice grows again.
 //!
 //! The allocator binary is found next to this package's `bursar-agent` binary
@@ -364,6 +364,11 @@ fn three_agents_and_the_allocator_never_overshoot_one_global_bucket_even_across_
     std::fs::write(&config, RULES).unwrap();
     let term_file = dir.join("term");
     let mut alloc = start_allocator(&config, "127.0.0.1:0", &term_file);
+    let first_term: u64 = std::fs::read_to_string(&term_file)
+        .expect("the term file")
+        .trim()
+        .parse()
+        .expect("a term");
     let grpc = alloc.grpc.to_string();
     let agents: Vec<Agent> = (0..AGENTS)
         .map(|i| {
@@ -611,9 +616,9 @@ fn three_agents_and_the_allocator_never_overshoot_one_global_bucket_even_across_
          at most {})",
         B / AGENTS as u64
     );
-    assert_eq!(
-        status["term"], 2,
-        "the restart serves the next term: {status}"
+    assert!(
+        status["term"].as_u64().is_some_and(|t| t > first_term),
+        "the restart serves a higher term than {first_term}: {status}"
     );
     assert_eq!(status["connected"], AGENTS, "{status}");
     assert!(

@@ -581,3 +581,64 @@ async fn a_measure_request_is_answered_with_a_start_at_once_and_an_end_after_its
     assert_eq!(end.keys[0].admitted, admitted + more);
     assert!(end.agent_time_ns > start.agent_time_ns);
 }
+
+/// An allocator that answers every stream with a redirect to itself (a standby whose
+/// view of the election still names it: a leader restarted before its old election key
+/// expired), counting the streams.
+#[derive(Clone)]
+struct SelfRedirect {
+    addr: std::net::SocketAddr,
+    streams: Arc<std::sync::atomic::AtomicU64>,
+}
+
+#[tonic::async_trait]
+impl pb::allocator_server::Allocator for SelfRedirect {
+    type SyncStream = ReceiverStream<Result<pb::AllocatorMessage, tonic::Status>>;
+
+    async fn sync(
+        &self,
+        _req: tonic::Request<tonic::Streaming<pb::AgentMessage>>,
+    ) -> Result<tonic::Response<Self::SyncStream>, tonic::Status> {
+        self.streams
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let (tx, rx) = mpsc::channel(1);
+        let _ = tx
+            .send(Ok(pb::AllocatorMessage {
+                msg: Some(pb::allocator_message::Msg::Redirect(pb::Redirect {
+                    leader: self.addr.to_string(),
+                })),
+            }))
+            .await;
+        Ok(tonic::Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// Review, twenty-fifth session: redirects were followed at once, every time: a
+/// standby redirecting to itself for the rest of an election TTL had every agent
+/// reconnect in a tight loop (a connection, a walk of the engine, an etcd call each).
+#[tokio::test]
+async fn a_redirect_to_itself_is_followed_with_backoff_not_in_a_loop() {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let streams = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let svc = SelfRedirect {
+        addr,
+        streams: Arc::clone(&streams),
+    };
+    tokio::spawn(async move {
+        tonic::transport::Server::builder()
+            .add_service(pb::allocator_server::AllocatorServer::new(svc))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(l))
+            .await
+            .unwrap();
+    });
+    let (_state, status, _stop) = start_agent(addr);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let n = streams.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(n >= 2, "the redirect was followed ({n} streams)");
+    assert!(n < 20, "{n} streams in a second: no backoff");
+    assert_eq!(
+        status.connects.load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
+}

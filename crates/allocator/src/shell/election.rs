@@ -116,6 +116,7 @@ impl Election {
     /// returns once elected.
     pub async fn win(&self, advertise: &str) -> Result<Leadership, ElectionError> {
         let mut leases = LeaseClient::new(self.channel.clone());
+        let granted = Instant::now();
         let lease = leases
             .lease_grant(LeaseGrantRequest {
                 ttl: self.ttl_s,
@@ -133,6 +134,7 @@ impl Election {
             leases,
             lease,
             Duration::from_secs(self.ttl_s as u64),
+            granted,
             lost_tx,
         ));
         let mut c = ElectionClient::new(self.channel.clone());
@@ -156,52 +158,62 @@ impl Election {
     }
 }
 
-/// Renews `lease` every TTL/3; signals `lost` once no renewal succeeded for a TTL (or
-/// etcd says the lease is gone).
+/// Renews `lease` every TTL/3; signals `lost` (the leader steps down) once no renewal
+/// has succeeded for two thirds of a TTL, or etcd says the lease is gone. `granted`:
+/// when the lease grant was requested.
+///
+/// etcd counts a renewed lease's TTL from when it processed the renewal, which is no
+/// earlier than when the request was sent: a renewal's success is dated by its send
+/// time, so the lease cannot end before `last_ok + ttl`. Stepping down at `last_ok +
+/// 2/3 ttl`, with every wait cut at that deadline, leaves a third of a TTL before
+/// another replica can be elected (dating renewals by their replies, and checking only
+/// after a wait of up to TTL/3, let a leader serve past its lease's end).
 async fn keep_alive(
     mut leases: LeaseClient<Channel>,
     lease: i64,
     ttl: Duration,
+    granted: Instant,
     lost: watch::Sender<bool>,
 ) {
     let every = ttl / 3;
-    let mut last_ok = Instant::now();
+    let safe = ttl - ttl / 3;
+    let mut last_ok = granted;
+    let left = |last_ok: Instant| safe.saturating_sub(last_ok.elapsed());
     'outer: loop {
+        if left(last_ok).is_zero() {
+            break;
+        }
         let (tx, rx) = mpsc::channel(4);
         // The first request goes in before the call: etcd answers the stream's headers
         // only once it has a message, and the call waits for the headers.
+        let mut sent = Instant::now();
         let _ = tx.try_send(LeaseKeepAliveRequest { id: lease });
         let call = leases.lease_keep_alive(ReceiverStream::new(rx));
-        let mut stream = match tokio::time::timeout(every, call).await {
+        let mut stream = match tokio::time::timeout(every.min(left(last_ok)), call).await {
             Ok(Ok(s)) => s.into_inner(),
             _ => {
-                if last_ok.elapsed() >= ttl {
-                    break 'outer;
-                }
-                tokio::time::sleep(every / 2).await;
+                tokio::time::sleep((every / 2).min(left(last_ok))).await;
                 continue;
             }
         };
         let mut first = true;
         loop {
-            if !first && tx.send(LeaseKeepAliveRequest { id: lease }).await.is_err() {
-                break;
-            }
-            first = false;
-            match tokio::time::timeout(every, stream.message()).await {
-                Ok(Ok(Some(r))) if r.ttl > 0 => last_ok = Instant::now(),
-                Ok(Ok(Some(_))) => break 'outer, // TTL 0: the lease is gone
-                _ => {
-                    if last_ok.elapsed() >= ttl {
-                        break 'outer;
-                    }
-                    break; // reopen the stream
+            if !first {
+                sent = Instant::now();
+                if tx.send(LeaseKeepAliveRequest { id: lease }).await.is_err() {
+                    break;
                 }
             }
-            if last_ok.elapsed() >= ttl {
+            first = false;
+            match tokio::time::timeout(every.min(left(last_ok)), stream.message()).await {
+                Ok(Ok(Some(r))) if r.ttl > 0 => last_ok = last_ok.max(sent),
+                Ok(Ok(Some(_))) => break 'outer, // TTL 0: the lease is gone
+                _ => break,                      // reopen the stream (or give up above)
+            }
+            if left(last_ok).is_zero() {
                 break 'outer;
             }
-            tokio::time::sleep(every).await;
+            tokio::time::sleep(every.min(left(last_ok))).await;
         }
     }
     let _ = lost.send(true);

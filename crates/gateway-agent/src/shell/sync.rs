@@ -300,17 +300,38 @@ impl Client {
         self.config_version = config_version(&self.state.engine);
         self.session = SyncSession::new(self.now_ns(), session_config(&self.cfg));
         let mut target = self.cfg.allocator.clone();
+        // Redirects followed since the last welcome.
+        let mut redirects = 0u32;
         loop {
             if *shutdown.borrow() {
                 return;
             }
             let end = self.stream(&target, &mut shutdown).await;
-            self.status.connected.store(false, Ordering::Relaxed);
+            if self.status.connected.swap(false, Ordering::Relaxed) {
+                redirects = 0;
+            }
             match end {
                 End::Shutdown => return,
                 End::Redirect(leader) => {
-                    eprintln!("bursar-agent: allocator redirects to the leader at {leader}");
                     self.session.closed();
+                    redirects += 1;
+                    if redirects > 1 || leader == target {
+                        // A redirect to itself (a restarted leader whose old election
+                        // key lives on for a TTL) or a chain of them: back off as for a
+                        // lost stream, so a failover is not a fleet-wide reconnect storm.
+                        let wait = Duration::from_nanos(self.session.lost(draw()));
+                        eprintln!(
+                            "bursar-agent: allocator {target} redirects to {leader} again; \
+                             following in {} ms",
+                            wait.as_millis()
+                        );
+                        tokio::select! {
+                            _ = tokio::time::sleep(wait) => {}
+                            _ = shutdown.wait_for(|s| *s) => return,
+                        }
+                    } else {
+                        eprintln!("bursar-agent: allocator redirects to the leader at {leader}");
+                    }
                     target = leader;
                     continue;
                 }
