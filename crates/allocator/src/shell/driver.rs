@@ -532,7 +532,13 @@ impl Driver {
                 }
             }
             if closed {
+                // The stream is gone: the core hears of it here too (the reader's
+                // `Disconnect` finds no route after this, and a hello whose handler was
+                // cancelled started no reader at all), or it would count the agent
+                // connected, and grow its grants, for up to a lease.
                 self.routes.remove(&agent);
+                let now = self.clock.now_ns();
+                let _ = self.core.handle_disconnect(now, &agent);
             } else if dropped {
                 // The stream lives on, but the names those grants carried did not
                 // reach it.
