@@ -28,15 +28,31 @@ impl Net {
         self.peer_cut(agent, t) || self.allocator_cut.iter().any(|(a, b)| *a <= t && t < *b)
     }
 
-    /// Is `agent` cut off from the allocator from `from` until `to`, throughout (one
-    /// fault's span covers both)? What an unanswered keep-alive ping sent at `from`
-    /// needs to go unanswered until `to`.
+    /// Is `agent` cut off from the allocator from `from` until `to`, throughout (by one
+    /// fault, or by several that overlap or meet end to end)? What an unanswered
+    /// keep-alive ping sent at `from` needs to go unanswered until `to`.
     pub(super) fn cut_through(&self, agent: usize, from: u64, to: u64) -> bool {
-        let covers = |a: u64, b: u64| a <= from && to < b;
-        self.partitions
-            .iter()
-            .any(|(a, b, set)| covers(*a, *b) && set.contains(&agent))
-            || self.allocator_cut.iter().any(|(a, b)| covers(*a, *b))
+        let spans = || {
+            self.partitions
+                .iter()
+                .filter(|(_, _, set)| set.contains(&agent))
+                .map(|(a, b, _)| (*a, *b))
+                .chain(self.allocator_cut.iter().copied())
+        };
+        // Walk forward through the faults in force: each step reaches the furthest
+        // end of those covering `t`, until past `to` or a gap.
+        let mut t = from;
+        loop {
+            match spans()
+                .filter(|(a, b)| *a <= t && t < *b)
+                .map(|(_, b)| b)
+                .max()
+            {
+                Some(b) if b > to => return true,
+                Some(b) => t = b,
+                None => return false,
+            }
+        }
     }
 
     /// Is `agent` cut off by a `partition` fault at `t` (from the allocator, and from
@@ -428,5 +444,37 @@ impl AllocSide {
             let term = self.term;
             self.push(t, Ev::AllocWake(term));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Review, twenty-fifth session: two back-to-back partitions cut an agent off for
+    /// their whole span, but neither alone covered a keep-alive window, so the stream
+    /// never broke as it does under one fault of the same span.
+    #[test]
+    fn faults_that_meet_end_to_end_cut_through_as_one() {
+        let net = Net {
+            links: Vec::new(),
+            partitions: vec![(2 * SEC, 5 * SEC, vec![0]), (5 * SEC, 9 * SEC, vec![0, 1])],
+            allocator_cut: vec![(9 * SEC, 10 * SEC)],
+        };
+        assert!(net.cut_through(0, 3 * SEC, 8 * SEC));
+        assert!(
+            net.cut_through(0, 2 * SEC, 9 * SEC + 500 * MS),
+            "with the allocator cut"
+        );
+        assert!(
+            !net.cut_through(1, 3 * SEC, 8 * SEC),
+            "agent 1 is cut from 5 s only"
+        );
+        assert!(net.cut_through(1, 5 * SEC, 8 * SEC));
+        assert!(
+            !net.cut_through(0, 3 * SEC, 10 * SEC),
+            "up to 10 s, not through it"
+        );
+        assert!(!net.cut_through(0, SEC, 3 * SEC), "not before 2 s");
     }
 }
