@@ -3859,8 +3859,16 @@ fn validate_id(id: &str) -> Result<(), &'static str> {
     if id.len() > MAX_REQUEST_ID_BYTES {
         return Err("request_id is longer than 128 bytes");
     }
+    if id.ends_with(RESERVED_ID_SUFFIX) {
+        return Err("request_id ends with #late-completion, which is reserved");
+    }
     Ok(())
 }
+
+/// Request ids may not end with this: the usage outbox names a late completion's
+/// correction by the request's id and it, and a request of that id would collide with
+/// it in the ledger (a conflict, one of the two lost).
+pub const RESERVED_ID_SUFFIX: &str = "#late-completion";
 
 fn validate_request(req: &AdmitRequest<'_>) -> Result<(), AdmitError> {
     validate_id(req.request_id).map_err(AdmitError::Invalid)?;

@@ -129,7 +129,8 @@ struct ServeArgs {
     #[arg(long, requires = "outbox_dir")]
     ledger: Vec<String>,
     /// Usage records waiting for the outbox's writer (memory reserved up front,
-    /// 504 bytes each). Completions get 503 past three quarters of it.
+    /// 504 bytes each). New work gets 503 past three quarters of it; leases already in
+    /// flight always have room for their records beyond it.
     #[arg(long, default_value_t = 16_384, value_parser = clap::value_parser!(u64).range(16..=4_194_304))]
     outbox_queue_max: u64,
     /// Undelivered events the outbox holds before completions get 503 (`outbox_full`).
@@ -288,6 +289,8 @@ fn serve(args: ServeArgs) -> Result<()> {
             let mut cfg = OutboxConfig::new(dir.clone(), args.ledger.len().min(2));
             cfg.agent_id = args.agent_id.clone();
             cfg.queue_max = args.outbox_queue_max as usize;
+            // Every lease in flight may still bring a record once new work is refused.
+            cfg.in_flight_max = config.engine.max_leases;
             cfg.events_max = args.outbox_events_max;
             cfg.durable_timeout = Duration::from_millis(args.outbox_durable_timeout_ms);
             cfg.tenant_descriptor = args.ledger_tenant_descriptor.clone();

@@ -855,6 +855,12 @@ fn bad_requests_get_clear_errors_and_change_nothing() {
         req(&long, ACME_K1, Cost::ONE_REQUEST),
         AdmitError::Invalid("request_id is longer than 128 bytes"),
     ));
+    // Reserved for the usage outbox's late-completion corrections (review, twenty-
+    // fifth session: a request of that id took a correction's id in the ledger).
+    all.push((
+        req("r#late-completion", ACME_K1, Cost::ONE_REQUEST),
+        AdmitError::Invalid("request_id ends with #late-completion, which is reserved"),
+    ));
     for (r, want) in all {
         assert_eq!(e.admit(0, &r).unwrap_err(), want);
     }

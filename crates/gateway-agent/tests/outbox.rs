@@ -593,6 +593,20 @@ fn a_full_outbox_answers_503_and_leaves_the_lease_live() {
         &[format!("http://{dead}")],
         &["--outbox-events-max", "20", "--outbox-queue-max", "16"],
     );
+    // Admitted while there is room; completed once there is none.
+    let admit = |id: &str| {
+        try_request(
+            agent.http,
+            "POST",
+            "/v1/admit",
+            json!({"request_id": id, "descriptors": {"org": "acme", "model": "m1"},
+                   "cost": {"requests": 1, "input_tokens": 10, "output_tokens": 1}})
+            .to_string()
+            .as_bytes(),
+        )
+        .expect("answer")
+    };
+    assert_eq!(admit("f-early").status, 200);
     for i in 0..20 {
         let r = agent
             .admit_complete(&format!("f{i}"), "acme", 10, 1)
@@ -600,17 +614,28 @@ fn a_full_outbox_answers_503_and_leaves_the_lease_live() {
         assert_eq!(r.status, 200, "{}", r.body);
     }
     assert_eq!(agent.pending(), 20);
-    let r = agent
-        .admit_complete("f-over", "acme", 10, 1)
-        .expect("answer");
+    // A new admission is refused before it takes a lease.
+    let r = admit("f-over");
     assert_eq!(r.status, 503, "{}", r.body);
     assert_eq!(r.json()["error"], "outbox_full");
     assert_eq!(r.header("retry-after"), Some("1"));
-    // Nothing changed: the lease is still live and completes once there is room.
+    // The earlier one's completion is refused and changes nothing: its lease is still
+    // live and completes once there is room.
+    let r = try_request(
+        agent.http,
+        "POST",
+        "/v1/complete",
+        json!({"request_id": "f-early", "usage": {"input_tokens": 10, "output_tokens": 1}})
+            .to_string()
+            .as_bytes(),
+    )
+    .expect("answer");
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert_eq!(r.json()["error"], "outbox_full");
     assert_eq!(agent.metric("bursar_leases_in_flight "), 1);
     assert_eq!(
         agent.metric("bursar_outbox_refused_total{reason=\"full\"} "),
-        1
+        2
     );
     assert_eq!(
         agent.metric("bursar_outbox_events_total{kind=\"dropped\"} "),

@@ -203,6 +203,15 @@ async fn admit(State(state): State<Arc<AgentState>>, body: Bytes) -> Response {
         },
         ttl_ms: b.ttl_ms,
     };
+    // With the durable outbox: a full one refuses new work here too (a check holds
+    // nothing and records nothing), so that past its soft bound only leases already in
+    // flight can still bring records, which its headroom always takes.
+    if !req.cost.is_check()
+        && let Some(ob) = state.outbox.get()
+        && let Err(e) = ob.check_room()
+    {
+        return outbox_error(&e);
+    }
     let d = match state.engine.admit(now, &req) {
         Ok(d) => d,
         Err(e) => {

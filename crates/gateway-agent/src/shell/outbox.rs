@@ -59,8 +59,10 @@ use crate::usage::{CompletionStatus, Outcome, Usage, UsageRecord, UsageSink};
 
 /// The data file's name inside the outbox directory.
 pub const FILE_NAME: &str = "outbox.redb";
-/// Suffix of the request id of a late completion's `adjust` event.
-pub const LATE_SUFFIX: &str = "#late-completion";
+/// Suffix of the request id of a late completion's `adjust` event (reserved: the
+/// engine refuses request ids that end with it, so no request's own event can take
+/// an adjust's id).
+pub const LATE_SUFFIX: &str = crate::engine::RESERVED_ID_SUFFIX;
 
 const FORMAT: u64 = 1;
 const EVENTS: TableDefinition<u64, &[u8]> = TableDefinition::new("events");
@@ -77,8 +79,9 @@ pub struct OutboxConfig {
     /// `agent-<pid>-<unix ms>`.
     pub agent_id: Option<String>,
     /// Records waiting for the writer (memory reserved up front, 504 bytes each).
-    /// Completions are refused (503) once three quarters are used; the last quarter is
-    /// headroom for lease expiries, which have no caller to refuse. Default 16,384.
+    /// New work is refused (503) once three quarters are used; the rest, with
+    /// `in_flight_max`, is headroom for records of work already under way (completions,
+    /// and lease expiries, which have no caller to refuse). Default 16,384.
     pub queue_max: usize,
     /// Events held (on disk, not yet delivered, plus queued) past which completions
     /// are refused with 503. A ledger outage fills it at the completion rate: size it
@@ -95,6 +98,11 @@ pub struct OutboxConfig {
     /// Distinct ledger nodes that must acknowledge an event before it is trimmed:
     /// `min(2, configured ledgers)`.
     pub ledgers_needed: usize,
+    /// Records that may still arrive once new work is refused: one per lease in flight
+    /// (a completion or an expiry; set it to the engine's `max_leases`). The queue
+    /// takes up to `queue_max + in_flight_max` records, the headroom allocated only if
+    /// used, so no answered completion is dropped while the disk stalls. Default 65,536.
+    pub in_flight_max: usize,
 }
 
 impl OutboxConfig {
@@ -110,6 +118,7 @@ impl OutboxConfig {
             tenant_descriptor: "org".into(),
             model_descriptor: "model".into(),
             ledgers_needed,
+            in_flight_max: 65_536,
         }
     }
 
@@ -181,6 +190,9 @@ pub(crate) struct Pending {
     usage: Option<Usage>,
     reserved_input_tokens: u64,
     admitted_at_ns: u64,
+    /// Engine time of the record (the completion or expiry): with the wall origin,
+    /// the agent's idea of the wall clock then.
+    at_ns: u64,
     /// The record's limit keys (what the event's descriptors come from).
     keys: [Option<Arc<LimitKey>>; MAX_LIMITS_PER_REQUEST],
 }
@@ -197,6 +209,7 @@ impl Pending {
             usage: r.usage,
             reserved_input_tokens: r.reserved_input_tokens,
             admitted_at_ns: r.admitted_at_ns,
+            at_ns: r.at_ns,
             keys,
         }
     }
@@ -694,13 +707,18 @@ impl UsageSink for Outbox {
     fn record(&self, r: &UsageRecord<'_>) {
         let p = Pending::from_record(r);
         let mut q = self.sh.lock();
-        if q.items.len() >= self.sh.cfg.queue_max {
+        // Past three quarters of `queue_max` every front door refuses new work, so at
+        // most one record per lease in flight can still come: only a caller that
+        // bypasses `check_room` (or more leases than `in_flight_max`) reaches this.
+        if q.items.len() >= self.sh.cfg.queue_max + self.sh.cfg.in_flight_max {
             drop(q);
             self.sh.stats.dropped.fetch_add(1, Ordering::Relaxed);
             eprintln!(
                 "bursar-agent: ERROR usage outbox queue full ({} records): the record of \
                  request {:?} ({:?}) is LOST (counted in bursar_outbox_dropped_total)",
-                self.sh.cfg.queue_max, r.request_id, r.outcome
+                self.sh.cfg.queue_max + self.sh.cfg.in_flight_max,
+                r.request_id,
+                r.outcome
             );
             return;
         }
@@ -828,13 +846,17 @@ fn writer(sh: Arc<Shared>, mapper: Mapper) {
             // Event times are the wall clock read at start plus monotonic time since.
             // If that start reading was ahead (an agent started before its clock was
             // synchronised), the times would be in the future and refused: shift them
-            // back by how far ahead it was found to be (every later event too, so an
-            // expired request's late completion lands in the same hour as its expiry:
-            // an adjust resolves only in its target's bucket), and count it.
+            // back by how far ahead it is found to be, judged by the record's own moment
+            // (not its admission, which may be a TTL earlier), and every later event
+            // too, so an expired request's late completion lands in the same hour as its
+            // expiry (an adjust resolves only in its target's bucket); count it.
+            let agent_now_ms = mapper.wall_origin_ms + p.at_ns / 1_000_000;
+            if agent_now_ms > now_ms + limits.future_skew_ms / 2 {
+                ahead_ms = ahead_ms.max(agent_now_ms - now_ms);
+            }
             e.time_ms = e.time_ms.saturating_sub(ahead_ms);
-            if e.time_ms > now_ms + limits.future_skew_ms / 2 {
-                ahead_ms += e.time_ms - now_ms;
-                e.time_ms = now_ms;
+            if ahead_ms > 0 || e.time_ms > now_ms + limits.future_skew_ms / 2 {
+                e.time_ms = e.time_ms.min(now_ms);
                 if sh.stats.time_clamped.fetch_add(1, Ordering::Relaxed) == 0 {
                     eprintln!(
                         "bursar-agent: WARNING usage event times are ahead of the wall \
@@ -1247,7 +1269,7 @@ mod tests {
         std::thread::sleep(Duration::from_millis(30));
         engine
             .complete(
-                302 * 1_000_000_000,
+                301 * 1_000_000_000,
                 "r-late",
                 Usage::default(),
                 CompletionStatus::Ok,
@@ -1259,6 +1281,61 @@ mod tests {
         assert_eq!(
             evs[0].1.time_ms, evs[1].1.time_ms,
             "the expiry and its adjust must share an hour bucket"
+        );
+        ob.close();
+    }
+
+    /// Review, twenty-fifth session: the shift was learned from events' own times (their
+    /// admission), so an expiry written a TTL after its admission was not "ahead"
+    /// enough to shift while a fresh completion after it was, and the late adjust got
+    /// another time than its expiry. Ahead is judged at each record's own moment.
+    #[test]
+    fn a_clock_ahead_by_less_than_a_ttl_plus_the_skew_still_shifts_expiry_and_adjust_alike() {
+        let dir = tempdir("clock-ahead-ttl");
+        let ob = Arc::new(Outbox::open(config(&dir)).unwrap());
+        let cfg = Config::from_toml(RULES).unwrap();
+        let engine = Engine::new(cfg.clone(), Arc::clone(&ob) as Arc<dyn UsageSink>);
+        let now = wall_origin_ms() + 3_600_000;
+        // Engine time 301 s is now; the start reading was 8 minutes ahead.
+        ob.start(cfg.rules, now - 301_000 + 8 * 60_000);
+        let sec = 1_000_000_000;
+        admit(&engine, "r1", 10);
+        engine.maintain(301 * sec);
+        assert!(ob.durable_blocking(ob.ticket(), Duration::from_secs(10)));
+        // A fresh request, then r1's late completion.
+        let d = engine
+            .admit(
+                301 * sec,
+                &AdmitRequest {
+                    request_id: "r2",
+                    domain: None,
+                    descriptors: &[("org", "acme"), ("key", "k1"), ("model", "gpt-x")],
+                    cost: Cost::ONE_REQUEST,
+                    ttl_ms: None,
+                },
+            )
+            .unwrap();
+        assert!(d.is_admitted());
+        engine
+            .complete(301 * sec, "r2", Usage::default(), CompletionStatus::Ok)
+            .unwrap();
+        engine
+            .complete(301 * sec, "r1", Usage::default(), CompletionStatus::Ok)
+            .unwrap();
+        assert!(ob.durable_blocking(ob.ticket(), Duration::from_secs(10)));
+        let evs = ob.read_after(0, 10).unwrap();
+        let time_of = |id: &str| {
+            evs.iter()
+                .find(|(_, e)| e.request_id == id)
+                .map(|(_, e)| e.time_ms)
+                .unwrap_or_else(|| panic!("no event {id}: {evs:?}"))
+        };
+        let late = format!("r1{LATE_SUFFIX}");
+        assert_eq!(time_of("r1"), time_of(&late), "expiry and adjust split");
+        assert!(
+            time_of("r1").abs_diff(now - 301_000) < 60_000,
+            "{}",
+            time_of("r1")
         );
         ob.close();
     }
@@ -1293,6 +1370,39 @@ mod tests {
         }
         let e = Outbox::open(config(&dir)).unwrap_err().to_string();
         assert!(e.contains("not a bursar-agent outbox"), "{e}");
+    }
+
+    /// Review, twenty-fifth session: room was checked when a request was admitted,
+    /// not when it finished, so with more requests in flight than the queue's last
+    /// quarter a stalled disk dropped the records of completions already answered.
+    /// Every lease in flight now has room for its record beyond the queue.
+    #[test]
+    fn records_of_work_in_flight_are_kept_past_the_queue_while_the_writer_stalls() {
+        let dir = tempdir("in-flight");
+        let mut cfg = config(&dir);
+        cfg.queue_max = 16;
+        cfg.events_max = 16;
+        let ob = Arc::new(Outbox::open(cfg).unwrap());
+        // Not started: nothing drains, as with a stalled disk.
+        let rules = Config::from_toml(RULES).unwrap();
+        let engine = Engine::new(rules, Arc::clone(&ob) as Arc<dyn UsageSink>);
+        for i in 0..20 {
+            assert!(ob.check_room().is_ok());
+            admit(&engine, &format!("w{i}"), 10);
+        }
+        for i in 0..20 {
+            let done = engine
+                .complete(1, &format!("w{i}"), Usage::default(), CompletionStatus::Ok)
+                .unwrap();
+            assert_eq!(done, crate::Completion::Settled);
+        }
+        assert_eq!(
+            ob.dropped(),
+            0,
+            "records of answered completions were dropped"
+        );
+        assert!(ob.check_room().is_err(), "new work is refused meanwhile");
+        ob.close();
     }
 
     #[test]
