@@ -129,7 +129,7 @@ struct ServeArgs {
     #[arg(long, requires = "outbox_dir")]
     ledger: Vec<String>,
     /// Usage records waiting for the outbox's writer (memory reserved up front,
-    /// 504 bytes each). New work gets 503 past three quarters of it; leases already in
+    /// 256 bytes each). New work gets 503 past three quarters of it; leases already in
     /// flight always have room for their records beyond it.
     #[arg(long, default_value_t = 16_384, value_parser = clap::value_parser!(u64).range(16..=4_194_304))]
     outbox_queue_max: u64,

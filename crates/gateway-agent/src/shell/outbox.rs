@@ -78,7 +78,7 @@ pub struct OutboxConfig {
     /// The events' `origin`. `None`: the id stored in the file, or, for a new file,
     /// `agent-<pid>-<unix ms>`.
     pub agent_id: Option<String>,
-    /// Records waiting for the writer (memory reserved up front, 504 bytes each).
+    /// Records waiting for the writer (memory reserved up front, 256 bytes each).
     /// New work is refused (503) once three quarters are used; the rest, with
     /// `in_flight_max`, is headroom for records of work already under way (completions,
     /// and lease expiries, which have no caller to refuse). Default 16,384.
