@@ -2076,7 +2076,11 @@ impl Allocator {
                 Some(p) => p,
                 None => self.create_entry(a, k),
             };
-            self.apply_held(k, pos, &h.grant, 0);
+            // A hello says nothing of work in flight: the entry's last report does (a
+            // concurrency shrink still draining must not count as applied on a
+            // reconnect).
+            let in_flight = self.key(k).entries[pos as usize].in_flight;
+            self.apply_held(k, pos, &h.grant, in_flight);
             self.mark_dirty(k, self.recompute_due(now));
         }
         Ok(())
@@ -5231,6 +5235,75 @@ mod tests {
     }
 
     #[test]
+    fn while_learning_no_agent_is_granted_more_than_it_held_in_the_earlier_term() {
+        // Review, twenty-fifth session: the band's residue was added to rejecting
+        // entries while learning, lifting a grant past what the agent held.
+        let cfg = quick_config();
+        let start = 100 * SEC;
+        let mut a = Allocator::new(&rules(), cfg.clone(), 2, start).unwrap();
+        let held = |seq| HeldGrant {
+            epoch: 1,
+            seq,
+            rate: 300,
+            burst: 300,
+        };
+        for (agent, seq) in [("a", 40), ("b", 41)] {
+            let mut h = hello(agent, 1, 10);
+            h.held.push(crate::msg::HeldSlice {
+                key: key("rps", "x"),
+                grant: held(seq),
+            });
+            a.handle_hello(start, &h).unwrap();
+        }
+        let mut a_held = Some(held(40));
+        let mut granted_a = Vec::new();
+        let mut t = start;
+        // Cumulative counters, as agents report them.
+        let (mut adm, mut rej, mut b_adm, mut b_rej) = (0, 0, 0, 0);
+        for round in 0..12u64 {
+            t += 60 * MS;
+            // a: quiet for a while, then rejecting far above what it held; b: busy.
+            if round < 4 {
+                adm += 1;
+            } else {
+                adm += 20;
+                rej += 300;
+            }
+            b_adm += 20;
+            b_rej += 300;
+            a.handle_report(
+                t,
+                &report(
+                    "a",
+                    1,
+                    20 + t - start,
+                    vec![line(key("rps", "x"), adm, rej, a_held)],
+                ),
+            )
+            .unwrap();
+            a.handle_report(
+                t,
+                &report(
+                    "b",
+                    1,
+                    20 + t - start,
+                    vec![line(key("rps", "x"), b_adm, b_rej, Some(held(41)))],
+                ),
+            )
+            .unwrap();
+            let gs = settle(&mut a, t + 20 * MS);
+            for g in for_agent(&gs, "a") {
+                granted_a.push(g.rate);
+                a.handle_ack(t + 21 * MS, &ack(g, 1, 0)).unwrap();
+                a_held = Some(g.held());
+            }
+            assert!(a.is_learning());
+        }
+        assert!(!granted_a.is_empty());
+        assert!(granted_a.iter().all(|&r| r <= 300), "{granted_a:?}");
+    }
+
+    #[test]
     fn a_new_term_grants_nothing_beyond_what_agents_hold_until_a_lease_has_passed() {
         let cfg = quick_config();
         let start = 100 * SEC;
@@ -5585,6 +5658,52 @@ mod tests {
             ga.burst,
             st.bound.burst
         );
+    }
+
+    /// Review, twenty-fifth session: a reconnect's hello (which says nothing of work in
+    /// flight) marked a concurrency shrink still draining as applied, so the slots still
+    /// busy were granted to another agent.
+    #[test]
+    fn a_reconnect_does_not_end_a_concurrency_shrink_that_is_still_draining() {
+        let now = 5 * SEC;
+        let mut a = warm_allocator(1, now);
+        let k = key("conc", "x");
+        a.handle_hello(now, &hello("a", 1, 1)).unwrap();
+        a.handle_hello(now, &hello("b", 1, 1)).unwrap();
+        let mut l = line(k.clone(), 0, 0, None);
+        l.rejected = 20;
+        a.handle_report(now, &report("a", 1, 2, vec![l])).unwrap();
+        let ga = settle(&mut a, now + 20 * MS)[0].clone();
+        a.handle_ack(now + 21 * MS, &ack(&ga, 1, 0)).unwrap();
+        settle(&mut a, now + 21 * MS);
+        // b wants slots; a is idle but its work still runs.
+        let t = now + SEC;
+        let mut la = line(k.clone(), 0, 20, Some(ga.held()));
+        la.in_flight = ga.burst;
+        a.handle_report(t, &report("a", 1, SEC, vec![la])).unwrap();
+        let mut lb = line(k.clone(), 0, 50, None);
+        lb.in_flight = 0;
+        a.handle_report(t, &report("b", 1, SEC, vec![lb])).unwrap();
+        let gs = settle(&mut a, t + 20 * MS);
+        let shrink = last_for(&gs, "a");
+        assert!(shrink.burst < ga.burst);
+        // a applies the shrink but its work has not drained; then its stream breaks and
+        // it says hello again holding the shrink.
+        a.handle_disconnect(t + 30 * MS, "a").unwrap();
+        let mut h = hello("a", 1, SEC + 30 * MS);
+        h.held.push(crate::msg::HeldSlice {
+            key: k.clone(),
+            grant: shrink.held(),
+        });
+        a.handle_hello(t + 31 * MS, &h).unwrap();
+        settle(&mut a, t + 40 * MS);
+        let st = a.key_status(&k).unwrap();
+        let sa = st.agents.iter().find(|s| &*s.agent == "a").unwrap();
+        assert_eq!(
+            sa.committed.burst, ga.burst,
+            "the old grant counts until the work drains"
+        );
+        assert!(st.committed.burst <= 10, "{st:?}");
     }
 
     #[test]

@@ -337,7 +337,10 @@ impl<A: Agents + ?Sized> Pass<'_, A> {
             e.demand_used = e.demand;
             e.rejecting_used = e.rejecting;
         }
-        if !rule.concurrency {
+        // Not while learning: targets are capped at what each agent held in the earlier
+        // term, and growth past that (the band's residue) could hand out budget that
+        // agents not heard from yet still hold (invariant 4).
+        if !rule.concurrency && !learning {
             sum_r = absorb_band_residue(
                 &key.entries,
                 &sc.reachable,
