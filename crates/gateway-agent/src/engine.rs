@@ -1887,8 +1887,14 @@ impl Engine {
     /// sealed by a slice change; its held units carried over): gives back `refund`
     /// units (one slot, for concurrency) and releases what `l` held.
     fn settle_current(&self, now: u64, l: &LeaseLimit, refund: u64) {
+        self.settle_live(now, || self.current_of(l), refund, l.held());
+    }
+
+    /// Gives `refund` units back and releases `held` on the key's live slot, as
+    /// `live` finds it, again if a slice change seals it meanwhile.
+    fn settle_live(&self, now: u64, live: impl Fn() -> Option<Arc<Slot>>, refund: u64, held: u64) {
         for _ in 0..8 {
-            let Some(slot) = self.current_of(l) else {
+            let Some(slot) = live() else {
                 return; // evicted at rest: it held nothing
             };
             let amount = match &slot.params {
@@ -1896,7 +1902,7 @@ impl Engine {
                 Params::Rate(p) => p.refund_ns(refund),
                 Params::Closed(_) => 0,
             };
-            if slot.settle(now, amount, l.held()) {
+            if slot.settle(now, amount, held) {
                 return;
             }
         }
@@ -1932,25 +1938,17 @@ impl Engine {
         }
     }
 
-    /// Gives `units` back on the current slot of `sealed`'s key: a debit taken on a
-    /// slot that a slice change or a reload sealed since was carried over to its
-    /// successor (a rejected RLS decision undoes it there, as `settle_current` does
-    /// for a lease).
+    /// Gives `units` back on the live slot of `sealed`'s key (found by its hashes): a
+    /// debit taken on a slot that a slice change or a reload sealed since was carried
+    /// over to its successor (a rejected RLS decision undoes it there, as
+    /// `settle_current` does for a lease).
     fn undo_on_current(&self, now: u64, sealed: &Slot, units: u64) {
         let k = &sealed.key;
-        let vals: Vec<&str> = k.values().collect();
-        for _ in 0..8 {
-            let Some(slot) = self.current_slot(k.rule, &vals) else {
-                return; // evicted at rest: it held nothing
-            };
-            let amount = match &slot.params {
-                Params::Rate(p) => p.refund_ns(units),
-                Params::Closed(_) | Params::Slots(_) => 0,
-            };
-            if slot.settle(now, amount, 0) {
-                return;
-            }
-        }
+        let live = || {
+            let slow = self.slow();
+            find_live(&slow, &self.table.load(), k.id, k.check).map(|(_, s)| s)
+        };
+        self.settle_live(now, live, units, 0);
     }
 
     /// `l`'s key made again after an eviction, from the name the lease kept or a

@@ -84,6 +84,29 @@ async fn the_layer_admits_settles_and_rejects_in_process() {
     assert_eq!(app.oneshot(plain).await.unwrap().status(), StatusCode::OK);
 }
 
+/// As the HTTP API and the proxy answer: a key the allocator has granted nothing yet
+/// is the fleet's condition (503), not the tenant's limit (429).
+#[tokio::test]
+async fn a_key_with_no_budget_granted_is_answered_503_not_429() {
+    let e = engine(&format!("[engine]\nslice_source = \"allocated\"\n{RULES}"));
+    let layer = AdmissionLayer::new(Arc::clone(&e), |parts| {
+        let user = parts.headers.get("x-user")?.to_str().ok()?.to_string();
+        Some(Admission {
+            descriptors: vec![("user".into(), user)],
+            cost: Cost::ONE_REQUEST,
+        })
+    });
+    let app = Router::new().route("/gen", post(handler)).layer(layer);
+    let req = Request::post("/gen")
+        .header("x-user", "u1")
+        .body(Body::empty())
+        .unwrap();
+    let r = app.oneshot(req).await.unwrap();
+    assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(r.headers().contains_key("retry-after"));
+    assert_eq!(e.leases_in_flight(), 0);
+}
+
 #[tokio::test]
 async fn with_an_outbox_the_layer_answers_after_the_usage_record_is_durable() {
     use bursar_agent::clock::MonotonicClock;

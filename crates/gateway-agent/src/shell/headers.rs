@@ -101,6 +101,12 @@ pub fn go_duration(ns: u64) -> String {
     }
 }
 
+/// Whether the limit that tripped is a key with no budget granted (allocator mode,
+/// rate 0): the fleet's condition, not the tenant's, answered 503 rather than 429.
+pub fn no_budget(d: &Decision) -> bool {
+    tripped(d).is_some_and(|l| matches!(l.rate(), Some((0, _))))
+}
+
 /// The status of the limit that tripped, if any.
 pub fn tripped(d: &Decision) -> Option<&LimitStatus> {
     match d {

@@ -261,10 +261,7 @@ async fn admit(State(state): State<Arc<AgentState>>, body: Bytes) -> Response {
                 )
                     .into_response(),
                 RejectReason::RetryLater { retry_after_ns } => {
-                    // A key with no budget granted (allocator mode, rate 0) is the
-                    // fleet's condition, not the tenant's: 503.
-                    let no_budget =
-                        headers::tripped(&d).is_some_and(|l| matches!(l.rate(), Some((0, _))));
+                    let no_budget = headers::no_budget(&d);
                     let status = if no_budget {
                         StatusCode::SERVICE_UNAVAILABLE
                     } else {

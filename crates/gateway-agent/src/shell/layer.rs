@@ -227,7 +227,11 @@ where
                             "retry-after",
                             headers::retry_after_secs(retry_after_ns).to_string(),
                         ));
-                        StatusCode::TOO_MANY_REQUESTS
+                        if headers::no_budget(&d) {
+                            StatusCode::SERVICE_UNAVAILABLE
+                        } else {
+                            StatusCode::TOO_MANY_REQUESTS
+                        }
                     }
                 };
                 let r = reject(status, hs);

@@ -597,9 +597,7 @@ async fn handle(State(p): State<Arc<Proxy>>, req: Request, kind: Kind) -> Respon
     if let Decision::Rejected(r) = &d {
         p.agent.counters.rejected.fetch_add(1, Ordering::Relaxed);
         let rule = p.agent.engine.rules().rules()[r.rule].name.clone();
-        // A key with no budget granted (allocator mode, rate 0) is the fleet's
-        // condition, not the tenant's: 503, as the HTTP API answers.
-        let no_budget = headers::tripped(&d).is_some_and(|l| matches!(l.rate(), Some((0, _))));
+        let no_budget = headers::no_budget(&d);
         let resp = match r.reason {
             RejectReason::NeverFits { cost, burst } => openai_error(
                 StatusCode::BAD_REQUEST,
