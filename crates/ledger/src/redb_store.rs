@@ -864,11 +864,6 @@ impl Store for RedbStore {
         decode(seq, &stored_event(&chunks, hour, tenant, seq)?).map(Some)
     }
 
-    fn visit_bucket(&self, bucket: &Bucket, f: &mut dyn FnMut(&Event)) -> Result<(), StoreError> {
-        let r = self.db.begin_read().map_err(backend)?;
-        ReadView::visit_bucket(&r, bucket, f)
-    }
-
     fn read_view(&self, f: &mut dyn FnMut(&dyn ReadView)) -> Result<(), StoreError> {
         // One read transaction: redb's snapshot of the last commit.
         let r = self.db.begin_read().map_err(backend)?;
@@ -930,16 +925,6 @@ impl Store for RedbStore {
             }
         }
         Ok(())
-    }
-
-    fn digests(
-        &self,
-        from_hour: u64,
-        to_hour: u64,
-        tenant: Option<&str>,
-    ) -> Result<Vec<(Bucket, Digest)>, StoreError> {
-        let r = self.db.begin_read().map_err(backend)?;
-        ReadView::digests(&r, from_hour, to_hour, tenant)
     }
 
     fn root(&self) -> Result<Digest, StoreError> {

@@ -61,8 +61,13 @@ pub trait Store: Send + Sync {
     /// `EventKey::from_request_id(request_id)`).
     fn event(&self, request_id: &str) -> Result<Option<Event>, StoreError>;
 
-    /// Calls `f` for each event of `bucket`, in arrival order.
-    fn visit_bucket(&self, bucket: &Bucket, f: &mut dyn FnMut(&Event)) -> Result<(), StoreError>;
+    /// Calls `f` for each event of `bucket`, in arrival order (through a view of the
+    /// last commit).
+    fn visit_bucket(&self, bucket: &Bucket, f: &mut dyn FnMut(&Event)) -> Result<(), StoreError> {
+        let mut out = Ok(());
+        self.read_view(&mut |v| out = v.visit_bucket(bucket, f))?;
+        out
+    }
 
     /// Calls `f` for each event whose hour is in `from_hour..to_hour`, in
     /// (hour, tenant, arrival) order, starting strictly after `after` if given, until
@@ -76,13 +81,17 @@ pub trait Store: Send + Sync {
     ) -> Result<(), StoreError>;
 
     /// Non-empty bucket digests with hour in `from_hour..to_hour` (and of `tenant`, if
-    /// given), in (hour, tenant) order.
+    /// given), in (hour, tenant) order (through a view of the last commit).
     fn digests(
         &self,
         from_hour: u64,
         to_hour: u64,
         tenant: Option<&str>,
-    ) -> Result<Vec<(Bucket, Digest)>, StoreError>;
+    ) -> Result<Vec<(Bucket, Digest)>, StoreError> {
+        let mut out = Ok(Vec::new());
+        self.read_view(&mut |v| out = v.digests(from_hour, to_hour, tenant))?;
+        out
+    }
 
     /// The root digest (the sum of every bucket's).
     fn root(&self) -> Result<Digest, StoreError>;
@@ -392,10 +401,6 @@ impl Store for MemStore {
             .transpose()
     }
 
-    fn visit_bucket(&self, bucket: &Bucket, f: &mut dyn FnMut(&Event)) -> Result<(), StoreError> {
-        self.lock().visit_bucket(bucket, f)
-    }
-
     fn scan(
         &self,
         from_hour: u64,
@@ -423,15 +428,6 @@ impl Store for MemStore {
             }
         }
         Ok(())
-    }
-
-    fn digests(
-        &self,
-        from_hour: u64,
-        to_hour: u64,
-        tenant: Option<&str>,
-    ) -> Result<Vec<(Bucket, Digest)>, StoreError> {
-        ReadView::digests(&*self.lock(), from_hour, to_hour, tenant)
     }
 
     fn root(&self) -> Result<Digest, StoreError> {
