@@ -5570,8 +5570,11 @@ mod tests {
         assert_eq!(a.key_count(), 0);
     }
 
-    #[test]
-    fn a_concurrency_shrink_counts_until_in_flight_work_drains() {
+    /// Agent a holds a `conc` grant (`ga`) and, with `busy` of its slots still in
+    /// flight, is shrunk (`shrink`) because b wants slots; `t` is the shrinking round.
+    fn concurrency_shrink_while_busy(
+        busy: impl Fn(&Grant) -> u64,
+    ) -> (Allocator, KeyName, Grant, Grant, u64) {
         let now = 5 * SEC;
         let mut a = warm_allocator(1, now);
         let k = key("conc", "x");
@@ -5583,19 +5586,25 @@ mod tests {
         a.handle_report(now, &report("a", 1, 2, vec![l])).unwrap();
         let gs = settle(&mut a, now + 20 * MS);
         let ga = gs[0].clone();
-        assert!(ga.burst >= 7 && ga.rate == 0, "{ga:?}");
         a.handle_ack(now + 21 * MS, &ack(&ga, 1, 0)).unwrap();
         settle(&mut a, now + 21 * MS);
         // b wants slots; a is idle but still has work in flight.
         let t = now + SEC;
         let mut la = line(k.clone(), 0, 20, Some(ga.held()));
-        la.in_flight = 1;
+        la.in_flight = busy(&ga);
         a.handle_report(t, &report("a", 1, SEC, vec![la])).unwrap();
         let mut lb = line(k.clone(), 0, 50, None);
         lb.in_flight = 0;
         a.handle_report(t, &report("b", 1, SEC, vec![lb])).unwrap();
         let gs = settle(&mut a, t + 20 * MS);
         let shrink = last_for(&gs, "a");
+        (a, k, ga, shrink, t)
+    }
+
+    #[test]
+    fn a_concurrency_shrink_counts_until_in_flight_work_drains() {
+        let (mut a, k, ga, shrink, t) = concurrency_shrink_while_busy(|_| 1);
+        assert!(ga.burst >= 7 && ga.rate == 0, "{ga:?}");
         assert!(shrink.burst < ga.burst);
         // Acked while still over the new slot count: the old grant keeps counting.
         let mut drained = ack(&shrink, 1, 0);
@@ -5665,27 +5674,8 @@ mod tests {
     /// busy were granted to another agent.
     #[test]
     fn a_reconnect_does_not_end_a_concurrency_shrink_that_is_still_draining() {
-        let now = 5 * SEC;
-        let mut a = warm_allocator(1, now);
-        let k = key("conc", "x");
-        a.handle_hello(now, &hello("a", 1, 1)).unwrap();
-        a.handle_hello(now, &hello("b", 1, 1)).unwrap();
-        let mut l = line(k.clone(), 0, 0, None);
-        l.rejected = 20;
-        a.handle_report(now, &report("a", 1, 2, vec![l])).unwrap();
-        let ga = settle(&mut a, now + 20 * MS)[0].clone();
-        a.handle_ack(now + 21 * MS, &ack(&ga, 1, 0)).unwrap();
-        settle(&mut a, now + 21 * MS);
-        // b wants slots; a is idle but its work still runs.
-        let t = now + SEC;
-        let mut la = line(k.clone(), 0, 20, Some(ga.held()));
-        la.in_flight = ga.burst;
-        a.handle_report(t, &report("a", 1, SEC, vec![la])).unwrap();
-        let mut lb = line(k.clone(), 0, 50, None);
-        lb.in_flight = 0;
-        a.handle_report(t, &report("b", 1, SEC, vec![lb])).unwrap();
-        let gs = settle(&mut a, t + 20 * MS);
-        let shrink = last_for(&gs, "a");
+        // Every slot of a's grant still busy.
+        let (mut a, k, ga, shrink, t) = concurrency_shrink_while_busy(|ga| ga.burst);
         assert!(shrink.burst < ga.burst);
         // a applies the shrink but its work has not drained; then its stream breaks and
         // it says hello again holding the shrink.

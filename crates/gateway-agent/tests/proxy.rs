@@ -161,6 +161,11 @@ async fn chat(seen: Seen, body: Bytes) -> Response {
 }
 
 fn start(seen: &Seen, extra: &[&str]) -> (Agent, SocketAddr) {
+    start_rules(seen, &rules(), extra)
+}
+
+/// [`start`] with other rules.
+fn start_rules(seen: &Seen, rules: &str, extra: &[&str]) -> (Agent, SocketAddr) {
     let up = upstream(seen.clone());
     let upstream_url = format!("http://{up}");
     let mut args = vec![
@@ -170,7 +175,7 @@ fn start(seen: &Seen, extra: &[&str]) -> (Agent, SocketAddr) {
         upstream_url.as_str(),
     ];
     args.extend_from_slice(extra);
-    let agent = Agent::start_with(&rules(), &args);
+    let agent = Agent::start_with(rules, &args);
     let proxy = agent.proxy.expect("proxy address");
     (agent, proxy)
 }
@@ -403,8 +408,6 @@ fn bad_input_unknown_keys_and_stalled_clients_get_clear_errors() {
 fn proxied_completions_are_committed_to_the_usage_outbox_before_the_response_ends() {
     use bursar_agent::shell::outbox::{Outbox, OutboxConfig};
     let seen = Seen::default();
-    let up = upstream(seen.clone());
-    let upstream_url = format!("http://{up}");
     let dir = std::env::temp_dir().join(format!("bursar-proxy-outbox-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     // A shadow rule on the model, so the model is among the lease's limit keys and
@@ -414,13 +417,10 @@ fn proxied_completions_are_committed_to_the_usage_outbox_before_the_response_end
          dimension = \"requests\"\nrate = 1000000\nper = \"second\"\nmode = \"shadow\"\n",
         rules()
     );
-    let agent = Agent::start_with(
+    let (agent, proxy) = start_rules(
+        &seen,
         &rules,
         &[
-            "--proxy-listen",
-            "127.0.0.1:0",
-            "--proxy-upstream",
-            upstream_url.as_str(),
             "--outbox-dir",
             dir.to_str().unwrap(),
             // Nothing listens there: events stay in the outbox for this test to read.
@@ -430,7 +430,6 @@ fn proxied_completions_are_committed_to_the_usage_outbox_before_the_response_end
             "proxy-agent",
         ],
     );
-    let proxy = agent.proxy.expect("proxy address");
     let committed = || agent.metric("bursar_outbox_events_total{kind=\"committed\"} ");
     let r = chat_call(
         proxy,
@@ -535,19 +534,8 @@ fn several_choices_reserve_max_tokens_for_each_up_to_the_cap() {
 #[test]
 fn a_stream_longer_than_the_lease_ttl_keeps_its_lease() {
     let seen = Seen::default();
-    let up = upstream(seen.clone());
-    let upstream_url = format!("http://{up}");
     let rules = format!("[engine]\nlease_ttl_ms = 600\n{}", rules());
-    let agent = Agent::start_with(
-        &rules,
-        &[
-            "--proxy-listen",
-            "127.0.0.1:0",
-            "--proxy-upstream",
-            upstream_url.as_str(),
-        ],
-    );
-    let proxy = agent.proxy.expect("proxy address");
+    let (agent, proxy) = start_rules(&seen, &rules, &[]);
     let reader = std::thread::spawn(move || {
         chat_call(
             proxy,
@@ -569,8 +557,6 @@ fn a_stream_longer_than_the_lease_ttl_keeps_its_lease() {
 fn requests_that_cost_their_rules_nothing_are_still_recorded() {
     use bursar_agent::shell::outbox::{Outbox, OutboxConfig};
     let seen = Seen::default();
-    let up = upstream(seen.clone());
-    let upstream_url = format!("http://{up}");
     let dir = std::env::temp_dir().join(format!("bursar-proxy-zero-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     // Output tokens only: an embedding reserves none of them. A slow refill, so that
@@ -581,13 +567,10 @@ fn requests_that_cost_their_rules_nothing_are_still_recorded() {
          rate = 600\nper = \"hour\"\nburst = 1000\n\n\
          [[api_key]]\nsha256 = \"{hash}\"\ndescriptors = {{ org = \"acme\" }}\n"
     );
-    let agent = Agent::start_with(
+    let (agent, proxy) = start_rules(
+        &seen,
         &rules,
         &[
-            "--proxy-listen",
-            "127.0.0.1:0",
-            "--proxy-upstream",
-            upstream_url.as_str(),
             "--proxy-max-response-bytes",
             "1024",
             "--outbox-dir",
@@ -598,7 +581,6 @@ fn requests_that_cost_their_rules_nothing_are_still_recorded() {
             "proxy-agent",
         ],
     );
-    let proxy = agent.proxy.expect("proxy address");
     let r = request_with(
         proxy,
         "POST",
