@@ -158,6 +158,15 @@ impl Ledger {
         }
     }
 
+    /// Loses every byte of its data (the whole data dir, marker included, as a
+    /// replaced disk would) and starts empty under the same node id and port.
+    fn wipe_and_restart(&mut self) {
+        self.kill9();
+        std::fs::remove_dir_all(&self.dir).expect("wipe the data dir");
+        std::fs::create_dir(&self.dir).expect("recreate the data dir");
+        self.restart();
+    }
+
     /// Every event the ledger holds, as exported (all pages).
     fn export(&self) -> Vec<Value> {
         let h = now_ms() / 3_600_000;
@@ -1021,4 +1030,51 @@ fn events_are_credited_to_the_node_that_answered_not_the_one_learned() {
         50,
         "events were credited to a node that lacks them"
     );
+}
+
+/// Regression (review, twenty-fifth session's open item): the outbox credited
+/// acknowledgements to a node id alone. A node that lost its data and came back empty
+/// under the same id kept its old cursor, so its events were never sent to it again,
+/// and one more acknowledgement elsewhere trimmed events that only one node held. The
+/// ledger's answers now name its store, and a new store starts from the oldest event
+/// the outbox holds.
+#[test]
+fn a_ledger_that_lost_its_data_gets_every_held_event_again() {
+    let mut a = Ledger::start("ledger-a");
+    let mut b = Ledger::start("ledger-b");
+    let outbox = tempdir("agent-wiped");
+    let agent = AgentProc::start(&outbox, &[a.url(), b.url()], &[]);
+    b.kill9();
+    for i in 0..50u64 {
+        let r = agent
+            .admit_complete(&format!("w-{i}"), "acme", 10, 1)
+            .expect("complete");
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    let cursor = |url: &str| agent.metric(&format!("bursar_ledger_cursor{{ledger=\"{url}\"}} "));
+    wait_until(
+        "ledger a to acknowledge everything",
+        Duration::from_secs(30),
+        || cursor(&a.url()) == 50,
+    );
+    assert_eq!(agent.pending(), 50, "one ledger of two holds them");
+
+    a.wipe_and_restart();
+    assert_eq!(a.events(), 0, "the wiped node starts empty");
+    wait_until(
+        "the wiped node to be sent every held event again",
+        Duration::from_secs(30),
+        || a.events() == 50,
+    );
+    assert_eq!(
+        agent.pending(),
+        50,
+        "still one holder: nothing may be trimmed"
+    );
+
+    b.restart();
+    wait_until("trim once both hold them", Duration::from_secs(30), || {
+        agent.pending() == 0
+    });
+    assert_eq!((a.events(), b.events()), (50, 50));
 }

@@ -32,6 +32,26 @@ pub fn run<S: Store>(fresh: &mut dyn FnMut() -> S, reopen: &mut dyn FnMut(S) -> 
     corrections_change_totals_and_not_the_event_count(fresh());
     an_empty_batch_changes_nothing(fresh());
     everything_acknowledged_survives_a_reopen(fresh(), reopen);
+    the_store_id_is_kept_by_a_reopen_and_new_for_a_new_store(fresh, reopen);
+}
+
+fn the_store_id_is_kept_by_a_reopen_and_new_for_a_new_store<S: Store>(
+    fresh: &mut dyn FnMut() -> S,
+    reopen: &mut dyn FnMut(S) -> S,
+) {
+    let a = fresh();
+    let id = a.store_id().to_string();
+    assert!(!id.is_empty(), "conformance: a store has an id");
+    a.apply(&[usage("r1", "acme", "m", NOW, 1, 0, 1)])
+        .expect("apply");
+    let a = reopen(a);
+    assert_eq!(a.store_id(), id, "conformance: a reopen keeps the store id");
+    let b = fresh();
+    assert_ne!(
+        b.store_id(),
+        id,
+        "conformance: a new (empty) store has an id of its own"
+    );
 }
 
 fn new_duplicate_and_conflict_are_reported(s: impl Store) {

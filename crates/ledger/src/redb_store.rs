@@ -17,8 +17,9 @@
 //!   (measured in docs/BENCHMARKS.md, "Ledger");
 //! - `digests`: (hour, tenant) -> digest (80 bytes);
 //! - `conflicts`: (event key, element hash of the loser) -> the loser's encoding;
-//! - `meta`: `format` (a marker naming this layout), `root` (the root digest) and
-//!   `next_seq`.
+//! - `meta`: `format` (a marker naming this layout), `root` (the root digest),
+//!   `next_seq` and `store_id` ([`Store::store_id`]: made with the file, so a node
+//!   whose data is gone comes back under a new one).
 //!
 //! Files of earlier layouts are converted at open, each step in one durable
 //! transaction (all or nothing): format 3 (one `events` row per event) into chunks,
@@ -100,6 +101,9 @@ pub struct RedbStore {
     /// read them again, after a commit that failed). Locked for a whole `apply`.
     index: Arc<Mutex<Option<Runs>>>,
     index_params: id_runs::Params,
+    /// `meta["store_id"]`: made at the file's creation (or at the first open of a
+    /// file from before store ids), kept for the file's life.
+    store_id: String,
 }
 
 impl std::fmt::Debug for RedbStore {
@@ -214,16 +218,18 @@ impl RedbStore {
                 return Err(open_err(reason));
             }
         }
-        let store = RedbStore {
+        let mut store = RedbStore {
             db: Arc::new(db),
             path: path.to_path_buf(),
             chunk_bytes_max: CHUNK_BYTES_MAX,
             index: Arc::new(Mutex::new(None)),
             index_params: id_runs::Params::default(),
+            store_id: String::new(),
         };
         store
             .check_format(existed)
             .map_err(|e| open_err(e.to_string()))?;
+        store.store_id = store.load_store_id().map_err(|e| open_err(e.to_string()))?;
         Ok(store)
     }
 
@@ -245,6 +251,31 @@ impl RedbStore {
     fn with_index_params(mut self, params: id_runs::Params) -> RedbStore {
         self.index_params = params;
         self
+    }
+
+    /// Reads `meta["store_id"]`, writing a new one (durably) if the file has none.
+    fn load_store_id(&self) -> Result<String, StoreError> {
+        let r = self.db.begin_read().map_err(backend)?;
+        let stored = r
+            .open_table(META)
+            .map_err(backend)?
+            .get("store_id")
+            .map_err(backend)?
+            .map(|v| v.value().to_vec());
+        drop(r);
+        if let Some(id) = stored {
+            return String::from_utf8(id)
+                .map_err(|_| StoreError::Backend("meta[\"store_id\"] is not UTF-8".into()));
+        }
+        let id = crate::store::new_store_id();
+        let mut w = self.db.begin_write().map_err(backend)?;
+        w.set_durability(Durability::Immediate).map_err(backend)?;
+        w.open_table(META)
+            .map_err(backend)?
+            .insert("store_id", id.as_bytes())
+            .map_err(backend)?;
+        w.commit().map_err(backend)?;
+        Ok(id)
     }
 
     fn check_format(&self, existed: bool) -> Result<(), StoreError> {
@@ -934,6 +965,10 @@ impl Store for RedbStore {
             Some(v) => digest_of("root", v.value()),
             None => Ok(Digest::default()),
         }
+    }
+
+    fn store_id(&self) -> &str {
+        &self.store_id
     }
 
     fn conflicts(&self, limit: usize) -> Result<Vec<Conflict>, StoreError> {

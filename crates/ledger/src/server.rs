@@ -506,6 +506,9 @@ async fn post_events(State(s): State<AppState>, body: Bytes) -> Response {
                 // Which node holds them now: a forwarder behind a load balancer credits
                 // the node that answered, not the one it learned at /healthz.
                 "node_id": s.cfg.node_id,
+                // And which store: a node whose data was wiped answers with a new one,
+                // and holds nothing a forwarder credited to the old.
+                "store_id": s.store.store_id(),
             }))
             .into_response()
         }
@@ -816,7 +819,12 @@ async fn post_isolate(State(s): State<AppState>, Query(p): Params) -> Response {
 
 async fn healthz(State(s): State<AppState>) -> Response {
     if s.writer_alive.load(Ordering::Acquire) {
-        axum::Json(json!({ "status": "ok", "node_id": s.cfg.node_id })).into_response()
+        axum::Json(json!({
+            "status": "ok",
+            "node_id": s.cfg.node_id,
+            "store_id": s.store.store_id(),
+        }))
+        .into_response()
     } else {
         error(StatusCode::SERVICE_UNAVAILABLE, "the writer has stopped").into_response()
     }

@@ -103,6 +103,29 @@ pub trait Store: Send + Sync {
     /// sees the same commits, whatever lands meanwhile (exact totals are computed from
     /// several reads, and must match the digest they report).
     fn read_view(&self, f: &mut dyn FnMut(&dyn ReadView)) -> Result<(), StoreError>;
+
+    /// This store's identity: made once when the store is created, kept by every
+    /// reopen, and new when the data is gone and the node starts empty under the same
+    /// node id. Writers that count which nodes hold their events (the agent's outbox)
+    /// credit a node id together with its store id, so a wiped node is never counted
+    /// as holding what it held before.
+    fn store_id(&self) -> &str;
+}
+
+/// A fresh store identity: 128 bits as 32 hex digits, from the process's random
+/// hash keys (seeded by the operating system) over the time and process id.
+pub fn new_store_id() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let half = || {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u128(nanos);
+        h.write_u32(std::process::id());
+        h.finish()
+    };
+    format!("{:016x}{:016x}", half(), half())
 }
 
 /// Reads from one committed state of a store ([`Store::read_view`]); the same
@@ -256,9 +279,19 @@ fn totals_in(
 
 /// The in-memory reference backend: the model the conformance suite and property
 /// tests compare real backends against. Not durable.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct MemStore {
     inner: Mutex<MemInner>,
+    store_id: String,
+}
+
+impl Default for MemStore {
+    fn default() -> MemStore {
+        MemStore {
+            inner: Mutex::default(),
+            store_id: new_store_id(),
+        }
+    }
 }
 
 #[derive(Debug, Default, Clone)]
@@ -439,6 +472,10 @@ impl Store for MemStore {
         // not a server's store).
         f(&*self.lock());
         Ok(())
+    }
+
+    fn store_id(&self) -> &str {
+        &self.store_id
     }
 
     fn conflicts(&self, limit: usize) -> Result<Vec<Conflict>, StoreError> {

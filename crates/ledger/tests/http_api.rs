@@ -14,6 +14,7 @@ fn hour_start(t: u64) -> u64 {
 fn posting_events_answers_new_and_duplicate_counts() {
     let dir = tempfile::tempdir().unwrap();
     let node = Node::start(dir.path(), &[]);
+    let store = node.get("/healthz").json()["store_id"].clone();
     let t = now_ms() - 1000;
     let a = usage_json("r1", "acme", "gpt-4o", t, 100, 10);
     let b = usage_json("r2", "acme", "gpt-4o", t, 200, 20);
@@ -22,13 +23,13 @@ fn posting_events_answers_new_and_duplicate_counts() {
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(
         r.json(),
-        json!({"events": 3, "new": 3, "duplicate": 0, "conflict": 0, "node_id": "test-node"})
+        json!({"events": 3, "new": 3, "duplicate": 0, "conflict": 0, "node_id": "test-node", "store_id": store})
     );
     let d = usage_json("r4", "acme", "claude", t, 1, 1);
     let r = node.post_json("/v1/events", &json!([a, d, c, d]));
     assert_eq!(
         r.json(),
-        json!({"events": 4, "new": 1, "duplicate": 3, "conflict": 0, "node_id": "test-node"})
+        json!({"events": 4, "new": 1, "duplicate": 3, "conflict": 0, "node_id": "test-node", "store_id": store})
     );
     let mut a2 = a.clone();
     a2["output_tokens"] = json!(11);
@@ -279,16 +280,48 @@ fn an_export_pages_by_cursor_and_posts_back_to_an_identical_ledger() {
     );
 }
 
+/// A restart keeps the store id (the data is the same); a node started on an empty
+/// data dir under the same node id gets a new one (agents' outboxes must not count it
+/// as holding what the old store held).
+#[test]
+fn the_store_id_survives_a_restart_and_is_new_after_a_wipe() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut node = Node::start(dir.path(), &[]);
+    let id = |n: &Node| n.get("/healthz").json()["store_id"].clone();
+    let first = id(&node);
+    assert!(first.is_string(), "{first}");
+    node.kill9();
+    let mut node = Node::start(dir.path(), &[]);
+    assert_eq!(
+        id(&node),
+        first,
+        "a restart on the same data keeps the store id"
+    );
+    node.kill9();
+    std::fs::remove_dir_all(dir.path()).unwrap();
+    std::fs::create_dir(dir.path()).unwrap();
+    let node = Node::start(dir.path(), &[]);
+    assert_ne!(id(&node), first, "an empty data dir is a new store");
+}
+
 #[test]
 fn healthz_and_metrics_answer() {
     let dir = tempfile::tempdir().unwrap();
     let node = Node::start(dir.path(), &[]);
+    let h = node.get("/healthz").json();
+    let store = h["store_id"].as_str().expect("a store id").to_string();
+    assert_eq!(store.len(), 32, "{h}");
     assert_eq!(
-        node.get("/healthz").json(),
-        json!({"status": "ok", "node_id": "test-node"})
+        h,
+        json!({"status": "ok", "node_id": "test-node", "store_id": store})
     );
     let e = usage_json("r1", "acme", "m", now_ms(), 1, 1);
-    node.post_json("/v1/events", &json!([e, e]));
+    let r = node.post_json("/v1/events", &json!([e, e])).json();
+    assert_eq!(
+        (&r["node_id"], &r["store_id"]),
+        (&json!("test-node"), &json!(store)),
+        "an ingest answer names the node and store that hold it: {r}"
+    );
     let m = node.get("/metrics").text();
     for line in [
         "bursar_ledger_events_received_total{node=\"test-node\"} 2",

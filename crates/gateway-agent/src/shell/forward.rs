@@ -1,11 +1,13 @@
 //! The forwarder: delivers the outbox's events to the configured ledger nodes over
 //! their HTTP API (`POST /v1/events`, which answers only after a durable commit).
 //!
-//! One task per configured ledger URL. Each learns its node's id from `GET /healthz`
-//! (so two URLs naming one node count once, and a node keeps its place across URL
-//! changes), then loops: read the next events above that node's cursor from the
-//! outbox file, post them, and on a `200` that counts every event, acknowledge them to
-//! the outbox ([`Outbox::ack`]). The outbox trims an event once
+//! One task per configured ledger URL. Each learns its node's id and store id from
+//! `GET /healthz` (so two URLs naming one node count once, a node keeps its place
+//! across URL changes, and a node that lost its data and started empty under the same
+//! id is not credited with what it held before: [`Outbox::holder`]), then loops: read
+//! the next events above that holder's cursor from the outbox file, post them, and on
+//! a `200` that counts every event and names the same node and store, acknowledge them
+//! to the outbox ([`Outbox::ack`]). The outbox trims an event once
 //! `min(2, configured ledgers)` distinct nodes acknowledged it. Failures back off
 //! exponentially with jitter (100 ms to `backoff_max`); nothing is dropped. After a
 //! restart the cursors come back from the file, so delivery resumes where it was;
@@ -14,12 +16,16 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use tokio::sync::watch;
 
 use super::outbox::Outbox;
+
+/// How often an idle forwarder asks its node's identity again while the outbox holds
+/// events (see `step`).
+const RELEARN_IDLE: Duration = Duration::from_secs(1);
 
 /// Forwarder settings. Plain data.
 #[derive(Clone, Debug)]
@@ -53,6 +59,8 @@ pub struct LedgerStatus {
     pub url: String,
     /// The node id its `/healthz` reported, once known.
     pub node_id: Mutex<Option<String>>,
+    /// The store id it reported with it (new when the node lost its data).
+    pub store_id: Mutex<Option<String>>,
     /// 1 while the last attempt succeeded.
     pub up: AtomicBool,
     /// Events it acknowledged (new or duplicate).
@@ -76,6 +84,7 @@ pub fn spawn(
         let status = Arc::new(LedgerStatus {
             url: url.trim_end_matches('/').to_string(),
             node_id: Mutex::new(None),
+            store_id: Mutex::new(None),
             up: AtomicBool::new(false),
             delivered: AtomicU64::new(0),
             delivered_new: AtomicU64::new(0),
@@ -114,9 +123,10 @@ async fn deliver(
     let mut backoff = Duration::from_millis(100);
     let mut commits = outbox.commits();
     let mut node: Option<String> = None;
+    let mut learned_at = Instant::now();
     let mut last_error = String::new();
     while !*shutdown.borrow() {
-        let failed = match step(&outbox, &cfg, &st, &client, &mut node).await {
+        let failed = match step(&outbox, &cfg, &st, &client, &mut node, &mut learned_at).await {
             Ok(Step::Sent) => {
                 backoff = Duration::from_millis(100);
                 st.up.store(true, Ordering::Relaxed);
@@ -172,13 +182,15 @@ async fn step(
     st: &LedgerStatus,
     client: &reqwest::Client,
     node: &mut Option<String>,
+    learned_at: &mut Instant,
 ) -> Result<Step, String> {
     let id = match node {
         Some(id) => id.clone(),
         None => {
-            let id = node_id(client, &st.url).await?;
-            *st.node_id.lock().unwrap_or_else(|e| e.into_inner()) = Some(id.clone());
+            let (n, store) = node_id(client, &st.url).await?;
+            let id = learn(outbox, st, &n, &store);
             *node = Some(id.clone());
+            *learned_at = Instant::now();
             id
         }
     };
@@ -191,6 +203,12 @@ async fn step(
         .map_err(|e| format!("reading the outbox: {e}"))?
         .map_err(|e| e.to_string())?;
     let Some(&(last, _)) = batch.last() else {
+        if outbox.held() > 0 && learned_at.elapsed() >= RELEARN_IDLE {
+            // Up to date here, while the outbox still holds events for other nodes:
+            // ask this node who it is again, so a node that lost its data (a new
+            // store) is sent what this one was credited with before they are trimmed.
+            *node = None;
+        }
         return Ok(Step::Idle);
     };
     let n = batch.len() as u64;
@@ -232,20 +250,26 @@ async fn step(
             "POST /v1/events: sent {n} events, the answer counts {counted:?}: {text}"
         ));
     }
-    if let Some(other) = v.get("node_id").and_then(Value::as_str)
-        && other != id
-        && !other.is_empty()
+    let (answered, answered_store) = identity(&v)?;
+    if let Some(other) = answered
+        && format!("{other}\n{answered_store}") != id
     {
-        // Another node answered at this URL (a load balancer, a replaced node): it
-        // holds this batch, but not necessarily what the learned node's cursor covers,
-        // so nothing is credited; the next step sends from the answering node's own
-        // cursor (what it already holds is counted once there).
-        *st.node_id.lock().unwrap_or_else(|e| e.into_inner()) = Some(other.to_string());
-        *node = Some(other.to_string());
-        st.cursor.store(outbox.cursor(other), Ordering::Relaxed);
+        // Another node answered at this URL (a load balancer, a replaced node), or
+        // the same node with another store (its data was wiped): it holds this batch,
+        // but not necessarily what the learned holder's cursor covers, so nothing is
+        // credited; the next step sends from the answering holder's own cursor (what
+        // it already holds is counted once there).
+        let other = learn(outbox, st, other, answered_store);
+        st.cursor.store(outbox.cursor(&other), Ordering::Relaxed);
+        *node = Some(other);
         return Ok(Step::Sent);
     }
-    outbox.ack(&id, last);
+    if !outbox.ack(&id, last) {
+        // Another task (a second URL of the same node) learned it under a new store
+        // meanwhile: learn it again before crediting anything.
+        *node = None;
+        return Ok(Step::Sent);
+    }
     st.cursor.store(last, Ordering::Relaxed);
     st.delivered.fetch_add(n, Ordering::Relaxed);
     st.delivered_new.fetch_add(
@@ -255,7 +279,32 @@ async fn step(
     Ok(Step::Sent)
 }
 
-async fn node_id(client: &reqwest::Client, url: &str) -> Result<String, String> {
+/// Makes `(node, store)` the node's current holder in the outbox and the status.
+fn learn(outbox: &Outbox, st: &LedgerStatus, node: &str, store: &str) -> String {
+    *st.node_id.lock().unwrap_or_else(|e| e.into_inner()) = Some(node.to_string());
+    *st.store_id.lock().unwrap_or_else(|e| e.into_inner()) = Some(store.to_string());
+    outbox.holder(node, store)
+}
+
+/// The `node_id` (absent: `None`) and `store_id` (absent, as from a ledger older than
+/// store ids: empty) of an answer. A store id with a line break or over 128 bytes is
+/// an error (holder keys are `node \n store`).
+fn identity(v: &Value) -> Result<(Option<&str>, &str), String> {
+    let node = v
+        .get("node_id")
+        .and_then(Value::as_str)
+        .filter(|s| !s.is_empty());
+    let store = v.get("store_id").and_then(Value::as_str).unwrap_or("");
+    if store.len() > 128 || store.contains('\n') {
+        return Err(format!(
+            "the ledger's store_id is not a store id (a line break, or over 128 bytes): {:?}",
+            store.chars().take(140).collect::<String>()
+        ));
+    }
+    Ok((node, store))
+}
+
+async fn node_id(client: &reqwest::Client, url: &str) -> Result<(String, String), String> {
     let r = client
         .get(format!("{url}/healthz"))
         .send()
@@ -268,8 +317,8 @@ async fn node_id(client: &reqwest::Client, url: &str) -> Result<String, String> 
         .map_err(|e| format!("GET /healthz: reading the answer: {e}"))?;
     let v: Value = serde_json::from_str(&text)
         .map_err(|e| format!("GET /healthz: {status}, answer is not JSON ({e})"))?;
-    match (status.as_u16(), v.get("node_id").and_then(Value::as_str)) {
-        (200, Some(id)) if !id.is_empty() => Ok(id.to_string()),
+    match (status.as_u16(), identity(&v)?) {
+        (200, (Some(id), store)) => Ok((id.to_string(), store.to_string())),
         _ => Err(format!("GET /healthz: {status} {v}")),
     }
 }

@@ -36,7 +36,8 @@
 //! # File
 //!
 //! `DIR/outbox.redb`: `events` (seq -> the ledger's canonical encoding), `meta`
-//! (`format`, `next_seq`), `cursors` (ledger node id -> highest seq it acknowledged),
+//! (`format`, `next_seq`), `cursors` (holder -> highest seq it acknowledged, where a
+//! holder is a ledger node id and its store id, see [`Outbox::holder`]),
 //! `origin` (the agent id the outbox was created with). Opening verifies every page
 //! checksum and refuses an empty file, a file that is not redb, a redb file without
 //! the outbox's format marker and a file another process holds open.
@@ -245,8 +246,9 @@ struct Queue {
     pushed: u64,
     /// Records ever taken by the writer.
     taken: u64,
-    /// Delivery acknowledgements to persist: ledger node id -> highest seq.
-    acks: HashMap<String, u64>,
+    /// Cursor changes to persist: holder -> (remove the stored cursor first, then
+    /// raise it to this seq; 0: nothing to raise).
+    acks: HashMap<String, (bool, u64)>,
     stop: bool,
     /// The writer is parked on the condvar: the next push must wake it. Pushes while
     /// it works skip the wake-up (a futex syscall each: measured ~2 us per completion).
@@ -268,10 +270,25 @@ struct Shared {
     on_disk: AtomicU64,
     /// Highest seq in the file (0: none yet).
     last_seq: AtomicU64,
-    /// Per ledger node id, the highest seq it acknowledged (forwarders' view; the
-    /// file's copy may lag by one commit).
-    cursors: Mutex<HashMap<String, u64>>,
+    /// Per holder, the highest seq it acknowledged, and each node's current holder
+    /// (forwarders' view; the file's copy may lag by one commit).
+    cursors: Mutex<Holders>,
     stats: OutboxStats,
+}
+
+/// Who holds what: see [`Outbox::holder`].
+#[derive(Debug, Default)]
+struct Holders {
+    /// Holder -> the highest seq it acknowledged.
+    cursors: HashMap<String, u64>,
+    /// Ledger node id -> its holder as last learned (its current store).
+    bound: HashMap<String, String>,
+}
+
+/// The ledger node id part of a holder key (`node \n store`; a key from before store
+/// ids is the node id alone).
+fn node_of(holder: &str) -> &str {
+    holder.rsplit_once('\n').map_or(holder, |(node, _)| node)
 }
 
 impl Shared {
@@ -520,7 +537,13 @@ impl Outbox {
             queued: AtomicUsize::new(0),
             on_disk: AtomicU64::new(on_disk),
             last_seq: AtomicU64::new(next_seq - 1),
-            cursors: Mutex::new(cursors),
+            cursors: Mutex::new(Holders {
+                bound: cursors
+                    .keys()
+                    .map(|k| (node_of(k).to_string(), k.clone()))
+                    .collect(),
+                cursors,
+            }),
             stats: OutboxStats::default(),
             cfg,
         });
@@ -659,25 +682,65 @@ impl Outbox {
         self.sh.committed_tx.subscribe()
     }
 
-    /// The highest seq `node` acknowledged (0: none).
-    pub fn cursor(&self, node: &str) -> u64 {
-        let c = self.sh.cursors.lock().unwrap_or_else(|e| e.into_inner());
-        c.get(node).copied().unwrap_or(0)
-    }
-
-    /// Records that ledger node `node` holds every event up to `seq`. Persisted (and
-    /// the trim it allows applied) by the writer's next commit.
-    pub fn ack(&self, node: &str, seq: u64) {
-        {
-            let mut c = self.sh.cursors.lock().unwrap_or_else(|e| e.into_inner());
-            let e = c.entry(node.to_string()).or_insert(0);
-            *e = (*e).max(seq);
+    /// The holder key of ledger node `node` serving store `store` (both as its
+    /// answers name them), made the node's current holder. A store is the node's data
+    /// (`bursar-ledger` makes a new store id when it starts with none): if the node was
+    /// known under another store, it lost what that store held, so the old holder's
+    /// cursor is forgotten (durably, before any acknowledgement from the new one
+    /// counts) and delivery to the node starts again from the oldest event held here.
+    /// Events already trimmed were held by enough other nodes when they were trimmed.
+    pub fn holder(&self, node: &str, store: &str) -> String {
+        let key = format!("{node}\n{store}");
+        let mut h = self.sh.cursors.lock().unwrap_or_else(|e| e.into_inner());
+        let stale: Vec<String> = h
+            .cursors
+            .keys()
+            .filter(|k| node_of(k) == node && **k != key)
+            .cloned()
+            .collect();
+        h.bound.insert(node.to_string(), key.clone());
+        if stale.is_empty() {
+            return key;
+        }
+        for k in &stale {
+            h.cursors.remove(k);
         }
         let mut q = self.sh.lock();
-        let e = q.acks.entry(node.to_string()).or_insert(0);
-        *e = (*e).max(seq);
+        for k in stale {
+            q.acks.insert(k, (true, 0));
+        }
         drop(q);
+        drop(h);
         self.sh.cv.notify_one();
+        key
+    }
+
+    /// The highest seq `holder` acknowledged (0: none).
+    pub fn cursor(&self, holder: &str) -> u64 {
+        let h = self.sh.cursors.lock().unwrap_or_else(|e| e.into_inner());
+        h.cursors.get(holder).copied().unwrap_or(0)
+    }
+
+    /// Records that `holder` (from [`Outbox::holder`]) holds every event up to
+    /// `seq`. Persisted (and the trim it allows applied) by the writer's next commit.
+    /// Returns false, recording nothing, when `holder` is no longer its node's current
+    /// one (the node was learned again under another store meanwhile).
+    pub fn ack(&self, holder: &str, seq: u64) -> bool {
+        {
+            let mut h = self.sh.cursors.lock().unwrap_or_else(|e| e.into_inner());
+            if h.bound.get(node_of(holder)).map(String::as_str) != Some(holder) {
+                return false;
+            }
+            let e = h.cursors.entry(holder.to_string()).or_insert(0);
+            *e = (*e).max(seq);
+            // The queue is locked inside the holders' lock (as in `holder`): a forget
+            // and a later ack of the same holder reach the queue in their order.
+            let mut q = self.sh.lock();
+            let e = q.acks.entry(holder.to_string()).or_insert((false, 0));
+            e.1 = e.1.max(seq);
+        }
+        self.sh.cv.notify_one();
+        true
     }
 
     /// Up to `max` events with seq above `after`, in seq order (read from the file,
@@ -879,8 +942,10 @@ fn writer(sh: Arc<Shared>, mapper: Mapper) {
             encoded.push((next_seq, e.encode()));
             next_seq += 1;
         }
-        // Events always commit durably; acknowledgements alone only at the close.
-        let durable = !encoded.is_empty() || stop;
+        // Events always commit durably; acknowledgements alone only at the close. A
+        // forgotten holder is made durable at once: after a crash, its old cursor
+        // must not count toward a trim before its node is learned again.
+        let durable = !encoded.is_empty() || stop || acks.values().any(|a| a.0);
         acks_not_durable = !durable;
         let mut backoff = Duration::from_millis(10);
         let trimmed = loop {
@@ -923,7 +988,7 @@ fn commit(
     db: &Database,
     events: &[(u64, Vec<u8>)],
     next_seq: u64,
-    acks: &HashMap<String, u64>,
+    acks: &HashMap<String, (bool, u64)>,
     need: usize,
     durable: bool,
 ) -> Result<u64, redb::Error> {
@@ -945,10 +1010,13 @@ fn commit(
         meta.insert("next_seq", next_seq)?;
         if !acks.is_empty() {
             let mut cur = txn.open_table(CURSORS)?;
-            for (node, seq) in acks {
-                let old = cur.get(node.as_str())?.map_or(0, |v| v.value());
-                if *seq > old {
-                    cur.insert(node.as_str(), *seq)?;
+            for (holder, &(reset, seq)) in acks {
+                if reset {
+                    cur.remove(holder.as_str())?;
+                }
+                let old = cur.get(holder.as_str())?.map_or(0, |v| v.value());
+                if seq > old {
+                    cur.insert(holder.as_str(), seq)?;
                 }
             }
             let mut all: Vec<u64> = Vec::new();
@@ -1197,15 +1265,17 @@ mod tests {
                     .unwrap();
             }
             assert!(ob.durable_blocking(ob.ticket(), Duration::from_secs(10)));
-            ob.ack("ledger-a", 3);
+            let a = ob.holder("ledger-a", "s1");
+            assert!(ob.ack(&a, 3));
             ob.close();
         }
         let ob = Arc::new(Outbox::open(config(&dir)).unwrap());
         assert_eq!(ob.last_seq(), 5);
         assert_eq!(ob.held(), 5, "one ledger of two is not enough to trim");
-        assert_eq!(ob.cursor("ledger-a"), 3);
+        assert_eq!(ob.cursor("ledger-a\ns1"), 3);
         let _engine = engine_with(&ob, DEMO_RULES);
-        ob.ack("ledger-b", 4);
+        let b = ob.holder("ledger-b", "s2");
+        assert!(ob.ack(&b, 4));
         let t = ob.ticket();
         // An ack alone commits too; wait for the trim to show.
         for _ in 0..1000 {
@@ -1223,6 +1293,68 @@ mod tests {
             .map(|(s, _)| s)
             .collect();
         assert_eq!(left, vec![4, 5]);
+        ob.close();
+    }
+
+    fn wait_held(ob: &Outbox, n: u64) {
+        for _ in 0..2000 {
+            if ob.held() == n {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        panic!("held {} events, expected {n}", ob.held());
+    }
+
+    #[test]
+    fn a_node_back_under_a_new_store_is_not_credited_with_the_old_ones_acks() {
+        let dir = tempdir("stores");
+        {
+            let ob = Arc::new(Outbox::open(config(&dir)).unwrap());
+            let engine = engine_with(&ob, DEMO_RULES);
+            for i in 0..5 {
+                admit(&engine, &format!("s{i}"), 1);
+                engine
+                    .complete(1, &format!("s{i}"), Usage::default(), CompletionStatus::Ok)
+                    .unwrap();
+            }
+            assert!(ob.durable_blocking(ob.ticket(), Duration::from_secs(10)));
+            let old = ob.holder("ledger-a", "store-1");
+            assert!(ob.ack(&old, 5));
+            // Node a lost its data: same id, new store.
+            let new = ob.holder("ledger-a", "store-2");
+            assert_ne!(new, old);
+            assert_eq!(ob.cursor(&new), 0, "the new store holds nothing yet");
+            assert_eq!(ob.cursor(&old), 0, "the old store's cursor is forgotten");
+            assert!(!ob.ack(&old, 5), "a late ack for the old store is refused");
+            let b = ob.holder("ledger-b", "store-9");
+            assert!(ob.ack(&b, 5));
+            assert!(ob.ack(&new, 2));
+            wait_held(&ob, 3);
+            // A cursor from before store ids: the node id alone, as an older agent
+            // wrote it (read at the next open).
+            let w = ob.sh.db.begin_write().unwrap();
+            w.open_table(CURSORS)
+                .unwrap()
+                .insert("ledger-c", 5)
+                .unwrap();
+            w.commit().unwrap();
+            ob.close();
+        }
+        // The forgotten cursor stays forgotten in the file.
+        let ob = Arc::new(Outbox::open(config(&dir)).unwrap());
+        assert_eq!(ob.held(), 3);
+        assert_eq!(ob.cursor("ledger-a\nstore-1"), 0);
+        assert_eq!(ob.cursor("ledger-a\nstore-2"), 2);
+        assert_eq!(ob.cursor("ledger-b\nstore-9"), 5);
+        let _engine = engine_with(&ob, DEMO_RULES);
+        // Learned with a store, ledger-c's node-id-only cursor counts for nothing
+        // (it would make a trim to 5 here): it is sent everything again.
+        let c = ob.holder("ledger-c", "store-5");
+        assert_eq!(ob.cursor(&c), 0);
+        let a = ob.holder("ledger-a", "store-2");
+        assert!(ob.ack(&a, 3));
+        wait_held(&ob, 2);
         ob.close();
     }
 
