@@ -367,6 +367,18 @@ impl RuleSet {
         &self.rules
     }
 
+    /// The longest key name a rule of this set can have, in protobuf bytes (the
+    /// rule's name and one value of up to [`MAX_DESCRIPTOR_BYTES`] per `*` entry, each
+    /// with its tag and length): what bounds the lines per sync message
+    /// ([`crate::sync_session::keys_per_message`]).
+    pub fn max_key_name_bytes(&self) -> usize {
+        self.rules
+            .iter()
+            .map(|r| r.name.len() + 3 + r.wildcards() * (MAX_DESCRIPTOR_BYTES + 3))
+            .max()
+            .unwrap_or(0)
+    }
+
     /// The rule named `name`, with its index.
     pub fn by_name(&self, name: &str) -> Option<(usize, &Rule)> {
         self.by_name.get(name).map(|&i| (i, &self.rules[i]))

@@ -35,6 +35,27 @@ pub struct SessionConfig {
     pub backoff_min_ns: u64,
     /// Longest reconnect delay.
     pub backoff_max_ns: u64,
+    /// Most lines (or acks, or held grants in a hello) this agent puts in one message,
+    /// whatever the welcome allows: [`keys_per_message`] of its rules, so that a
+    /// message of its longest key names stays under the protocol's byte bound.
+    pub max_keys: usize,
+}
+
+/// Bytes of one report line besides its key name (its counters, held grant, handle
+/// and protobuf framing, every number at its longest varint), rounded up.
+pub const LINE_FIXED_BYTES: usize = 128;
+
+/// Room kept in each message for its own fields and framing.
+const MESSAGE_SLACK_BYTES: usize = 64 * 1024;
+
+/// Most lines of keys named in up to `max_key_name_bytes` each
+/// ([`crate::RuleSet::max_key_name_bytes`]) that fit in one message of
+/// `max_message_bytes`, capped at [`MAX_KEYS_PER_MESSAGE`]. A key count alone is not
+/// a bound: a rule matching 16 `*` descriptors of 256 bytes names keys of ~4 KiB, and
+/// 10,000 of them are 40 MiB, ten times what either end accepts.
+pub fn keys_per_message(max_key_name_bytes: usize, max_message_bytes: usize) -> usize {
+    let room = max_message_bytes.saturating_sub(MESSAGE_SLACK_BYTES);
+    (room / (max_key_name_bytes + LINE_FIXED_BYTES)).clamp(1, MAX_KEYS_PER_MESSAGE)
 }
 
 impl Default for SessionConfig {
@@ -45,6 +66,7 @@ impl Default for SessionConfig {
             full_report_every: 8,
             backoff_min_ns: 100_000_000,
             backoff_max_ns: 5_000_000_000,
+            max_keys: MAX_KEYS_PER_MESSAGE,
         }
     }
 }
@@ -162,9 +184,10 @@ impl<K: Ord + Clone> SyncSession<K> {
     /// Lines a message may carry on this stream (the welcome's bound; the protocol's
     /// before one).
     pub fn max_keys(&self) -> usize {
+        let own = self.cfg.max_keys.clamp(1, MAX_KEYS_PER_MESSAGE);
         match self.stream {
-            Stream::Up { max_keys } => max_keys,
-            _ => MAX_KEYS_PER_MESSAGE,
+            Stream::Up { max_keys } => max_keys.min(own),
+            _ => own,
         }
     }
 
@@ -194,7 +217,7 @@ impl<K: Ord + Clone> SyncSession<K> {
     /// The grants the hello names, at most one message's worth: the rest follow in the
     /// first (full) report, which names every held grant too.
     pub fn hello_held(&self) -> impl Iterator<Item = (&K, Held)> {
-        self.tracks.held().take(MAX_KEYS_PER_MESSAGE)
+        self.tracks.held().take(self.max_keys())
     }
 
     /// The welcome arrived: the allocator's lease (`lease_ms`, 0 if it did not say)

@@ -28,6 +28,10 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+/// The prost version the messages are built with (for `encoded_len` and friends
+/// without a second, possibly different, dependency).
+pub use prost;
+
 /// Envoy's API packages (generated).
 pub mod envoy {
     /// `envoy.config`

@@ -512,7 +512,7 @@ impl Driver {
                 continue;
             };
             let (mut closed, mut dropped) = (false, false);
-            for chunk in grants.chunks(max) {
+            for chunk in message_chunks(&grants, max, GRANTS_BYTES_MAX) {
                 let n = chunk.len() as u64;
                 let msg = pb::AllocatorMessage {
                     msg: Some(pb::allocator_message::Msg::Grants(pb::Grants {
@@ -548,6 +548,40 @@ impl Driver {
     }
 }
 
+/// Most encoded bytes of grants in one `Grants` message: the protocol's bound less
+/// room for the message's own framing.
+const GRANTS_BYTES_MAX: usize = pb::MAX_MESSAGE_BYTES - 64 * 1024;
+
+/// `grants` in runs of at most `max` grants and `max_bytes` encoded bytes each (one
+/// grant per run at least). A key count alone is not a bound: a grant naming a key of
+/// 16 `*` values of 256 bytes is ~4 KiB, and 10,000 of them would be ten times what
+/// the agent's end accepts.
+fn message_chunks(
+    grants: &[pb::Grant],
+    max: usize,
+    max_bytes: usize,
+) -> impl Iterator<Item = &[pb::Grant]> {
+    let mut rest = grants;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let (mut n, mut bytes) = (0, 0);
+        while n < rest.len() && n < max.max(1) {
+            // The field's tag and length prefix: at most 1 + 3 bytes here.
+            let b = bursar_proto::prost::Message::encoded_len(&rest[n]) + 4;
+            if n > 0 && bytes + b > max_bytes {
+                break;
+            }
+            bytes += b;
+            n += 1;
+        }
+        let (run, tail) = rest.split_at(n);
+        rest = tail;
+        Some(run)
+    })
+}
+
 /// A core grant as a wire grant.
 pub fn grant_to_pb(g: &GrantRef<'_>) -> pb::Grant {
     pb::Grant {
@@ -565,5 +599,55 @@ pub fn grant_to_pb(g: &GrantRef<'_>) -> pb::Grant {
         fleet_size: g.fleet_size,
         transfer_tokens: g.transfer_tokens,
         key_handle: g.key_handle,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn named(values: usize) -> pb::Grant {
+        pb::Grant {
+            key: Some(pb::Key {
+                rule: "r".repeat(200),
+                values: (0..values).map(|_| "v".repeat(256)).collect(),
+            }),
+            rate: u64::MAX,
+            burst: u64::MAX,
+            ..Default::default()
+        }
+    }
+
+    /// Review (twenty-fifth session's open item): grants were split by count alone, so
+    /// 10,000 first grants naming long keys made one message of ~40 MiB, which the
+    /// agent's end refuses, breaking its stream at every reconnect.
+    #[test]
+    fn grants_of_long_names_are_split_under_the_byte_bound() {
+        let grants: Vec<pb::Grant> = (0..10_000).map(|_| named(16)).collect();
+        let runs: Vec<&[pb::Grant]> = message_chunks(&grants, 10_000, GRANTS_BYTES_MAX).collect();
+        assert!(runs.len() > 9, "{} messages", runs.len());
+        assert_eq!(runs.iter().map(|r| r.len()).sum::<usize>(), 10_000);
+        for run in &runs {
+            let m = pb::AllocatorMessage {
+                msg: Some(pb::allocator_message::Msg::Grants(pb::Grants {
+                    grants: run.to_vec(),
+                })),
+            };
+            let len = bursar_proto::prost::Message::encoded_len(&m);
+            assert!(
+                len <= pb::MAX_MESSAGE_BYTES,
+                "{} grants: {len} bytes",
+                run.len()
+            );
+        }
+        // Small grants still go by the count; one over the byte bound still goes alone.
+        let small: Vec<pb::Grant> = (0..25).map(|_| pb::Grant::default()).collect();
+        let sizes: Vec<usize> = message_chunks(&small, 10, GRANTS_BYTES_MAX)
+            .map(<[pb::Grant]>::len)
+            .collect();
+        assert_eq!(sizes, vec![10, 10, 5]);
+        let huge = [named(16), named(16)];
+        assert_eq!(message_chunks(&huge, 10, 100).count(), 2);
+        assert_eq!(message_chunks(&[], 10, 100).count(), 0);
     }
 }

@@ -50,7 +50,10 @@
 //! # Bounds
 //!
 //! - Keys per message: the allocator's `max_keys_per_message` (welcome), at most
-//!   [`pb::MAX_KEYS_PER_MESSAGE`]; larger sets are split into several reports.
+//!   [`pb::MAX_KEYS_PER_MESSAGE`], and at most what fits in [`pb::MAX_MESSAGE_BYTES`]
+//!   with every key named at the rules' longest
+//!   ([`crate::sync_session::keys_per_message`]); larger sets are split into several
+//!   reports.
 //! - Message size: [`pb::MAX_MESSAGE_BYTES`] both ways on the tonic client.
 //! - Outbound queue: `outbound_queue_max` messages. Full: the report or ack is dropped
 //!   and counted. Safe: counters are cumulative (the next report carries them), and an
@@ -72,7 +75,7 @@ use super::AgentState;
 use crate::clock::Clock;
 use crate::engine::KeyDemand;
 use crate::sync_core::{Ack, Held, Line, TrackedKey};
-use crate::sync_session::{MeasureMark, Outgoing, SessionConfig, SyncSession};
+use crate::sync_session::{MeasureMark, Outgoing, SessionConfig, SyncSession, keys_per_message};
 use crate::{Engine, SliceError, SliceExtension, SliceUpdate};
 
 /// Settings of the sync client. Durations are plain `Duration`s; defaults in
@@ -199,7 +202,7 @@ pub fn spawn(
 ) -> (Arc<SyncStatus>, tokio::task::JoinHandle<()>) {
     let status = Arc::new(SyncStatus::default());
     let client = Client {
-        session: SyncSession::new(0, session_config(&cfg)),
+        session: SyncSession::new(0, session_config(&cfg, &state.engine)),
         state,
         cfg,
         status: Arc::clone(&status),
@@ -220,11 +223,14 @@ fn ns(d: Duration) -> u64 {
 }
 
 /// The session's settings from the client's.
-fn session_config(cfg: &SyncConfig) -> SessionConfig {
+fn session_config(cfg: &SyncConfig, engine: &Engine) -> SessionConfig {
     SessionConfig {
         full_report_every: cfg.full_report_every,
         backoff_min_ns: ns(cfg.backoff_min),
         backoff_max_ns: ns(cfg.backoff_max),
+        // A reload changes numbers only: the longest key name is fixed for the
+        // process's life.
+        max_keys: keys_per_message(engine.rules().max_key_name_bytes(), pb::MAX_MESSAGE_BYTES),
     }
 }
 
@@ -298,7 +304,8 @@ fn encode(out: Vec<Outgoing<pb::KeyReport, TrackedKey>>) -> Vec<pb::AgentMessage
 impl Client {
     async fn run(mut self, mut shutdown: watch::Receiver<bool>) {
         self.config_version = config_version(&self.state.engine);
-        self.session = SyncSession::new(self.now_ns(), session_config(&self.cfg));
+        self.session =
+            SyncSession::new(self.now_ns(), session_config(&self.cfg, &self.state.engine));
         let mut target = self.cfg.allocator.clone();
         // Redirects followed since the last welcome.
         let mut redirects = 0u32;
@@ -716,6 +723,67 @@ mod tests {
     fn the_session_splits_messages_at_the_protocols_bound() {
         assert_eq!(
             crate::sync_session::MAX_KEYS_PER_MESSAGE,
+            pb::MAX_KEYS_PER_MESSAGE
+        );
+    }
+
+    /// Review (twenty-fifth session's open item): messages were split by key count
+    /// alone, so an agent whose rules match many `*` descriptors sent full reports of
+    /// tens of MiB, which no tonic end accepts: the stream broke at every welcome and
+    /// the agent never held a grant. Every message of the longest lines the rules allow
+    /// now fits.
+    #[test]
+    fn a_message_of_the_longest_lines_the_rules_allow_fits_the_byte_bound() {
+        let m: String = (0..16).map(|i| format!("d{i} = \"*\", ")).collect();
+        let name = "r".repeat(200);
+        let rules = crate::Config::from_toml(&format!(
+            "[[rule]]\nname = \"{name}\"\nmatch = {{ {} }}\ndimension = \"requests\"\n\
+             rate = 10\nper = \"second\"\nburst = 10\n",
+            m.trim_end_matches(", ")
+        ))
+        .unwrap();
+        let engine = Engine::new(rules, Arc::new(crate::DiscardSink));
+        let n = session_config(&SyncConfig::new("127.0.0.1:1", "a"), &engine).max_keys;
+        assert!(n < 1_000, "16 values of 256 bytes: {n} keys per message");
+        let line = pb::KeyReport {
+            key: Some(pb::Key {
+                rule: name.clone(),
+                values: (0..16).map(|_| "v".repeat(256)).collect(),
+            }),
+            admitted: u64::MAX,
+            rejected: u64::MAX,
+            counting_since_ns: u64::MAX,
+            in_flight: u64::MAX,
+            held: Some(pb::HeldGrant {
+                epoch: u64::MAX,
+                seq: u64::MAX,
+                rate: u64::MAX,
+                burst: u64::MAX,
+            }),
+            key_handle: u64::MAX,
+        };
+        let report = pb::AgentMessage {
+            msg: Some(pb::agent_message::Msg::Report(pb::Report {
+                agent_time_ns: u64::MAX,
+                keys: vec![line; n],
+                measure: pb::Measure::End.into(),
+            })),
+        };
+        let len = prost::Message::encoded_len(&report);
+        assert!(len <= pb::MAX_MESSAGE_BYTES, "{n} lines: {len} bytes");
+        // And the bound is not needlessly low: one more line of slack's worth would
+        // not have fitted 10 % below it.
+        assert!(
+            len > pb::MAX_MESSAGE_BYTES * 9 / 10,
+            "{n} lines: {len} bytes"
+        );
+        // Ordinary rules keep the protocol's count.
+        let engine = Engine::new(
+            crate::Config::from_toml(crate::testing::ALLOCATED_SYNC).unwrap(),
+            Arc::new(crate::DiscardSink),
+        );
+        assert_eq!(
+            session_config(&SyncConfig::new("127.0.0.1:1", "a"), &engine).max_keys,
             pb::MAX_KEYS_PER_MESSAGE
         );
     }
