@@ -109,6 +109,8 @@ const MAX_PROBE: u64 = 4;
 
 /// Longest descriptor value in a key name (as the agent's config bounds it).
 const MAX_VALUE_BYTES: usize = 256;
+/// Most rule shapes one hello may carry.
+const MAX_RULE_SHAPES: usize = 10_000;
 
 /// A (rate, burst) pair: rate in units per the rule's period (0 for concurrency), burst
 /// in units (slots for concurrency).
@@ -257,6 +259,8 @@ struct RuleMeta {
     matches: Vec<(String, Pattern)>,
     period_ns: u64,
     concurrency: bool,
+    /// `bursar_agent::Rule::shape` (a function of the fields above).
+    shape: u64,
 }
 
 /// The rate the allocator grants out of: `cap / (1 + ppm / 10^6)`, rounded down, so
@@ -327,6 +331,7 @@ fn build_rules(
             matches: r.matches.clone(),
             period_ns: info.period_ns,
             concurrency: info.concurrency,
+            shape: r.shape(),
         });
         infos.push(info);
         rule_index.insert(r.name.clone(), i as u32);
@@ -875,6 +880,10 @@ impl Key {
 struct Agent {
     id: Arc<str>,
     incarnation: u64,
+    /// The rule shapes of the agent's file (its hello's), and the indices of the
+    /// rules in force whose shape differs: their lines are ignored.
+    shapes: Arc<[(String, u64)]>,
+    stale_rules: Vec<u32>,
     weight: f64,
     /// The report interval the agent declared in its hello, ns (0: not declared): a
     /// demand sample is read over at least this or `min_sample_ms`, the shorter.
@@ -1656,6 +1665,19 @@ impl Allocator {
         id
     }
 
+    /// The rules in force whose shape differs from the one an agent's file gives the
+    /// same name (rules the agent lacks or the allocator lacks are not listed: lines
+    /// naming those resolve or fail as before).
+    fn stale_rules_of(&self, shapes: &[(String, u64)]) -> Vec<u32> {
+        shapes
+            .iter()
+            .filter_map(|(name, shape)| {
+                let &i = self.rule_index.get(name)?;
+                (self.rule_meta[i as usize].shape != *shape).then_some(i)
+            })
+            .collect()
+    }
+
     /// A line naming a rule that a reload removed, or naming a replaced rule in its old
     /// form, comes from an agent still on the old rules: it is ignored rather than
     /// refusing the whole message (its other keys still count).
@@ -1985,6 +2007,13 @@ impl Allocator {
                 max: self.cfg.max_agents,
             });
         }
+        if hello.rule_shapes.len() > MAX_RULE_SHAPES {
+            return Err(AllocError::MessageTooLarge {
+                got: hello.rule_shapes.len(),
+                max: MAX_RULE_SHAPES,
+            });
+        }
+        let stale = self.stale_rules_of(&hello.rule_shapes);
         // Validate held grants before changing anything.
         let mut resolved = Vec::with_capacity(hello.held.len());
         let mut new_keys = 0;
@@ -1997,6 +2026,12 @@ impl Allocator {
                 }
                 Err(e) => return Err(e),
             };
+            if stale.contains(&rule) {
+                // The agent's rule of this name means something else: its grant is
+                // not one of ours.
+                resolved.push(None);
+                continue;
+            }
             self.validate_held(&h.key, rule, &h.grant)?;
             if key.is_none() {
                 if !self.key_has_free_probe(hash) {
@@ -2053,6 +2088,8 @@ impl Allocator {
             None => self.register(hello),
         };
         let ag = self.agent_mut(a);
+        ag.shapes = Arc::from(hello.rule_shapes.as_slice());
+        ag.stale_rules = stale;
         ag.weight = hello.weight.max(1) as f64;
         ag.report_interval_ns = AllocatorConfig::ns(hello.report_interval_ms.min(3_600_000));
         ag.by_handle = hello.grants_by_handle;
@@ -2091,6 +2128,8 @@ impl Allocator {
         let agent = Agent {
             id: Arc::clone(&id),
             incarnation: hello.incarnation,
+            shapes: Arc::from(Vec::new()),
+            stale_rules: Vec::new(),
             weight: 1.0,
             report_interval_ns: 0,
             connected: true,
@@ -2300,6 +2339,11 @@ impl Allocator {
                 }
                 Err(e) => return Err(e),
             };
+            if self.agent(a).stale_rules.contains(&rule) {
+                // The agent runs a file where this rule means something else.
+                resolved.push(None);
+                continue;
+            }
             if let Some(h) = &kr.held {
                 self.validate_held(name, rule, h)?;
             }

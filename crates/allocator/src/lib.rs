@@ -56,6 +56,7 @@
 //! alloc.handle_hello(2 * sec, &Hello {
 //!     agent: "node-a".into(), incarnation: 1, agent_time_ns: 50, weight: 1,
 //!     report_interval_ms: 250, held: vec![], grants_by_handle: false,
+//!     rule_shapes: vec![],
 //! }).unwrap();
 //! alloc.handle_report(2 * sec, &Report {
 //!     agent: "node-a".into(), incarnation: 1, agent_time_ns: 100,

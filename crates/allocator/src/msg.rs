@@ -89,6 +89,11 @@ pub struct Hello {
     /// again after a report names the key by name, which says the agent has no handle
     /// for it). False for agents that predate it: every grant is named.
     pub grants_by_handle: bool,
+    /// Per rule of the agent's file, its name and `bursar_agent::Rule::shape` (what its
+    /// keys mean). Lines of a rule whose shape differs from the allocator's are ignored
+    /// (counted in `ignored_lines`) for as long as the agent runs that file. Empty from
+    /// agents that predate it: every line is read as before.
+    pub rule_shapes: Vec<(String, u64)>,
 }
 
 /// Demand and holdings for one key, in a report.

@@ -211,6 +211,7 @@ fn run(seed: u64, overdraft_permille: u32) -> Outcome {
                     report_interval_ms: 250,
                     held: vec![],
                     grants_by_handle: false,
+                    rule_shapes: Vec::new(),
                 },
             )
             .unwrap();

@@ -219,6 +219,7 @@ impl World {
             // Half the fleet finds keys by handle: how grants name keys changes
             // nothing the properties check.
             grants_by_handle: i.is_multiple_of(2),
+            rule_shapes: Vec::new(),
         };
         match self.alloc.handle_hello(self.now, &h) {
             Ok(()) => self.agents[i].registered = true,

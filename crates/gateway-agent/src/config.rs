@@ -248,6 +248,29 @@ pub struct Rule {
 }
 
 impl Rule {
+    /// A fingerprint of what the rule's keys *mean* (its name, dimension, match, period
+    /// and kind; not its rate, burst, posture or mode, which a reload may change under
+    /// the same keys): FNV-1a, 64 bit, of a canonical rendering. Agents send one per
+    /// rule in their hello; the allocator ignores their lines of a rule whose
+    /// fingerprint differs from its own (the agent runs a file where that rule means
+    /// something else), so a grant is never applied under another meaning.
+    pub fn shape(&self) -> u64 {
+        let (per_ns, concurrency) = match self.limit {
+            RuleLimit::Rate { per, .. } => (per.as_ns(), false),
+            RuleLimit::Concurrency { .. } => (0, true),
+        };
+        let text = format!(
+            "{:?}|{:?}|{:?}|{per_ns}|{concurrency}",
+            self.name, self.dimension, self.matches
+        );
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in text.bytes() {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        h
+    }
+
     /// How many `*` entries the rule matches on: the values a key of it has.
     pub fn wildcards(&self) -> usize {
         self.matches
@@ -994,6 +1017,34 @@ fn parse_rule(index: usize, value: Value) -> Result<(Rule, Option<String>), Conf
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_rules_shape_follows_what_its_keys_mean_not_its_numbers() {
+        let shape = |body: &str| {
+            let c = Config::from_toml(&format!("[[rule]]\nname = \"r\"\n{body}")).unwrap();
+            c.rules.rules()[0].shape()
+        };
+        let base =
+            shape("match = { org = \"*\" }\ndimension = \"requests\"\nrate = 10\nper = \"second\"");
+        // Numbers, posture and mode: the same keys, the same shape.
+        assert_eq!(
+            base,
+            shape(
+                "match = { org = \"*\" }\ndimension = \"requests\"\nrate = 99\nper = \"second\"\n\
+                 burst = 7\nposture = \"open\"\nmode = \"shadow\""
+            )
+        );
+        // Period, dimension, match, kind: another meaning.
+        for other in [
+            "match = { org = \"*\" }\ndimension = \"requests\"\nrate = 10\nper = \"minute\"",
+            "match = { org = \"*\" }\ndimension = \"input_tokens\"\nrate = 10\nper = \"second\"",
+            "match = { tenant = \"*\" }\ndimension = \"requests\"\nrate = 10\nper = \"second\"",
+            "match = { org = \"acme\" }\ndimension = \"requests\"\nrate = 10\nper = \"second\"",
+            "match = { org = \"*\" }\ndimension = \"concurrency\"\nmax_in_flight = 10",
+        ] {
+            assert_ne!(base, shape(other), "{other}");
+        }
+    }
 
     fn err(text: &str) -> String {
         Config::from_toml(text).unwrap_err().to_string()

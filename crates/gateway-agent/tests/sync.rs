@@ -198,6 +198,22 @@ async fn a_grant_by_handle_alone_is_applied_to_the_key_the_handle_was_given_to()
     let mut conn = conns.recv().await.unwrap();
     // The client says it finds keys by handle.
     assert!(conn.hello.grants_by_handle);
+    // And what each of its rules means, so that an allocator whose file gives a rule
+    // another meaning ignores its lines of it.
+    let rules = Config::from_toml(RULES).unwrap();
+    let want: Vec<(String, u64)> = rules
+        .rules
+        .rules()
+        .iter()
+        .map(|r| (r.name.clone(), r.shape()))
+        .collect();
+    let got: Vec<(String, u64)> = conn
+        .hello
+        .rule_shapes
+        .iter()
+        .map(|r| (r.rule.clone(), r.shape))
+        .collect();
+    assert_eq!(got, want);
     assert!(!admit(&state, "r0", &[("org", "acme")]));
     next_line_named(&mut conn, "org-rps", "acme").await;
     let lease_end = conn.hello.agent_time_ns + 30_000_000_000;

@@ -160,6 +160,7 @@ mod tests {
                 agent_time_ns: 123,
                 report_interval_ms: 250,
                 grants_by_handle: true,
+                rule_shapes: Vec::new(),
                 held: vec![HeldSlice {
                     key: Some(Key {
                         rule: "org-rpm".into(),

@@ -744,6 +744,7 @@ impl Shard {
             report_interval_ms: sh.sc.allocator.report_interval_ms,
             held,
             grants_by_handle: true,
+            rule_shapes: Vec::new(),
         };
         let (inc, stream) = (a.incarnation, a.sync.streams_opened());
         self.counters.streams_opened += 1;

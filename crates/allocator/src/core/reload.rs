@@ -30,6 +30,8 @@
 //! agent on the old file falls back by the old rule, and the bound must not understate
 //! it (it may overstate it once every agent runs the new file, until a restart).
 
+use std::sync::Arc;
+
 use bursar_agent::{Config, Posture};
 
 use super::{Allocator, Slice, build_rules};
@@ -219,6 +221,16 @@ impl Allocator {
         self.rules = infos;
         self.rule_meta = meta;
         self.rule_index = index;
+        // Which rules each agent's file gives another meaning, against the new rules.
+        for i in 0..self.agents.len() {
+            let Some(shapes) = self.agents[i].as_ref().map(|ag| Arc::clone(&ag.shapes)) else {
+                continue;
+            };
+            let stale = self.stale_rules_of(&shapes);
+            if let Some(ag) = self.agents[i].as_mut() {
+                ag.stale_rules = stale;
+            }
+        }
 
         // New limits: grants already sent keep counting; what exceeds a shrunk limit
         // is inherited excess (nothing grows meanwhile, and it counts in the bound).
@@ -519,6 +531,115 @@ per = "second"
         assert_eq!(a.ignored_lines(), 1);
         assert_eq!(a.key_count(), 1);
         a.check_invariants().unwrap();
+    }
+
+    fn shapes(c: &Config) -> Vec<(String, u64)> {
+        c.rules
+            .rules()
+            .iter()
+            .map(|r| (r.name.clone(), r.shape()))
+            .collect()
+    }
+
+    /// Review (twenty-fifth session's open item): a rule replaced in place with keys of
+    /// the same shape (here per second -> per minute) was read from an agent still on
+    /// the old file as the new rule, and its grants, meant per minute, were applied
+    /// per second there. Agents now send their rules' shapes; lines of a rule whose
+    /// shape differs are ignored, and the agent is granted nothing on it until it says
+    /// hello with the new file.
+    #[test]
+    fn an_agent_whose_file_gives_a_rule_another_meaning_gets_no_grant_on_it() {
+        let old = rules_with(1000, 500, OPEN);
+        let per_minute = Config::from_toml(&format!(
+            "{}\n{OPEN}",
+            r#"
+[[rule]]
+name = "rps"
+match = { org = "*" }
+dimension = "requests"
+rate = 1000
+per = "minute"
+burst = 500
+"#
+        ))
+        .unwrap();
+        assert_ne!(shapes(&old), shapes(&per_minute));
+        let mut now = 5 * SEC;
+        let mut a = warm_allocator_with(&old, quick_config(), 1, 5 * SEC);
+        let mut h = hello("a", 1, 1);
+        h.rule_shapes = shapes(&old);
+        a.handle_hello(now, &h).unwrap();
+        let s = a.reload(now, &per_minute);
+        assert_eq!(s.replaced, vec!["rps".to_string()]);
+        // Agent a still runs the old file: its rps lines are ignored, its open-rps
+        // lines (same shape) are allocated.
+        for round in 1..=4u64 {
+            now += 250 * MS;
+            a.handle_report(
+                now,
+                &report(
+                    "a",
+                    1,
+                    round * 250 * MS,
+                    vec![
+                        line(key("rps", "x"), round * 300, round * 100, None),
+                        line(key("open-rps", "x"), round * 30, 0, None),
+                    ],
+                ),
+            )
+            .unwrap();
+            a.handle_timeout(now);
+            a.check_invariants().unwrap();
+        }
+        assert_eq!(a.ignored_lines(), 4);
+        let grants: Vec<Grant> = a.drain_grants().collect();
+        assert!(
+            grants.iter().all(|g| g.key.rule == "open-rps"),
+            "a grant for the rule a's file reads otherwise: {grants:?}"
+        );
+        assert!(!grants.is_empty(), "the unchanged rule is still allocated");
+        assert!(a.key_status(&key("rps", "x")).is_none());
+        // Restarted onto the new file, a's lines of rps count again.
+        let mut h = hello("a", 2, 1);
+        h.rule_shapes = shapes(&per_minute);
+        now += 5 * SEC;
+        a.handle_hello(now, &h).unwrap();
+        now += 250 * MS;
+        a.handle_report(
+            now,
+            &report(
+                "a",
+                2,
+                250 * MS,
+                vec![line(key("rps", "x"), 300, 100, None)],
+            ),
+        )
+        .unwrap();
+        a.handle_timeout(now + 250 * MS);
+        assert_eq!(a.ignored_lines(), 4);
+        assert!(a.key_status(&key("rps", "x")).is_some());
+        assert!(a.drain_grants().any(|g| g.key.rule == "rps"));
+        a.check_invariants().unwrap();
+        // An agent of the new file that says hello before the allocator reloads is
+        // ignored on rps until it does, then read.
+        let mut b = warm_allocator_with(&old, quick_config(), 1, 5 * SEC);
+        let mut h = hello("b", 1, 1);
+        h.rule_shapes = shapes(&per_minute);
+        b.handle_hello(5 * SEC, &h).unwrap();
+        b.handle_report(
+            5 * SEC,
+            &report("b", 1, 250 * MS, vec![line(key("rps", "x"), 3, 1, None)]),
+        )
+        .unwrap();
+        assert_eq!(b.ignored_lines(), 1);
+        b.reload(5 * SEC, &per_minute);
+        b.handle_report(
+            5 * SEC,
+            &report("b", 1, 500 * MS, vec![line(key("rps", "x"), 6, 2, None)]),
+        )
+        .unwrap();
+        assert_eq!(b.ignored_lines(), 1);
+        assert!(b.key_status(&key("rps", "x")).is_some());
     }
 
     #[test]

@@ -131,6 +131,11 @@ pub fn hello_from_pb(h: pb::Hello) -> Result<Hello, Status> {
         report_interval_ms: h.report_interval_ms,
         held,
         grants_by_handle: h.grants_by_handle,
+        rule_shapes: h
+            .rule_shapes
+            .into_iter()
+            .map(|r| (r.rule, r.shape))
+            .collect(),
     })
 }
 

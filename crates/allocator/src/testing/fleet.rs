@@ -124,6 +124,7 @@ pub fn fleet_with(cfg: AllocatorConfig) -> Fleet {
                     // As the agents of this build: the routed benchmark's grants then
                     // name a key once per stream.
                     grants_by_handle: true,
+                    rule_shapes: Vec::new(),
                 },
             )
             .unwrap();

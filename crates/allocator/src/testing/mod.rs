@@ -100,6 +100,7 @@ pub fn hello(agent: &str, incarnation: u64, agent_time_ns: u64) -> Hello {
         report_interval_ms: 0,
         held: vec![],
         grants_by_handle: false,
+        rule_shapes: Vec::new(),
     }
 }
 

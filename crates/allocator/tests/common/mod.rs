@@ -180,6 +180,7 @@ pub fn hello(agent: &str, version: u32, time: u64) -> pb::AgentMessage {
             config_version: String::new(),
             report_interval_ms: 250,
             grants_by_handle: false,
+            rule_shapes: Vec::new(),
         })),
     }
 }

@@ -391,6 +391,17 @@ impl Client {
                 report_interval_ms: u64::try_from(self.cfg.report_interval.as_millis())
                     .unwrap_or(u64::MAX),
                 grants_by_handle: true,
+                rule_shapes: self
+                    .state
+                    .engine
+                    .rules()
+                    .rules()
+                    .iter()
+                    .map(|r| pb::RuleShape {
+                        rule: r.name.clone(),
+                        shape: r.shape(),
+                    })
+                    .collect(),
             })),
         }
     }
