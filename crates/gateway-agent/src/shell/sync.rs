@@ -272,6 +272,30 @@ fn uri(addr: &str, tls: bool) -> String {
     }
 }
 
+/// Most bytes of rule shapes in a hello: they share the message with the held grants,
+/// which leave [`keys_per_message`]'s 64 KiB of slack. Rules past it (only files of
+/// thousands of rules or very long names) send no shape and are read as before.
+const RULE_SHAPES_BYTES_MAX: usize = 32 * 1024;
+
+/// The hello's `rule_shapes`: each rule's name and [`bursar_agent::Rule::shape`], in
+/// file order, up to [`RULE_SHAPES_BYTES_MAX`].
+fn rule_shapes(engine: &Engine) -> Vec<pb::RuleShape> {
+    let mut bytes = 0;
+    engine
+        .rules()
+        .rules()
+        .iter()
+        .take_while(|r| {
+            bytes += r.name.len() + 16;
+            bytes <= RULE_SHAPES_BYTES_MAX
+        })
+        .map(|r| pb::RuleShape {
+            rule: r.name.clone(),
+            shape: r.shape(),
+        })
+        .collect()
+}
+
 /// What the session asks to send, as protocol messages.
 fn encode(out: Vec<Outgoing<pb::KeyReport, TrackedKey>>) -> Vec<pb::AgentMessage> {
     out.into_iter()
@@ -391,17 +415,7 @@ impl Client {
                 report_interval_ms: u64::try_from(self.cfg.report_interval.as_millis())
                     .unwrap_or(u64::MAX),
                 grants_by_handle: true,
-                rule_shapes: self
-                    .state
-                    .engine
-                    .rules()
-                    .rules()
-                    .iter()
-                    .map(|r| pb::RuleShape {
-                        rule: r.name.clone(),
-                        shape: r.shape(),
-                    })
-                    .collect(),
+                rule_shapes: rule_shapes(&self.state.engine),
             })),
         }
     }
