@@ -63,7 +63,7 @@ use crate::config::{AllocatorConfig, MAX_AGENT_ID_BYTES};
 use crate::error::AllocError;
 use crate::msg::{
     Ack, Grant, GrantRef, HeldGrant, Hello, KeyName, KeyReport, LeaseExtension, Measure,
-    MeasureRequest, Report, UnknownHandles,
+    MeasureRequest, Report, Revocation, UnknownHandles,
 };
 use crate::waterfill::{Claim, Fill, to_units, water_fill};
 use smallvec::SmallVec;
@@ -91,6 +91,13 @@ const MAX_MEASURES_QUEUED: usize = 65_536;
 
 /// Most unknown key handles queued for agents between two drains.
 const MAX_UNKNOWN_QUEUED: usize = 65_536;
+/// Most revoked (agent, key) pairs queued between two drains: a reload that releases
+/// more queues the rest when their agents next name the keys ([`Revocation`]).
+const MAX_REVOCATIONS_QUEUED: usize = 1 << 20;
+/// Most keys an agent's stream remembers having revoked (each revoked once per
+/// stream: the agent's lines keep naming a revoked key, with the posture's slice as
+/// held). Past it, a key's every line with a held grant revokes it again.
+const MAX_REVOKED_PER_STREAM: usize = 65_536;
 /// Typical requests a holder should expect in a measurement window: an empty window
 /// then happens by chance about once in 150 (Poisson).
 const MEASURE_MIN_REQUESTS: f64 = 5.0;
@@ -915,6 +922,9 @@ struct Agent {
     /// The agent's hello asked for grants that name a key by handle alone once its
     /// stream has had the key's name ([`Hello::grants_by_handle`]).
     by_handle: bool,
+    /// Name hashes of keys revoked on this stream (at most `MAX_REVOKED_PER_STREAM`;
+    /// cleared at each hello).
+    revoked: HashSet<u64, FixedState>,
     /// This agent's stream, as far as key names go: a new one (1 and up, wrapping
     /// back to 1 after [`u16::MAX`] with every entry's stamp cleared) at each hello
     /// and each time grants went undelivered. An entry whose [`Entry::told`] is this
@@ -975,6 +985,10 @@ pub struct Allocator {
     unknown_queued: usize,
     /// Unknown handles not queued because the queue was full.
     unknown_dropped: u64,
+    /// Grants to revoke (agent, incarnation, key), at most `MAX_REVOCATIONS_QUEUED`.
+    revocations: Vec<(Arc<str>, u64, Arc<KeyName>)>,
+    /// Revocations not queued because the queue was full.
+    revocations_dropped: u64,
     /// Names of agents and keys removed while the outbox held grants for them (a
     /// pending grant still names them), and their indices, which are not reused until
     /// the outbox is drained.
@@ -1187,6 +1201,8 @@ impl Allocator {
             unknown: Vec::new(),
             unknown_queued: 0,
             unknown_dropped: 0,
+            revocations: Vec::new(),
+            revocations_dropped: 0,
             graves: Graves::default(),
             alpha_memo: (0, 0.0, 0.0),
             hasher: FixedState::with_seed(cfg.hash_seed),
@@ -1392,6 +1408,75 @@ impl Allocator {
     /// Unknown-handle notices waiting to be drained.
     pub fn pending_unknown_handles(&self) -> usize {
         self.unknown.len()
+    }
+
+    /// Takes the revocations queued so far, per agent incarnation in messages of at
+    /// most `max_keys_per_message` keys (see [`Revocation`]). The shell sends each on
+    /// its agent's stream, only to the incarnation it names, after the grants; one lost
+    /// is queued again when the agent next names a revoked key with a grant.
+    pub fn drain_revocations(&mut self) -> Vec<Revocation> {
+        let max = self.cfg.max_keys_per_message.max(1);
+        let mut q = std::mem::take(&mut self.revocations);
+        q.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
+        let through_seq = self.next_seq - 1;
+        let mut out: Vec<Revocation> = Vec::new();
+        for (agent, incarnation, key) in q {
+            match out.last_mut() {
+                Some(o)
+                    if o.agent == agent && o.incarnation == incarnation && o.keys.len() < max =>
+                {
+                    o.keys.push(key)
+                }
+                _ => out.push(Revocation {
+                    agent,
+                    incarnation,
+                    epoch: self.term,
+                    through_seq,
+                    keys: vec![key],
+                }),
+            }
+        }
+        out
+    }
+
+    /// Revoked (agent, key) pairs waiting to be drained.
+    pub fn pending_revocations(&self) -> usize {
+        self.revocations.len()
+    }
+
+    /// Revocations not queued because `MAX_REVOCATIONS_QUEUED` were waiting (made good
+    /// when the agents next name those keys).
+    pub fn revocations_dropped(&self) -> u64 {
+        self.revocations_dropped
+    }
+
+    /// The shell could not send `agent` a revocation: the next line of that agent
+    /// naming a revoked key with a grant queues it again.
+    pub fn revocations_undelivered(&mut self, agent: &str) {
+        if let Some(&a) = self.agent_index.get(agent)
+            && let Some(ag) = self.agents[a as usize].as_mut()
+        {
+            ag.revoked.clear();
+        }
+    }
+
+    /// Queues the revocation of agent `a`'s grant on `key` (hash `fp`), once per stream.
+    fn revoke(&mut self, a: u32, key: Arc<KeyName>, fp: u64) {
+        let ag = self.agents[a as usize]
+            .as_mut()
+            .expect("a live agent's index");
+        if ag.revoked.contains(&fp) {
+            return;
+        }
+        if self.revocations.len() >= MAX_REVOCATIONS_QUEUED {
+            self.revocations_dropped += 1;
+            return;
+        }
+        if ag.revoked.len() < MAX_REVOKED_PER_STREAM {
+            ag.revoked.insert(fp);
+        }
+        self.revocations
+            .push((Arc::clone(&ag.id), ag.incarnation, key));
     }
 
     /// Unknown handles not queued because `MAX_UNKNOWN_QUEUED` were waiting.
@@ -2098,11 +2183,16 @@ impl Allocator {
         ag.report_ts = hello.agent_time_ns;
         ag.report_recv_ns = now;
         ag.renew_due_ns = now;
-        // A new stream: it has been told no key's name.
+        // A new stream: it has been told no key's name, and no revocation.
         self.new_stream(a);
+        self.agent_mut(a).revoked.clear();
         for (h, r) in hello.held.iter().zip(resolved) {
             let Some((key, rule, hash)) = r else {
+                // A grant this allocator does not count (its rule was removed, or means
+                // something else in the agent's file): it must not stay in force.
                 self.ignored_lines += 1;
+                let fp = self.hash_name(&h.key.rule, &h.key.values).hash;
+                self.revoke(a, Arc::new(h.key.clone()), fp);
                 continue;
             };
             let k = match key.or_else(|| self.find_key(hash)) {
@@ -2146,6 +2236,7 @@ impl Allocator {
             stale_epochs: false,
             by_handle: false,
             stream: 1,
+            revoked: HashSet::default(),
         };
         let a = match self.free_agents.pop() {
             Some(a) => {
@@ -2431,6 +2522,17 @@ impl Allocator {
         for (kr, r) in report.keys.iter().zip(resolved.drain(..)) {
             let Some(r) = r else {
                 self.ignored_lines += 1;
+                if kr.held.is_some()
+                    && (kr.key_handle == 0 || self.handle_key(kr.key_handle).is_some())
+                {
+                    // A grant this allocator does not count (a reload removed its rule,
+                    // or the agent's file gives it another meaning): revoked. (A line
+                    // by an unknown handle names no key: the agent is told, and its
+                    // next line names it.)
+                    let name = self.line_name(kr).clone();
+                    let fp = self.hash_name(&name.rule, &name.values).hash;
+                    self.revoke(a, Arc::new(name), fp);
+                }
                 continue;
             };
             let k = match r.key.or_else(|| self.find_key(r.hash)) {

@@ -114,5 +114,5 @@ pub use core::{
 pub use error::AllocError;
 pub use msg::{
     Ack, Grant, GrantRef, HeldGrant, HeldSlice, Hello, KeyName, KeyReport, LeaseExtension, Measure,
-    MeasureRequest, Report, SliceAck, UnknownHandles,
+    MeasureRequest, Report, Revocation, SliceAck, UnknownHandles,
 };

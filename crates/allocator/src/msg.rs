@@ -298,6 +298,32 @@ pub struct LeaseExtension {
     pub lease_expires_at_ns: u64,
 }
 
+/// Tells one agent to stop using its grants on some keys at once: the allocator no
+/// longer counts them, because a reload removed the keys' rule or gave it another
+/// meaning than the agent's file does (its lines of the rule are ignored). Each key's
+/// grant of term `epoch` up to seq `through_seq` (or of an earlier term) ends its lease
+/// on arrival: the agent falls to the rule's posture there, as for a lapsed lease, and
+/// no lease extension carries the grant on (`bursar_agent::Engine::revoke_slices`). A
+/// newer grant of the key is untouched. Without it, lease extensions (which cover every
+/// grant of the term up to a seq) kept such grants in force, uncounted, until the agent
+/// restarted. One lost is made good when the agent next names a revoked key with a
+/// grant (a report line, or its hello on a new stream). Like a grant, it goes only to
+/// the incarnation it names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Revocation {
+    /// The agent it is for.
+    pub agent: Arc<str>,
+    /// The incarnation it is for.
+    pub incarnation: u64,
+    /// The allocator's term.
+    pub epoch: u64,
+    /// Grants of this term with a seq up to this one are revoked (and every grant of an
+    /// earlier term).
+    pub through_seq: u64,
+    /// The keys, by name (a released key has no handle any more).
+    pub keys: Vec<Arc<KeyName>>,
+}
+
 /// Asks one agent to report some keys at once ([`Measure::Start`]) and again
 /// `window_ms` later ([`Measure::End`]). Queued for the other holders of a key when
 /// one agent's demand for it jumps and nothing is free (docs/allocator.md, "Measure

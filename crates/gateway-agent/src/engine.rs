@@ -2769,6 +2769,49 @@ impl Engine {
         Ok(covered)
     }
 
+    /// Applies a revocation from the allocator: the grant on each of `keys` (rule name
+    /// and `*` values) that term `epoch` issued with a seq up to `through_seq`, or an
+    /// earlier term issued, ends its lease now. The key goes to its rule's posture, as
+    /// when a lease ends, and no extension carries the grant on afterwards (a slice on
+    /// its posture stays there until a new grant). The allocator sends this for grants
+    /// it no longer counts: a reload removed the key's rule, or gave it another meaning
+    /// than this agent's file does. A newer grant (another reload may have brought the
+    /// rule back), a key without a slice, an unknown rule and a wrong number of values
+    /// are left alone. Returns how many slices went to their posture.
+    pub fn revoke_slices<S: AsRef<str>>(
+        &self,
+        now: u64,
+        epoch: u64,
+        through_seq: u64,
+        keys: &[(&str, &[S])],
+    ) -> usize {
+        let rules = self.rules.load();
+        let mut slow = self.slow();
+        let mut revoked = 0;
+        for (rule, values) in keys {
+            let Some((ri, r)) = rules.by_name(rule) else {
+                continue;
+            };
+            if values.len() != r.wildcards() {
+                continue;
+            }
+            let named = Named::new(&self.hashing, ri as u32, values);
+            let Some((key, st)) = slow.slices.get_key_value(&named as &dyn KeyView) else {
+                continue;
+            };
+            if st.expired || (st.epoch, st.seq) > (epoch, through_seq) {
+                continue;
+            }
+            let (key, st) = (key.clone(), *st);
+            self.to_posture_locked(&mut slow, now, key, st);
+            revoked += 1;
+        }
+        if revoked > 0 {
+            self.publish_locked(&mut slow, now);
+        }
+        revoked
+    }
+
     /// Seals the key's live slot (if any) and installs one with `params`, converting
     /// its state; a key without a slot starts empty plus `transfer`.
     fn install_locked(
@@ -2945,45 +2988,52 @@ impl Engine {
             slow.next_slice_end_ns = next;
         }
         for (key, s) in ended {
-            let rule = key.0.rule;
-            let c = &slow.compiled[rule as usize];
-            let fallback = match (c.rule.posture, s.grant, c.whole) {
-                (Posture::Open, g, _) => g,
-                (Posture::Strict, Params::Slots(_), _) => Params::Slots(0),
-                (Posture::Strict, Params::Rate(p), _) => Params::Closed(p.limit),
-                (Posture::Strict, g, _) => g,
-                (Posture::Conservative, Params::Slots(g), Params::Slots(w)) => {
-                    Params::Slots(g.min(w / s.fleet_size as u64))
-                }
-                (Posture::Conservative, Params::Rate(g), Params::Rate(w)) => {
-                    let n = s.fleet_size as u64;
-                    Params::rate(RateLimit {
-                        rate: g.limit.rate.min(w.limit.rate / n),
-                        burst: g.limit.burst.min(w.limit.burst / n),
-                        period_ns: g.limit.period_ns,
-                    })
-                }
-                (Posture::Conservative, g, _) => g,
-            };
-            if fallback != s.grant {
-                let vals: Vec<String> = key.0.values.iter().map(|v| v.to_string()).collect();
-                let _ = self.install_locked(slow, now, rule, &vals, fallback, 0);
-            }
-            if let Some(st) = slow.slices.get_mut(&key) {
-                st.expired = true;
-                st.grant = fallback;
-            }
-            // The slice the sync client reports changed, whether or not the slot did.
-            let vals: Vec<&str> = key.0.values().collect();
-            let (id, check) = self.key_hashes(rule, &vals);
-            let table = self.table.load();
-            if let Some((live_id, live)) = find_live(slow, &table, id, check) {
-                live.walk_unseen();
-                self.changed.mark(live_id);
-            }
+            self.to_posture_locked(slow, now, key, s);
             expired += 1;
         }
         expired
+    }
+
+    /// Puts one slice on its rule's posture, as when its lease ends: the slot takes the
+    /// fallback, the slice is marked expired (no extension carries it on), and the sync
+    /// client's next walk sees it. The caller publishes.
+    fn to_posture_locked(&self, slow: &mut Slow, now: u64, key: SliceKey, s: SliceState) {
+        let rule = key.0.rule;
+        let c = &slow.compiled[rule as usize];
+        let fallback = match (c.rule.posture, s.grant, c.whole) {
+            (Posture::Open, g, _) => g,
+            (Posture::Strict, Params::Slots(_), _) => Params::Slots(0),
+            (Posture::Strict, Params::Rate(p), _) => Params::Closed(p.limit),
+            (Posture::Strict, g, _) => g,
+            (Posture::Conservative, Params::Slots(g), Params::Slots(w)) => {
+                Params::Slots(g.min(w / s.fleet_size as u64))
+            }
+            (Posture::Conservative, Params::Rate(g), Params::Rate(w)) => {
+                let n = s.fleet_size as u64;
+                Params::rate(RateLimit {
+                    rate: g.limit.rate.min(w.limit.rate / n),
+                    burst: g.limit.burst.min(w.limit.burst / n),
+                    period_ns: g.limit.period_ns,
+                })
+            }
+            (Posture::Conservative, g, _) => g,
+        };
+        if fallback != s.grant {
+            let vals: Vec<String> = key.0.values.iter().map(|v| v.to_string()).collect();
+            let _ = self.install_locked(slow, now, rule, &vals, fallback, 0);
+        }
+        if let Some(st) = slow.slices.get_mut(&key) {
+            st.expired = true;
+            st.grant = fallback;
+        }
+        // The slice the sync client reports changed, whether or not the slot did.
+        let vals: Vec<&str> = key.0.values().collect();
+        let (id, check) = self.key_hashes(rule, &vals);
+        let table = self.table.load();
+        if let Some((live_id, live)) = find_live(slow, &table, id, check) {
+            live.walk_unseen();
+            self.changed.mark(live_id);
+        }
     }
 
     /// Per-rule totals.

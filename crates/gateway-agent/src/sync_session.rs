@@ -364,6 +364,20 @@ impl<K: Ord + Clone> SyncSession<K> {
         engine.extend_slices(now, x)
     }
 
+    /// A revocation: the grants on `keys` (rule, `*` values) of term `epoch` up to
+    /// `through_seq`, or of an earlier term, go to their posture now (no answer: the
+    /// next report shows the posture's slice). Returns how many did.
+    pub fn revoke<S: AsRef<str>>(
+        &self,
+        engine: &Engine,
+        now: u64,
+        epoch: u64,
+        through_seq: u64,
+        keys: &[(&str, &[S])],
+    ) -> usize {
+        engine.revoke_slices(now, epoch, through_seq, keys)
+    }
+
     /// A measure request for `handles`' keys (at most `max_keys` of them): their
     /// start report now, and the measurement opened for `window_ms` on the timer clock
     /// (`timer_now`). Returns the reports and, if it moved, when to call

@@ -1514,6 +1514,77 @@ fn a_lease_extension_keeps_the_grants_it_covers_and_no_other() {
 }
 
 #[test]
+fn a_revoked_grant_goes_to_its_posture_at_once_and_no_extension_brings_it_back() {
+    // The allocator revokes grants it no longer counts (a reload removed or replaced
+    // their rule): up to a seq of its term, and nothing newer.
+    let e = engine(ALLOCATED);
+    let mut ups = Vec::new();
+    for (v, seq) in [("a", 5), ("b", 9), ("c", 3)] {
+        let mut u = slice(80, 80, 2, seq);
+        u.values = vec![v.into()];
+        u.transfer_tokens = 80;
+        ups.push(u);
+    }
+    for r in e.apply_slices(0, &ups) {
+        r.unwrap();
+    }
+    let a: &[&str] = &["a"];
+    let b: &[&str] = &["b"];
+    let unknown_key: &[&str] = &["zz"];
+    let too_many: &[&str] = &["a", "b"];
+    // b's grant (seq 9) is newer than the revocation (through 8): it stays; a key with
+    // no slice, an unknown rule and a wrong number of values change nothing.
+    let n = e.revoke_slices(
+        SEC,
+        2,
+        8,
+        &[
+            ("rpm", a),
+            ("rpm", b),
+            ("rpm", unknown_key),
+            ("no-such-rule", a),
+            ("rpm", too_many),
+        ],
+    );
+    assert_eq!(n, 1, "only a's grant is revoked");
+    // conservative: min(grant 80, limit 100 / 4 agents) = 25 at once, not at 10 s.
+    assert_eq!(e.level(SEC, "rpm", &["a"]), Some(25));
+    assert_eq!(e.level(SEC, "rpm", &["b"]), Some(80));
+    let mut d = Vec::new();
+    e.key_demand(&mut d);
+    let held_a = d
+        .iter()
+        .find(|k| k.values().len() == 1 && &*k.values()[0] == "a")
+        .and_then(|k| k.slice)
+        .unwrap();
+    assert!(held_a.expired, "a's slice reads as on its posture");
+    assert_eq!((held_a.rate, held_a.burst), (25, 25));
+    // An extension of the same term covering a's seq leaves it on its posture.
+    assert_eq!(e.extend_slices(2 * SEC, ext(2, 100, 30 * SEC)), Ok(2));
+    let admitted = (0..40)
+        .filter(|i| {
+            e.admit(
+                2 * SEC,
+                &req(&format!("x{i}"), &[("org", "a")], Cost::ONE_REQUEST),
+            )
+            .unwrap()
+            .is_admitted()
+        })
+        .count();
+    assert_eq!(admitted, 25, "still the posture's 25, not the grant's 80");
+    // Revoking it again, or revoking with an older term, changes nothing.
+    assert_eq!(e.revoke_slices(3 * SEC, 2, 8, &[("rpm", a)]), 0);
+    assert_eq!(e.revoke_slices(3 * SEC, 1, 100, &[("rpm", b)]), 0);
+    // A new grant replaces the posture as after any lapse.
+    let mut a2 = slice(80, 80, 2, 10);
+    a2.values = vec!["a".into()];
+    a2.lease_expires_at_ns = 40 * SEC;
+    e.apply_slices(4 * SEC, &[a2]).pop().unwrap().unwrap();
+    assert_eq!(e.maintain(29 * SEC).slices_expired, 0);
+    e.check_invariants(29 * SEC).unwrap();
+}
+
+#[test]
 fn a_new_terms_extension_leaves_the_old_terms_grants_their_extended_leases() {
     // A new allocator term extends only its own grants; the old term's grants keep
     // the lease the old term's extension gave them (its allocator counted them so),

@@ -627,6 +627,93 @@ fn three_agents_and_the_allocator_never_overshoot_one_global_bucket_even_across_
     );
 }
 
+/// Review (twenty-sixth session's open item): an allocator reload that removes a
+/// rule, or gives it another meaning, releases its keys, but an agent still on the old
+/// file kept its grants on them in force, uncounted, until it restarted (lease
+/// extensions cover every grant of the term up to a seq). The allocator now revokes
+/// them (`Revoke`): the agent falls to the rule's posture at once, here `strict`, so
+/// the key admits nothing.
+#[test]
+fn an_allocator_reload_that_replaces_a_rule_revokes_the_grant_an_old_file_agent_holds() {
+    let rules = RULES.replace("conservative", "strict");
+    let dir = std::env::temp_dir().join(format!("bursar-revoke-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("rules.toml");
+    std::fs::write(&config, &rules).unwrap();
+    let alloc = start_allocator(&config, "127.0.0.1:0", &dir.join("term"));
+    let grpc = alloc.grpc.to_string();
+    let agent = Agent::start_with(&rules, &["--allocator", &grpc, "--agent-id", "old-file"]);
+    let admit = |n: u64| {
+        let (status, body) = Http::new(agent.http).request(
+            "POST",
+            "/v1/admit",
+            &format!(
+                r#"{{"request_id":"r{n}","descriptors":{{"org":"acme"}},"cost":{{"input_tokens":10,"output_tokens":0}}}}"#
+            ),
+        );
+        if status == 200 {
+            let (done, _) = Http::new(agent.http).request(
+                "POST",
+                "/v1/complete",
+                &format!(
+                    r#"{{"request_id":"r{n}","usage":{{"input_tokens":10,"output_tokens":0}}}}"#
+                ),
+            );
+            assert_eq!(done, 200);
+        }
+        (status, body)
+    };
+    // Demand until the agent holds a grant on org-itps{acme} and admits under it.
+    let t = Instant::now();
+    let mut n = 0;
+    loop {
+        n += 1;
+        let (status, _) = admit(n);
+        if status == 200 && agent.metric("bursar_sync_events_total{kind=\"grant_applied\"} ") > 0 {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(15), "no grant applied");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(
+        agent.metric("bursar_sync_events_total{kind=\"slice_revoked\"} "),
+        0
+    );
+    // The allocator's file gives org-itps another meaning (a second `*` entry); the
+    // agent keeps the old file.
+    std::fs::write(
+        &config,
+        rules.replace(
+            r#"match = { org = "*" }"#,
+            r#"match = { org = "*", team = "*" }"#,
+        ),
+    )
+    .unwrap();
+    let hup = Command::new("kill")
+        .args(["-HUP", &alloc.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(hup.success());
+    let revoked = agent.wait_metric("bursar_sync_events_total{kind=\"slice_revoked\"} ", 1);
+    assert_eq!(revoked, 1, "the old-file agent's grant was not revoked");
+    // Strict posture: the key admits nothing from now on (before, the grant stayed in
+    // force, renewed by every lease extension).
+    let (status, body) = admit(n + 1);
+    assert_ne!(status, 200, "admitted under a revoked grant: {body}");
+    std::thread::sleep(Duration::from_millis(3 * LEASE_MS));
+    let (status, body) = admit(n + 2);
+    assert_ne!(
+        status, 200,
+        "admitted under a revoked grant after a lease: {body}"
+    );
+    let s = get_json(alloc.admin, "/v1/status");
+    assert_eq!(s["counters"]["revocations_sent"], 1, "{s}");
+    assert!(s["config"]["ignored_lines"].as_u64().unwrap() > 0, "{s}");
+    drop(agent);
+    drop(alloc);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn the_local_cluster_command_runs_three_agents_shifts_load_and_reports_no_overshoot() {
     let out = Command::new(allocator_bin())

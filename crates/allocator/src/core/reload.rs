@@ -13,7 +13,8 @@
 //!   under the new limit, and the excess counts in the key's overshoot bound meanwhile.
 //!   The shrinks are sent in the same call;
 //! - **removed**: every key of the rule is released (its grants stop counting: the
-//!   limit no longer exists);
+//!   limit no longer exists), and each agent holding a grant on one is told to revoke
+//!   it ([`crate::Revocation`]): its key falls to the rule's posture at once;
 //! - **replaced** (same name, but another dimension, match, period or kind: its keys
 //!   mean something else): released like a removed rule, then the new rule starts
 //!   with no keys;
@@ -159,6 +160,10 @@ impl Allocator {
         let (mut infos, meta, index) =
             build_rules(rules, self.cfg.overdraft_permille, self.cfg.clock_drift_ppm);
         let mut summary = ReloadSummary::default();
+        // What changes now may bring back a key revoked before: revoke afresh.
+        for ag in self.agents.iter_mut().flatten() {
+            ag.revoked.clear();
+        }
         // Per old rule: its new index and whether its numbers changed, or None (its
         // keys are released).
         let mut fate: Vec<Option<(u32, bool)>> = Vec::with_capacity(self.rules.len());
@@ -264,9 +269,17 @@ impl Allocator {
     }
 
     /// Drops every entry of key `k` and the key itself: its grants stop counting.
+    /// Each agent holding a grant on it is told to stop using it
+    /// ([`Revocation`](crate::Revocation)).
     fn release_key(&mut self, _now: u64, k: u32) {
         let n = self.key(k).entries.len();
         for pos in (0..n).rev() {
+            let key = self.key(k);
+            let e = &key.entries[pos];
+            if e.commitment() != Slice::ZERO {
+                let (agent, name, fp) = (e.agent, Arc::clone(&key.name), key.fp.hash);
+                self.revoke(agent, name, fp);
+            }
             self.remove_entry(k, pos as u32);
         }
         self.remove_key(k);
@@ -494,6 +507,88 @@ posture = "open"
         a.check_invariants().unwrap();
     }
 
+    /// Review (twenty-sixth session's open item): the grants of a released key stayed
+    /// in force on the agents holding them, uncounted, for as long as they reported
+    /// (lease extensions cover every grant of the term up to a seq). Each holder is now
+    /// told to revoke them, once per stream; one that names such a key with a grant
+    /// again (a report line, a hello on a new stream) is told again.
+    #[test]
+    fn a_released_key_is_revoked_at_each_holder_and_again_when_a_holder_names_it() {
+        let (mut a, now, _) = two_halves();
+        assert!(a.drain_revocations().is_empty());
+        let k = key("rps", "x");
+        let keyed = Config::from_toml(
+            r#"
+[[rule]]
+name = "rps"
+match = { org = "*", key = "*" }
+dimension = "requests"
+rate = 1000
+per = "second"
+"#,
+        )
+        .unwrap();
+        a.reload(now, &keyed);
+        let last_seq = {
+            let mut revs = a.drain_revocations();
+            revs.sort_by(|x, y| x.agent.cmp(&y.agent));
+            assert_eq!(revs.len(), 2, "one per holder: {revs:?}");
+            for (r, agent) in revs.iter().zip(["a", "b"]) {
+                assert_eq!((&*r.agent, r.incarnation, r.epoch), (agent, 1, a.term()));
+                assert_eq!(r.keys, vec![Arc::new(k.clone())]);
+            }
+            revs[0].through_seq
+        };
+        assert!(last_seq > 0);
+        assert_eq!(a.pending_revocations(), 0);
+        let grant = HeldGrant {
+            epoch: a.term(),
+            seq: last_seq,
+            rate: 400,
+            burst: 400,
+        };
+        let held = Some(grant);
+        // a's next report still names x with a grant (the posture's): already revoked
+        // on this stream, nothing more; a line without a grant revokes nothing.
+        a.handle_report(
+            now,
+            &report("a", 1, 10 * SEC, vec![line(k.clone(), 1, 1, held)]),
+        )
+        .unwrap();
+        a.handle_report(
+            now,
+            &report("b", 1, 10 * SEC, vec![line(k.clone(), 1, 1, None)]),
+        )
+        .unwrap();
+        assert_eq!(a.ignored_lines(), 2);
+        assert!(a.drain_revocations().is_empty());
+        // a reconnects (a new stream: the revocation may have been lost) and lists the
+        // grant in its hello: revoked again; so is a later report's line after that.
+        let mut h = hello("a", 1, 1);
+        h.agent_time_ns = 11 * SEC;
+        h.held = vec![crate::msg::HeldSlice {
+            key: k.clone(),
+            grant,
+        }];
+        a.handle_hello(now, &h).unwrap();
+        let revs = a.drain_revocations();
+        assert_eq!(revs.len(), 1, "{revs:?}");
+        assert_eq!(&*revs[0].agent, "a");
+        a.check_invariants().unwrap();
+        // Another reload forgets what was revoked: b, whose line holds a grant, is told
+        // again.
+        a.reload(now, &keyed);
+        a.handle_report(
+            now,
+            &report("b", 1, 12 * SEC, vec![line(k.clone(), 2, 2, held)]),
+        )
+        .unwrap();
+        let revs = a.drain_revocations();
+        assert_eq!(revs.len(), 1, "{revs:?}");
+        assert_eq!(&*revs[0].agent, "b");
+        a.check_invariants().unwrap();
+    }
+
     #[test]
     fn a_rule_whose_match_changes_is_replaced_and_its_keys_start_afresh() {
         let (mut a, now, _) = two_halves();
@@ -599,6 +694,27 @@ burst = 500
         );
         assert!(!grants.is_empty(), "the unchanged rule is still allocated");
         assert!(a.key_status(&key("rps", "x")).is_none());
+        // A grant on it that a says it holds (from before the reload) is revoked.
+        assert!(a.drain_revocations().is_empty());
+        let held = HeldGrant {
+            epoch: a.term(),
+            seq: 1,
+            rate: 10,
+            burst: 10,
+        };
+        a.handle_report(
+            now,
+            &report(
+                "a",
+                1,
+                5 * 250 * MS,
+                vec![line(key("rps", "x"), 1500, 500, Some(held))],
+            ),
+        )
+        .unwrap();
+        let revs = a.drain_revocations();
+        assert_eq!(revs.len(), 1, "{revs:?}");
+        assert_eq!(*revs[0].keys[0], key("rps", "x"));
         // Restarted onto the new file, a's lines of rps count again.
         let mut h = hello("a", 2, 1);
         h.rule_shapes = shapes(&per_minute);
@@ -616,7 +732,7 @@ burst = 500
         )
         .unwrap();
         a.handle_timeout(now + 250 * MS);
-        assert_eq!(a.ignored_lines(), 4);
+        assert_eq!(a.ignored_lines(), 5);
         assert!(a.key_status(&key("rps", "x")).is_some());
         assert!(a.drain_grants().any(|g| g.key.rule == "rps"));
         a.check_invariants().unwrap();

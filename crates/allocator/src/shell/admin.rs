@@ -131,6 +131,8 @@ fn status_json(s: &Snapshot) -> Value {
             "measures_dropped": c.measures_dropped,
             "unknown_handles_sent": c.unknown_handles_sent,
             "unknown_handles_dropped": c.unknown_handles_dropped,
+            "revocations_sent": c.revocations_sent,
+            "revocations_dropped": c.revocations_dropped,
         },
         "last_error": s.last_error,
         "config": {

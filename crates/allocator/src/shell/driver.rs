@@ -130,6 +130,12 @@ pub struct ShellCounters {
     /// incarnation, or its queue was full; the agent's lines by them stay ignored
     /// until it next names the keys by name).
     pub unknown_handles_dropped: u64,
+    /// Revoked grants told to their agents (`Revoke`, one per key).
+    pub revocations_sent: u64,
+    /// Revoked grants not told (not queued in the core, no stream for that
+    /// incarnation, or its queue was full; told again when the agent next names the
+    /// key with a grant).
+    pub revocations_dropped: u64,
 }
 
 /// What the admin endpoint shows.
@@ -415,6 +421,8 @@ impl Driver {
                 measures_dropped: self.counters.measures_dropped + self.core.measures_dropped(),
                 unknown_handles_dropped: self.counters.unknown_handles_dropped
                     + self.core.unknown_handles_dropped(),
+                revocations_dropped: self.counters.revocations_dropped
+                    + self.core.revocations_dropped(),
                 ..self.counters
             },
             last_error: self.last_error.clone(),
@@ -426,11 +434,38 @@ impl Driver {
     }
 
     /// Sends drained grants, batched per agent, on the right incarnation's stream, then
-    /// the lease extensions (after the grants they may cover; either order is safe),
-    /// then the measure requests and unknown-handle notices (as the simulator, which
-    /// replays this order).
+    /// the revocations (after any grant they revoke), the lease extensions (after the
+    /// grants they may cover; either order is safe), then the measure requests and
+    /// unknown-handle notices (as the simulator, which replays this order).
     fn route(&mut self) {
         self.route_grants();
+        if self.core.pending_revocations() > 0 {
+            for r in self.core.drain_revocations() {
+                let keys: Vec<pb::Key> = r
+                    .keys
+                    .iter()
+                    .map(|k| pb::Key {
+                        rule: k.rule.clone(),
+                        values: k.values.clone(),
+                    })
+                    .collect();
+                for chunk in message_chunks(&keys, keys.len(), GRANTS_BYTES_MAX) {
+                    let n = chunk.len() as u64;
+                    let msg = pb::allocator_message::Msg::Revoke(pb::Revoke {
+                        epoch: r.epoch,
+                        through_seq: r.through_seq,
+                        keys: chunk.to_vec(),
+                    });
+                    if self.send_on_stream(&r.agent, r.incarnation, msg) {
+                        self.counters.revocations_sent += n;
+                    } else {
+                        self.counters.revocations_dropped += n;
+                        // Told again when the agent next names those keys with a grant.
+                        self.core.revocations_undelivered(&r.agent);
+                    }
+                }
+            }
+        }
         if self.core.pending_extensions() > 0 {
             for x in self.core.drain_extensions() {
                 let msg = pb::allocator_message::Msg::LeaseExtension(pb::LeaseExtension {
@@ -556,12 +591,12 @@ const GRANTS_BYTES_MAX: usize = pb::MAX_MESSAGE_BYTES - 64 * 1024;
 /// grant per run at least). A key count alone is not a bound: a grant naming a key of
 /// 16 `*` values of 256 bytes is ~4 KiB, and 10,000 of them would be ten times what
 /// the agent's end accepts.
-fn message_chunks(
-    grants: &[pb::Grant],
+fn message_chunks<T: bursar_proto::prost::Message>(
+    items: &[T],
     max: usize,
     max_bytes: usize,
-) -> impl Iterator<Item = &[pb::Grant]> {
-    let mut rest = grants;
+) -> impl Iterator<Item = &[T]> {
+    let mut rest = items;
     std::iter::from_fn(move || {
         if rest.is_empty() {
             return None;
@@ -648,6 +683,6 @@ mod tests {
         assert_eq!(sizes, vec![10, 10, 5]);
         let huge = [named(16), named(16)];
         assert_eq!(message_chunks(&huge, 10, 100).count(), 2);
-        assert_eq!(message_chunks(&[], 10, 100).count(), 0);
+        assert_eq!(message_chunks::<pb::Grant>(&[], 10, 100).count(), 0);
     }
 }

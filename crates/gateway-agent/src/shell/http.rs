@@ -480,6 +480,7 @@ async fn metrics(State(state): State<Arc<AgentState>>) -> Response {
             ("extension_refused", &sync.extensions_refused),
             ("report_sent", &sync.reports_sent),
             ("ack_sent", &sync.acks_sent),
+            ("slice_revoked", &sync.slices_revoked),
             ("unknown_handle", &sync.unknown_handles),
             ("dropped", &sync.dropped),
         ] {

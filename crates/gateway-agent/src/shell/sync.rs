@@ -187,6 +187,8 @@ pub struct SyncStatus {
     pub reports_sent: AtomicU64,
     /// Acks sent (slices).
     pub acks_sent: AtomicU64,
+    /// Grants the allocator revoked (`Revoke`) that went to their posture.
+    pub slices_revoked: AtomicU64,
     /// Key handles the allocator said it did not know (`UnknownKeys`): those keys are
     /// named by name again.
     pub unknown_handles: AtomicU64,
@@ -637,6 +639,24 @@ impl Client {
                                 measure_end.as_mut().reset(base + Duration::from_nanos(at));
                             }
                             out
+                        }
+                        Some(In::Revoke(r)) => {
+                            let keys: Vec<(&str, &[String])> = r
+                                .keys
+                                .iter()
+                                .map(|k| (k.rule.as_str(), k.values.as_slice()))
+                                .collect();
+                            let now = self.now_ns();
+                            let n = self.session.revoke(
+                                &self.state.engine, now, r.epoch, r.through_seq, &keys,
+                            );
+                            if n > 0 {
+                                eprintln!(
+                                    "bursar-agent: the allocator revoked {n} grant(s) of rules its file removed or gave another meaning; those keys follow their posture until this agent restarts onto the allocator's rules"
+                                );
+                            }
+                            self.status.slices_revoked.fetch_add(n as u64, Ordering::Relaxed);
+                            Vec::new()
                         }
                         Some(In::UnknownKeys(u)) => {
                             self.session.unknown_handles(&u.key_handles);
