@@ -349,6 +349,10 @@ impl AllocSide {
             return;
         };
         let grants: Vec<Grant> = alloc.drain_grants().collect();
+        // Revocations follow a reload that removes or replaces rules, or an agent's
+        // line of a rule its file gives another meaning: neither happens here (no
+        // reloads, and the simulated agents send no rule shapes).
+        debug_assert_eq!(alloc.pending_revocations(), 0);
         let extensions = alloc.drain_extensions();
         let measures = alloc.drain_measure_requests();
         let unknown = alloc.drain_unknown_handles();
