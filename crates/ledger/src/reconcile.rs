@@ -55,6 +55,15 @@ pub struct ReconcileLimits {
     /// cost less than resending the events both sides share. (A bucket above
     /// `events_max` on either side is always split.)
     pub split_above: usize,
+    /// Most bytes of events (by [`event_wire_bytes`], an upper bound on the wire) in
+    /// one answer, serve or back, beside `events_max`. Default 12 MiB: with the
+    /// returned conflict winners (a third as much again at most) and the answer's
+    /// lists of buckets ([`ANSWER_LISTS_BYTES_MAX`]) a message stays inside the 32 MiB
+    /// frame.
+    /// A count alone was no bound: 50,000 events of long ids and descriptors are 35 MB,
+    /// and a frame over the bound failed the same way every round. A differing bucket
+    /// whose events would not fit is compared by sub-digests.
+    pub bytes_max: usize,
 }
 
 impl Default for ReconcileLimits {
@@ -63,7 +72,55 @@ impl Default for ReconcileLimits {
             buckets_max: 100_000,
             events_max: 50_000,
             split_above: 1_024,
+            bytes_max: 12 << 20,
         }
+    }
+}
+
+/// An upper bound on the bytes `event` takes in an encoded batch
+/// (`cluster::frame::encode_events`): every string as if it were not shared with
+/// another event, with its length prefix and index, plus the fixed fields.
+pub fn event_wire_bytes(event: &Event) -> usize {
+    const PER_STRING: usize = 20;
+    64 + event.request_id.len()
+        + event.origin.len()
+        + event.tenant.len()
+        + event.model.len()
+        + 3 * PER_STRING
+        + event
+            .descriptors
+            .iter()
+            .map(|(k, v)| k.len() + v.len() + 2 * PER_STRING)
+            .sum::<usize>()
+}
+
+/// A budget of events and bytes for one message.
+#[derive(Clone, Copy, Debug)]
+struct Room {
+    events: usize,
+    bytes: usize,
+}
+
+impl Room {
+    fn of(limits: &ReconcileLimits) -> Room {
+        Room {
+            events: limits.events_max,
+            bytes: limits.bytes_max,
+        }
+    }
+
+    /// Whether `events` events of `bytes` bytes fit.
+    fn fits(&self, events: usize, bytes: usize) -> bool {
+        events <= self.events && bytes <= self.bytes
+    }
+
+    fn take(&mut self, events: usize, bytes: usize) {
+        self.events -= events;
+        self.bytes -= bytes;
+    }
+
+    fn is_empty(&self) -> bool {
+        self.events == 0 || self.bytes == 0
     }
 }
 
@@ -114,42 +171,81 @@ pub fn sub_digests(store: &dyn Store, bucket: &Bucket) -> Result<Vec<Digest>, St
     Ok(subs)
 }
 
-/// The events of `bucket` in the sub-buckets `subs`, at most `max`; true if it
-/// stopped at `max`.
+/// The events of `bucket` in the sub-buckets `subs`, whole sub-buckets within `room`
+/// (which it reduces); true if it stopped short.
 fn events_in_subs(
     store: &dyn Store,
     bucket: &Bucket,
     subs: &[u8],
-    max: usize,
+    room: &mut Room,
 ) -> Result<(Vec<Event>, bool), StoreError> {
     // Whole sub-buckets only, in sub order: a cut through the middle of sub-buckets
     // would leave every one of them still differing, and the next round would send
     // the same prefix again (a livelock the 1,000,000-event convergence benchmark
-    // found). A single sub-bucket larger than `max` is sent cut (the known limit of
-    // one level of splitting).
+    // found). A single sub-bucket larger than the room is sent cut (the known limit of
+    // one level of splitting), when nothing else was.
+    if subs.is_empty() {
+        return Ok((Vec::new(), false));
+    }
+    if room.is_empty() {
+        return Ok((Vec::new(), true));
+    }
     let mut pick = [false; SUB_BUCKETS];
     subs.iter().for_each(|&i| pick[usize::from(i)] = true);
-    let mut by_sub: Vec<Vec<Event>> = vec![Vec::new(); SUB_BUCKETS];
+    // First the size of each picked sub-bucket, copying nothing: only what fits is
+    // copied (a peer may ask for every sub-bucket of a bucket of millions of events).
+    let mut size = [(0usize, 0usize); SUB_BUCKETS];
     store.visit_bucket(bucket, &mut |e| {
         let sub = sub_of(element_hash(&e.encode()));
         if pick[sub] {
-            by_sub[sub].push(e.clone());
+            size[sub].0 += 1;
+            size[sub].1 += event_wire_bytes(e);
         }
     })?;
-    let mut out = Vec::new();
+    let mut take = [false; SUB_BUCKETS];
+    let mut cut_one = None;
     let mut truncated = false;
-    for mut events in by_sub.into_iter().filter(|v| !v.is_empty()) {
-        if out.len() + events.len() > max {
+    let mut any = false;
+    for sub in (0..SUB_BUCKETS).filter(|&i| pick[i] && size[i].0 > 0) {
+        let (n, b) = size[sub];
+        if !room.fits(n, b) {
             truncated = true;
-            if out.is_empty() {
-                events.truncate(max);
-                out = events;
+            if !any {
+                cut_one = Some(sub);
             }
             break;
         }
-        out.append(&mut events);
+        room.take(n, b);
+        take[sub] = true;
+        any = true;
+    }
+    let mut out = Vec::new();
+    let budget = *room;
+    let (mut left_n, mut left_b) = (budget.events, budget.bytes);
+    store.visit_bucket(bucket, &mut |e| {
+        let sub = sub_of(element_hash(&e.encode()));
+        if take[sub] {
+            out.push(e.clone());
+        } else if cut_one == Some(sub) {
+            let b = event_wire_bytes(e);
+            // At least one event, so that a bucket of huge events still moves.
+            if left_n > 0 && (b <= left_b || out.is_empty()) {
+                left_n -= 1;
+                left_b = left_b.saturating_sub(b);
+                out.push(e.clone());
+            }
+        }
+    })?;
+    if cut_one.is_some() {
+        room.take(budget.events - left_n, budget.bytes - left_b);
     }
     Ok((out, truncated))
+}
+
+/// `items` without a bucket listed twice (a peer's list: each bucket is served once).
+fn unique_buckets<T>(items: &[(Bucket, T)]) -> Vec<&(Bucket, T)> {
+    let mut seen = std::collections::HashSet::new();
+    items.iter().filter(|(b, _)| seen.insert(b)).collect()
 }
 
 /// Step 3 for split buckets, on the initiator: for each bucket the responder split,
@@ -163,14 +259,14 @@ pub fn split_request(
 ) -> Result<(Vec<(Bucket, Vec<u8>)>, Vec<Event>), StoreError> {
     let mut wants = Vec::new();
     let mut events = Vec::new();
-    for (bucket, theirs) in split {
+    let mut room = Room::of(limits);
+    for (bucket, theirs) in unique_buckets(split) {
         let mine = sub_digests(store, bucket)?;
         let subs: Vec<u8> = (0..SUB_BUCKETS)
             .filter(|&i| theirs.get(i) != Some(&mine[i]))
             .map(|i| i as u8)
             .collect();
-        let room = limits.events_max.saturating_sub(events.len());
-        let (mut e, _) = events_in_subs(store, bucket, &subs, room)?;
+        let (mut e, _) = events_in_subs(store, bucket, &subs, &mut room)?;
         events.append(&mut e);
         wants.push((bucket.clone(), subs));
     }
@@ -185,9 +281,12 @@ pub fn serve_subs(
     limits: &ReconcileLimits,
 ) -> Result<Vec<Event>, StoreError> {
     let mut out = Vec::new();
-    for (bucket, subs) in wants {
-        let room = limits.events_max.saturating_sub(out.len());
-        let (mut e, _) = events_in_subs(store, bucket, subs, room)?;
+    let mut room = Room::of(limits);
+    for (bucket, subs) in unique_buckets(wants) {
+        if room.is_empty() {
+            break;
+        }
+        let (mut e, _) = events_in_subs(store, bucket, subs, &mut room)?;
         out.append(&mut e);
     }
     Ok(out)
@@ -250,27 +349,48 @@ pub fn offer(
     })
 }
 
-/// The events of `buckets` in `store`, at most `max`, whole buckets only (a bucket cut
-/// in the middle would still differ next round and be sent again from its start);
-/// true if it stopped at `max`. A single bucket larger than `max` is sent cut (the
-/// answer routes such buckets through sub-digests instead).
+/// The events of `buckets` in `store`, within `limits`' events and bytes, whole
+/// buckets only (a bucket cut in the middle would still differ next round and be sent
+/// again from its start); true if it stopped short. A first bucket larger than the
+/// room alone is sent as whole sub-buckets that fit (the answer routes such buckets
+/// through sub-digests; the initiator's copy of a wanted bucket may be larger than
+/// the responder could tell: once the responder holds part of it, the next round's
+/// answer splits it by its events' size). Each bucket is read without copying first,
+/// copying events only while they fit.
 fn events_in(
     store: &dyn Store,
     buckets: &[Bucket],
-    max: usize,
+    limits: &ReconcileLimits,
 ) -> Result<(Vec<Event>, bool), StoreError> {
     let mut out = Vec::new();
-    for b in buckets {
-        let mut these = Vec::new();
-        store.visit_bucket(b, &mut |e| these.push(e.clone()))?;
-        if out.len() + these.len() > max {
+    let mut room = Room::of(limits);
+    let mut seen = std::collections::HashSet::new();
+    for b in buckets.iter().filter(|b| seen.insert(*b)) {
+        let start = out.len();
+        let (mut n, mut bytes, mut over) = (0usize, 0usize, false);
+        store.visit_bucket(b, &mut |e| {
+            if over {
+                return;
+            }
+            let size = event_wire_bytes(e);
+            if !room.fits(n + 1, bytes + size) {
+                over = true;
+                return;
+            }
+            n += 1;
+            bytes += size;
+            out.push(e.clone());
+        })?;
+        if over {
+            out.truncate(start);
             if out.is_empty() {
-                these.truncate(max);
+                let all: Vec<u8> = (0..SUB_BUCKETS).map(|i| i as u8).collect();
+                let (these, _) = events_in_subs(store, b, &all, &mut room)?;
                 out = these;
             }
             return Ok((out, true));
         }
-        out.append(&mut these);
+        room.take(n, bytes);
     }
     Ok((out, false))
 }
@@ -298,8 +418,18 @@ pub fn answer(
         // it that resending what they share would cost more than the sub-digests (and
         // the hashing of both sides' events they take). A side that holds little of
         // the bucket gets it whole: no shared events to spare.
-        let splits = mine.max(theirs) > limits.events_max as u64
+        // And when its events would not fit the bytes of one message: this side's
+        // by their size, the other side's by this side's mean event size (a side that
+        // holds none of the bucket gets it whole, in whole sub-buckets, and splits it
+        // from the next round on).
+        let mut splits = mine.max(theirs) > limits.events_max as u64
             || mine.min(theirs) > limits.split_above as u64;
+        if !splits && mine > 0 {
+            let mut bytes = 0u64;
+            store.visit_bucket(&b, &mut |e| bytes += event_wire_bytes(e) as u64)?;
+            let mean = bytes.div_ceil(mine);
+            splits = mine.max(theirs).saturating_mul(mean) > limits.bytes_max as u64;
+        }
         let cost = wire_bytes(&b) + if splits { SPLIT_BYTES } else { 0 };
         if cost > room {
             // The rest waits for the next round (the range does not move on while
@@ -314,7 +444,7 @@ pub fn answer(
             want.push(b);
         }
     }
-    let (events, truncated) = events_in(store, &want, limits.events_max)?;
+    let (events, truncated) = events_in(store, &want, limits)?;
     Ok(Answer {
         events,
         want,
@@ -338,13 +468,13 @@ fn wire_bytes(b: &Bucket) -> usize {
 const SPLIT_BYTES: usize = SUB_BUCKETS * 96;
 
 /// Step 3: the initiator's events in the buckets the responder wants; true if
-/// truncated at `events_max`.
+/// truncated at `events_max` or `bytes_max`.
 pub fn serve(
     store: &dyn Store,
     want: &[Bucket],
     limits: &ReconcileLimits,
 ) -> Result<(Vec<Event>, bool), StoreError> {
-    events_in(store, want, limits.events_max)
+    events_in(store, want, limits)
 }
 
 /// After applying `received` (with `report`), the stored winner of every conflict in
@@ -494,6 +624,7 @@ mod tests {
             buckets_max: 100,
             events_max: 250,
             split_above: usize::MAX,
+            ..ReconcileLimits::default()
         };
         let (rounds, moved) = reconcile_in_memory(&a, &b, &limits, 40).unwrap();
         assert_eq!(
@@ -593,11 +724,104 @@ mod tests {
             buckets_max: 50,
             events_max: 60,
             split_above: usize::MAX,
+            ..ReconcileLimits::default()
         };
         let (rounds, _) = reconcile_in_memory(&a, &b, &limits, 100).unwrap();
         assert!(rounds > 1 && rounds < 100, "{rounds} rounds");
         assert_eq!(a.root().unwrap(), b.root().unwrap());
         assert_eq!(a.root().unwrap().events, 800);
+    }
+
+    /// Review (twenty-seventh session): messages were bounded by a count of events
+    /// only; 50,000 events with 256-byte ids and long descriptors are ~35 MB, over the
+    /// 32 MiB frame, and the same answer was refused every round. Here the same at a
+    /// hundredth of the scale: every answer, serve and back keeps to `bytes_max`, and
+    /// the two ledgers converge, including a bucket too large in bytes (not in count)
+    /// to travel whole, and a peer that lists one bucket many times.
+    #[test]
+    fn long_events_keep_every_message_within_its_bytes_and_converge() {
+        let long = |seed, prefix: &str, n| {
+            let mut v = usage_stream(seed, prefix, "agent-a", n, NOW);
+            for (i, e) in v.iter_mut().enumerate() {
+                e.request_id = format!("{prefix}-{i:0>240}");
+                e.descriptors = vec![("team".into(), format!("{i:0>200}"))];
+            }
+            v
+        };
+        let a = MemStore::new();
+        let b = MemStore::new();
+        a.apply(&long(1, "a", 1_500)).unwrap();
+        b.apply(&long(2, "b", 300)).unwrap();
+        // One bucket of 400 long events: under events_max by count, ~4x bytes_max.
+        let mut big = long(3, "big", 400);
+        big.iter_mut().for_each(|e| {
+            e.time_ms = NOW;
+            e.tenant = "one".into();
+        });
+        a.apply(&big).unwrap();
+        let limits = ReconcileLimits {
+            buckets_max: 1_000,
+            events_max: 500,
+            split_above: usize::MAX,
+            bytes_max: 48 << 10,
+        };
+        let bytes = |v: &[Event]| v.iter().map(event_wire_bytes).sum::<usize>();
+        let within = |v: &[Event]| bytes(v) <= limits.bytes_max || v.len() == 1;
+        assert!(
+            bytes(&big) > 4 * limits.bytes_max,
+            "400 events are several times the bound: the count alone does not hold"
+        );
+        let mut to = u64::MAX;
+        let mut converged = false;
+        let mut split_seen = false;
+        for _ in 0..400 {
+            if a.root().unwrap() == b.root().unwrap() {
+                converged = true;
+                break;
+            }
+            let o = offer(&a, to, &limits).unwrap();
+            let ans = answer(&b, &o, &limits).unwrap();
+            assert!(within(&ans.events), "answer {} bytes", bytes(&ans.events));
+            split_seen |= !ans.split.is_empty();
+            let (mut events, _) = serve(&a, &ans.want, &limits).unwrap();
+            assert!(within(&events), "serve {} bytes", bytes(&events));
+            let room = ReconcileLimits {
+                bytes_max: limits.bytes_max.saturating_sub(bytes(&events)),
+                events_max: limits.events_max - events.len(),
+                ..limits
+            };
+            let (sub_wants, sub_events) = split_request(&a, &ans.split, &room).unwrap();
+            events.extend(sub_events);
+            assert!(
+                within(&events),
+                "serve with sub-buckets {} bytes",
+                bytes(&events)
+            );
+            // A peer listing each wanted bucket ten times gets each served once.
+            let repeated: Vec<_> = sub_wants
+                .iter()
+                .flat_map(|w| std::iter::repeat_n(w.clone(), 10))
+                .collect();
+            let back = serve_subs(&b, &repeated, &limits).unwrap();
+            assert!(within(&back), "back {} bytes", bytes(&back));
+            let mut keys: Vec<_> = back.iter().map(|e| e.request_id.clone()).collect();
+            keys.sort();
+            keys.dedup();
+            assert_eq!(keys.len(), back.len(), "an event served twice");
+            a.apply(&ans.events).unwrap();
+            b.apply(&events).unwrap();
+            a.apply(&back).unwrap();
+            if ans.want.is_empty() && ans.split.is_empty() {
+                to = if o.from_hour == 0 {
+                    u64::MAX
+                } else {
+                    o.from_hour
+                };
+            }
+        }
+        assert!(converged, "did not converge");
+        assert!(split_seen, "the big bucket went by sub-buckets");
+        assert_eq!(a.root().unwrap().events, 2_200);
     }
 
     #[test]
@@ -622,6 +846,7 @@ mod tests {
             buckets_max: 10,
             events_max: 100,
             split_above: usize::MAX,
+            ..ReconcileLimits::default()
         };
         let o = offer(&a, u64::MAX, &limits).unwrap();
         let ans = answer(&b, &o, &limits).unwrap();

@@ -202,6 +202,7 @@ proptest! {
         buckets_max in 1usize..20,
         events_max in 4usize..80,
         split_above in 0usize..100,
+        bytes_max in prop_oneof![Just(usize::MAX), 1usize..20_000],
     ) {
         let a = MemStore::new();
         a.apply(&a_events).unwrap();
@@ -209,7 +210,18 @@ proptest! {
         b.apply(&b_events).unwrap();
         // Small events_max and split_above: buckets over either are reconciled by
         // sub-bucket (one level; every sub-bucket here holds far fewer than 4 events).
-        let limits = ReconcileLimits { buckets_max, events_max, split_above };
+        // And a small bytes_max: buckets whose events would not fit the bytes of one
+        // message travel in whole sub-buckets. At least four events' worth, as
+        // events_max is at least 4: a single sub-bucket over the bound is the known
+        // limit of one level of splitting (its first events would be sent every round).
+        let largest = a_events
+            .iter()
+            .chain(&b_events)
+            .map(bursar_ledger::reconcile::event_wire_bytes)
+            .max()
+            .unwrap_or(0);
+        let bytes_max = bytes_max.max(4 * largest);
+        let limits = ReconcileLimits { buckets_max, events_max, split_above, bytes_max };
         let (rounds, _) = reconcile_in_memory(&a, &b, &limits, 100).unwrap();
         prop_assert!(rounds < 100, "did not converge");
         let union = MemStore::new();

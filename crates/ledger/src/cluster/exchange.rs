@@ -149,11 +149,30 @@ pub fn message_events_max(limits: &reconcile::ReconcileLimits) -> usize {
     limits.events_max.max(PUSH_EVENTS_MAX) * 2
 }
 
-/// Cuts `events` to `max`. Only returned conflict winners are ever cut: their buckets
-/// still differ, so the next round sends them again.
-fn cut_to(events: &mut Vec<Event>, max: usize) -> bool {
-    let cut = events.len() > max;
-    events.truncate(max);
+/// Most bytes of events (by `reconcile::event_wire_bytes`) one message carries: its
+/// own events (`bytes_max`) and the conflict winners it returns (a third as much
+/// again). With the answer's lists of buckets it stays inside the frame
+/// ([`crate::cluster::ClusterConfig::validate`] checks it).
+pub fn message_bytes_max(limits: &reconcile::ReconcileLimits) -> usize {
+    limits.bytes_max + limits.bytes_max / 3
+}
+
+/// Cuts `events` to `limits`' message bounds, by count and by bytes. Only returned
+/// conflict winners are ever cut (what comes before them is within `events_max` and
+/// `bytes_max`): their buckets still differ, so the next round sends them again.
+fn cut_to(events: &mut Vec<Event>, limits: &reconcile::ReconcileLimits) -> bool {
+    let (max, bytes_max) = (message_events_max(limits), message_bytes_max(limits));
+    let mut bytes = 0usize;
+    let keep = events
+        .iter()
+        .take(max)
+        .position(|e| {
+            bytes += reconcile::event_wire_bytes(e);
+            bytes > bytes_max
+        })
+        .unwrap_or(events.len().min(max));
+    let cut = keep < events.len();
+    events.truncate(keep);
     cut
 }
 
@@ -274,7 +293,7 @@ async fn respond(inner: &Arc<Inner>, ch: &mut Channel<'_>) -> Result<(), Exchang
             let report = apply(inner, events.clone()).await?;
             let won = blocking(inner, move |s| reconcile::winners(s, &events, &report)).await?;
             back.extend(won);
-            cut_to(&mut back, message_events_max(&limits));
+            cut_to(&mut back, &limits);
             inner
                 .stats
                 .sync_events_sent
@@ -415,10 +434,12 @@ pub(crate) async fn sync_with(
     let nothing_differs = want.is_empty() && split_in.is_empty();
     let (mut mine, serve_cut, sub_wants) = blocking(inner, move |s| {
         let (mut events, cut) = reconcile::serve(s, &want, &limits)?;
-        // The sub-buckets' events share the serve's `events_max`, so that with the
-        // winners below the message stays within `message_events_max`.
+        // The sub-buckets' events share the serve's `events_max` and `bytes_max`, so
+        // that with the winners below the message stays within its bounds.
+        let bytes: usize = events.iter().map(reconcile::event_wire_bytes).sum();
         let room = reconcile::ReconcileLimits {
             events_max: limits.events_max.saturating_sub(events.len()),
+            bytes_max: limits.bytes_max.saturating_sub(bytes),
             ..limits
         };
         let (sub_wants, sub_events) = reconcile::split_request(s, &split_in, &room)?;
@@ -430,7 +451,7 @@ pub(crate) async fn sync_with(
     let report = apply(inner, theirs.clone()).await?;
     let won = blocking(inner, move |s| reconcile::winners(s, &theirs, &report)).await?;
     mine.extend(won);
-    let winners_cut = cut_to(&mut mine, message_events_max(&limits));
+    let winners_cut = cut_to(&mut mine, &limits);
     let sent_first = mine.len() as u64;
     ch.send(&Msg::Serve {
         events: frame::encode_events(&mine),
@@ -447,7 +468,7 @@ pub(crate) async fn sync_with(
     let received_back = back.len() as u64;
     let report = apply(inner, back.clone()).await?;
     let mut last = blocking(inner, move |s| reconcile::winners(s, &back, &report)).await?;
-    let last_cut = cut_to(&mut last, message_events_max(&limits));
+    let last_cut = cut_to(&mut last, &limits);
     let sent_last = last.len() as u64;
     ch.send(&Msg::Last(frame::encode_events(&last))).await?;
     match ch.recv().await? {
@@ -504,10 +525,38 @@ pub(crate) async fn push_loop(inner: Arc<Inner>, mut rx: mpsc::Receiver<Vec<Even
         }
         // One group commit may hold more than a push's bound: push it in parts (a
         // batch over the receiver's bound is refused whole).
-        for part in events.chunks(PUSH_EVENTS_MAX) {
+        for part in push_parts(&events) {
             push_part(&inner, part).await;
         }
     }
+}
+
+/// Most bytes of events (by `reconcile::event_wire_bytes`) in one push batch: well
+/// inside the frame. A count alone was no bound: 50,000 events of long ids and
+/// descriptors are 35 MB, and a receiver refuses a frame over 32 MiB whole.
+pub const PUSH_BYTES_MAX: usize = 8 << 20;
+
+/// `events` in runs of at most [`PUSH_EVENTS_MAX`] events and [`PUSH_BYTES_MAX`] bytes
+/// (one event at least).
+fn push_parts(events: &[Event]) -> impl Iterator<Item = &[Event]> {
+    let mut rest = events;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let (mut n, mut bytes) = (0, 0);
+        while n < rest.len() && n < PUSH_EVENTS_MAX {
+            let b = reconcile::event_wire_bytes(&rest[n]);
+            if n > 0 && bytes + b > PUSH_BYTES_MAX {
+                break;
+            }
+            bytes += b;
+            n += 1;
+        }
+        let (run, tail) = rest.split_at(n);
+        rest = tail;
+        Some(run)
+    })
 }
 
 /// Pushes one batch of at most [`PUSH_EVENTS_MAX`] events to `push_fanout` random

@@ -472,7 +472,9 @@ pub fn decode_events(
     if n_strings > batch.bytes.len() as u64 {
         return Err(Rd::err("string count"));
     }
-    let mut strings = Vec::with_capacity(n_strings as usize);
+    // Grown as strings are read, not reserved from the count: a batch of empty strings
+    // would reserve 16 bytes of table per byte of input.
+    let mut strings = Vec::with_capacity((n_strings as usize).min(4_096));
     for _ in 0..n_strings {
         strings.push(r.str(limits.name_max_bytes, "string table")?);
     }

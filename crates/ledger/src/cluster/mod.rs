@@ -107,8 +107,19 @@ impl ClusterConfig {
         if self.reconcile.events_max == 0 || self.reconcile.buckets_max == 0 {
             return Err("reconcile bounds must be > 0".into());
         }
-        if self.frame_max < 1024 {
-            return Err("frame_max must be at least 1024 bytes".into());
+        if self.reconcile.bytes_max == 0 {
+            return Err("reconcile bytes_max must be > 0".into());
+        }
+        // A message's events, its returned winners and the answer's lists of buckets
+        // must fit a frame, with room for the envelope and the rest of the message.
+        let need = exchange::message_bytes_max(&self.reconcile)
+            + crate::reconcile::ANSWER_LISTS_BYTES_MAX
+            + (1 << 20);
+        if self.frame_max < need {
+            return Err(format!(
+                "frame_max ({} bytes) must be at least {need}: reconcile bytes_max ({}) plus a third, the answer's bucket lists and 1 MiB",
+                self.frame_max, self.reconcile.bytes_max
+            ));
         }
         if self.push_queue_max == 0 {
             return Err("push_queue_max must be > 0".into());
