@@ -498,6 +498,23 @@ pub fn winners(
     Ok(out)
 }
 
+/// Where the next round's offer ends (its `to_hour`) after a round over `offer`: the
+/// older buckets once this range agreed (`nothing_differs`) or was reconciled in full
+/// (no bound cut the round short), the newest again after the oldest; the same range
+/// while a bound cut the round short. (Moving on only once nothing differed starved
+/// the older ranges of a node with more than `buckets_max` buckets under steady
+/// ingest: the newest range differs between some pair almost every round. New events
+/// travel by push meanwhile, and the newest range comes round again.)
+pub fn next_to_hour(offer: &Offer, nothing_differs: bool, cut_short: bool) -> u64 {
+    if !nothing_differs && cut_short {
+        offer.to_hour
+    } else if offer.from_hour == 0 {
+        u64::MAX
+    } else {
+        offer.from_hour
+    }
+}
+
 /// Runs rounds between two stores in memory until their roots agree or `rounds_max`
 /// rounds have run; returns the number of rounds and the events transferred. For
 /// tests and the simulator: the cluster shell will carry the same three messages
@@ -517,7 +534,7 @@ pub fn reconcile_in_memory(
         let o = offer(a, to, limits)?;
         let ans = answer(b, &o, limits)?;
         // Serve before applying the answer, so `b` does not get its own events back.
-        let (mut events, _) = serve(a, &ans.want, limits)?;
+        let (mut events, serve_cut) = serve(a, &ans.want, limits)?;
         let (sub_wants, sub_events) = split_request(a, &ans.split, limits)?;
         events.extend(sub_events);
         let report = a.apply(&ans.events)?;
@@ -533,14 +550,8 @@ pub fn reconcile_in_memory(
         let last = winners(a, &back, &report)?;
         b.apply(&last)?;
         moved += (ans.events.len() + events.len() + back.len() + last.len()) as u64;
-        if ans.want.is_empty() && ans.split.is_empty() {
-            // This range agrees: move to older buckets, or start over from the newest.
-            to = if o.from_hour == 0 {
-                u64::MAX
-            } else {
-                o.from_hour
-            };
-        }
+        let nothing_differs = ans.want.is_empty() && ans.split.is_empty();
+        to = next_to_hour(&o, nothing_differs, ans.truncated || serve_cut);
     }
     Ok((rounds_max, moved))
 }
@@ -730,6 +741,53 @@ mod tests {
         assert!(rounds > 1 && rounds < 100, "{rounds} rounds");
         assert_eq!(a.root().unwrap(), b.root().unwrap());
         assert_eq!(a.root().unwrap().events, 800);
+    }
+
+    /// Review (twenty-seventh session): an offer past `buckets_max` covers the newest
+    /// range, and the range moved to older hours only after a round in which nothing
+    /// differed; under steady ingest the newest range differs almost every round, so
+    /// an old difference (a late event, a gap from a partition) was never repaired.
+    /// The range now moves on after any round that was not cut short.
+    #[test]
+    fn an_old_difference_is_repaired_under_steady_ingest_past_buckets_max() {
+        let a = MemStore::new();
+        let b = MemStore::new();
+        // 48 hours x 4 tenants of shared history on both: ~190 buckets.
+        let shared = usage_stream(7, "s", "agent-a", 2_000, NOW);
+        a.apply(&shared).unwrap();
+        b.apply(&shared).unwrap();
+        // One late event, 40 hours old, on a only.
+        let mut late =
+            crate::testing::usage("late-1", "acme", "claude", NOW - 40 * HOUR_MS, 5, 0, 5);
+        late.origin = "agent-a".into();
+        a.apply(std::slice::from_ref(&late)).unwrap();
+        let limits = ReconcileLimits {
+            buckets_max: 20,
+            ..ReconcileLimits::default()
+        };
+        let mut to = u64::MAX;
+        let mut repaired = None;
+        for round in 0..100 {
+            // Steady ingest: a new event on a in the newest hour before every round.
+            let mut e =
+                crate::testing::usage(&format!("new-{round}"), "acme", "gpt-4o", NOW, 1, 0, 1);
+            e.origin = "agent-a".into();
+            a.apply(&[e]).unwrap();
+            let o = offer(&a, to, &limits).unwrap();
+            let ans = answer(&b, &o, &limits).unwrap();
+            let (events, serve_cut) = serve(&a, &ans.want, &limits).unwrap();
+            assert!(ans.split.is_empty());
+            a.apply(&ans.events).unwrap();
+            b.apply(&events).unwrap();
+            let nothing_differs = ans.want.is_empty() && ans.split.is_empty();
+            to = next_to_hour(&o, nothing_differs, ans.truncated || serve_cut);
+            if b.event("late-1").unwrap().is_some() {
+                repaired = Some(round);
+                break;
+            }
+        }
+        let round = repaired.expect("the 40-hour-old event never reached b");
+        println!("the old difference was repaired in round {round}");
     }
 
     /// Review (twenty-seventh session): messages were bounded by a count of events

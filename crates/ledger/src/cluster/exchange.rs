@@ -476,14 +476,9 @@ pub(crate) async fn sync_with(
         _ => return Err(ExchangeError::Protocol("expected done".into())),
     }
     ch.finish().await;
-    if nothing_differs {
-        // This range agrees: move to older buckets, or start over from the newest.
-        *inner.sync_to_hour.lock().expect("sync_to_hour") = if offer.from_hour == 0 {
-            u64::MAX
-        } else {
-            offer.from_hour
-        };
-    }
+    let cut_short = truncated || serve_cut || winners_cut || last_cut;
+    *inner.sync_to_hour.lock().expect("sync_to_hour") =
+        reconcile::next_to_hour(&offer, nothing_differs, cut_short);
     let r = RoundReport {
         in_sync: false,
         busy: false,
