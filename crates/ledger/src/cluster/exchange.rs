@@ -489,7 +489,10 @@ pub(crate) async fn sync_with(
             || winners_cut
             || last_cut
             || nothing_differs
-            || !mine.is_empty(),
+            || !mine.is_empty()
+            // The responder's sub-bucket events may have stopped at its bound too (a
+            // large one-sided split bucket drains a message per round, back to back).
+            || received_back > 0,
     };
     inner
         .stats
