@@ -113,6 +113,12 @@ struct ServeArgs {
     /// Time the proxy allows the upstream to answer with its response head (504 after).
     #[arg(long, default_value_t = 60_000)]
     proxy_upstream_timeout_ms: u64,
+    /// Longest silence the proxy allows the upstream once it has answered, between two
+    /// chunks of its body (a stream's tokens included); then the request is settled as
+    /// broken off (504, or the stream ends with an error) and its reservation comes
+    /// back. Raise it for models that think for minutes before a non-streamed body.
+    #[arg(long, default_value_t = 120_000)]
+    proxy_idle_timeout_ms: u64,
     /// Largest non-streamed upstream response the proxy reads (streams pass through
     /// unbounded). A larger one is answered 502 and charged its prompt estimate and
     /// the output reserved: the upstream did the work.
@@ -270,6 +276,9 @@ fn serve(args: ServeArgs) -> Result<()> {
                         args.proxy_upstream_timeout_ms,
                     ),
                     max_response_bytes: args.proxy_max_response_bytes as usize,
+                    upstream_idle_timeout: std::time::Duration::from_millis(
+                        args.proxy_idle_timeout_ms,
+                    ),
                     ..Default::default()
                 },
             ))

@@ -102,6 +102,41 @@ async fn chat(seen: Seen, body: Bytes) -> Response {
         )
             .into_response();
     }
+    if model == "fail-endless" {
+        // An error whose body never ends.
+        let s = futures_util::stream::unfold((), |()| async {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            Some((
+                Ok::<_, std::io::Error>(Bytes::from(vec![b'e'; 64 << 10])),
+                (),
+            ))
+        });
+        return Response::builder()
+            .status(axum::http::StatusCode::BAD_GATEWAY)
+            .body(Body::from_stream(s))
+            .unwrap();
+    }
+    if model == "stall" || model == "stall-stream" {
+        // Answers, sends a first piece, then nothing, with the connection kept open.
+        let first = if model == "stall" {
+            "{\"id\":".to_string()
+        } else {
+            format!(
+                "data: {}\n\n",
+                json!({"choices": [{"index": 0, "delta": {"content": "tok "}}]})
+            )
+        };
+        let s = futures_util::stream::unfold(Some(first), |first| async move {
+            match first {
+                Some(f) => Some((Ok::<_, std::io::Error>(Bytes::from(f)), None)),
+                None => std::future::pending().await,
+            }
+        });
+        return Response::builder()
+            .header("content-type", "text/event-stream")
+            .body(Body::from_stream(s))
+            .unwrap();
+    }
     let stream = v["stream"] == json!(true);
     let include_usage = v["stream_options"]["include_usage"] == json!(true);
     if model == "huge" {
@@ -303,6 +338,68 @@ fn upstream_errors_release_the_reservation() {
     assert_eq!(r.status, 502, "{}", r.body);
     assert!(r.body.contains("upstream_unreachable"));
     assert_eq!(agent2.leases_drained(), 0);
+    assert_eq!(agent.leases_drained(), 0);
+}
+
+/// Review (twenty-seventh session): an upstream that answered and then stalled with
+/// its connection open kept the reservation and its slot for ever (the proxy extends
+/// the lease while it waits), and an error body was read whole, with no bound in size
+/// or time.
+#[test]
+fn stalled_upstreams_and_endless_error_bodies_give_the_reservation_back() {
+    let seen = Seen::default();
+    let (agent, proxy) = start(&seen, &["--proxy-idle-timeout-ms", "400"]);
+    // Not streamed: 504 once the upstream has been silent for the idle timeout.
+    let r = chat_call(
+        proxy,
+        json!({"model": "stall", "max_tokens": 300, "messages": []}),
+    );
+    assert_eq!(r.status, 504, "{}", r.body);
+    assert!(r.body.contains("upstream_idle"), "{}", r.body);
+    assert_eq!(agent.leases_drained(), 0, "the stalled request's lease");
+    // Streamed: the first chunk reaches the client, then the stream ends.
+    let r = chat_call(
+        proxy,
+        json!({"model": "stall-stream", "stream": true, "max_tokens": 300, "messages": []}),
+    );
+    assert_eq!(r.status, 200);
+    assert!(r.body.contains("tok "), "{}", r.body);
+    assert_eq!(agent.leases_drained(), 0, "the stalled stream's lease");
+    // An error with an endless body: passed on cut, the reservation released.
+    let r = chat_call(
+        proxy,
+        json!({"model": "fail-endless", "max_tokens": 300, "messages": []}),
+    );
+    assert_eq!(r.status, 502);
+    assert!(
+        r.body.len() <= 64 << 10,
+        "{} bytes of error body",
+        r.body.len()
+    );
+    assert_eq!(agent.leases_drained(), 0);
+    // The lower-case bearer scheme is the same scheme.
+    let r = request_with(
+        proxy,
+        "POST",
+        "/v1/chat/completions",
+        &[&format!("Authorization: bearer {KEY}")],
+        json!({"model": "gpt-4o", "max_tokens": 10, "messages": []})
+            .to_string()
+            .as_bytes(),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    // A prompt of one letter repeated 1 MiB times is counted by estimate (the
+    // tokenizer's merge is quadratic in one piece), and answered.
+    let r = chat_call(
+        proxy,
+        json!({"model": "gpt-4o", "max_tokens": 10,
+               "messages": [{"role": "user", "content": "a".repeat(1 << 20)}]}),
+    );
+    assert!(
+        r.status == 200 || r.status == 429 || r.status == 400,
+        "{}",
+        r.body
+    );
     assert_eq!(agent.leases_drained(), 0);
 }
 

@@ -332,10 +332,17 @@ async fn complete(State(state): State<Arc<AgentState>>, body: Bytes) -> Response
                 // for a duplicate, the first completion's record if still queued).
                 let ticket = ob.ticket();
                 if ob.dropped() != dropped {
-                    return outbox_error(&super::outbox::OutboxError::Full {
-                        held: ob.held(),
-                        max: ob.held(),
-                    });
+                    // The lease is settled (a retry answers `duplicate`): saying that
+                    // nothing changed, as a full outbox before the completion does,
+                    // would hide the lost record.
+                    return error(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "usage_record_lost",
+                        "the lease was settled, but a usage record (this one's, or a \
+                         concurrent completion's) was dropped at the outbox's hard bound: \
+                         more leases were in flight than it holds room for (see \
+                         bursar_outbox_events_total{kind=\"dropped\"})",
+                    );
                 }
                 if let Err(e) = ob.durable(ticket).await {
                     return outbox_error(&e);

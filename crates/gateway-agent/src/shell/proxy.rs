@@ -51,6 +51,12 @@ pub struct ProxyConfig {
     pub upstream_timeout: Duration,
     /// Largest non-streamed upstream response read. Default 32 MiB.
     pub max_response_bytes: usize,
+    /// Longest silence of the upstream once it has answered: between two chunks of
+    /// its body (a stream's tokens included). After it, the request is settled as
+    /// broken off (a non-streamed answer: 504; a stream ends with an error). Without
+    /// it, an upstream that stalled with its connection open kept the reservation for
+    /// ever: the proxy extends the lease while it waits. Default 120 s.
+    pub upstream_idle_timeout: Duration,
 }
 
 impl Default for ProxyConfig {
@@ -60,6 +66,7 @@ impl Default for ProxyConfig {
             body_timeout: Duration::from_secs(30),
             upstream_timeout: Duration::from_secs(60),
             max_response_bytes: 32 << 20,
+            upstream_idle_timeout: Duration::from_secs(120),
         }
     }
 }
@@ -157,8 +164,48 @@ pub fn key_hash_hex(key: &str) -> String {
         .collect()
 }
 
+/// Longest run of non-whitespace bytes the tokenizer is given: its byte-pair merge is
+/// quadratic in the length of one piece, and one letter repeated 4 MiB times is one
+/// piece (about 10^13 steps: a client could stall a worker for hours). Longer runs are
+/// counted by the conservative estimate of unknown models (half their bytes); the
+/// upstream's usage settles the real count.
+const TOKENIZER_RUN_MAX: usize = 256;
+
 /// Input tokens of a text for `model`.
 pub fn count_tokens(model: &str, text: &str) -> u64 {
+    let mut long = 0u64;
+    let mut kept: Option<String> = None;
+    let mut start = None;
+    let bytes = text.as_bytes();
+    for i in 0..=bytes.len() {
+        let space = i == bytes.len() || bytes[i].is_ascii_whitespace();
+        match (start, space) {
+            (None, false) => start = Some(i),
+            (Some(s), true) => {
+                if i - s > TOKENIZER_RUN_MAX {
+                    // Runs end at ASCII whitespace: char boundaries.
+                    let k = kept.get_or_insert_with(|| text[..s].to_string());
+                    k.push(' ');
+                    long += ((i - s) as u64).div_ceil(2);
+                } else if let Some(k) = kept.as_mut() {
+                    k.push_str(&text[s..i]);
+                }
+                start = None;
+            }
+            _ => {}
+        }
+        if space
+            && i < bytes.len()
+            && let Some(k) = kept.as_mut()
+        {
+            k.push(bytes[i] as char);
+        }
+    }
+    long + count_tokens_exact(model, kept.as_deref().unwrap_or(text))
+}
+
+/// [`count_tokens`] for a text without overlong runs.
+fn count_tokens_exact(model: &str, text: &str) -> u64 {
     use tiktoken_rs::tokenizer::{Tokenizer, get_tokenizer};
     let bpe = match get_tokenizer(model) {
         Some(Tokenizer::O200kBase) => tiktoken_rs::o200k_base_singleton(),
@@ -195,9 +242,10 @@ fn text_of(v: &Value, out: &mut String, ids: &mut u64) {
     }
 }
 
-/// Input tokens of a request body, per OpenAI's accounting for chat (each message
-/// costs its content, its role and ~4 tokens of framing; the reply is primed with 3).
-fn input_tokens(kind: Kind, model: &str, body: &Value) -> u64 {
+/// The text of a request body to count, and the tokens counted without it: token ids
+/// given as numbers, and per OpenAI's accounting for chat, each message's ~4 tokens of
+/// framing and the reply's 3 of priming (each message costs its content, role and name).
+fn input_text(kind: Kind, body: &Value) -> (String, u64) {
     let mut text = String::new();
     let mut ids = 0u64;
     match kind {
@@ -217,7 +265,7 @@ fn input_tokens(kind: Kind, model: &str, body: &Value) -> u64 {
                     }
                 }
             }
-            return count_tokens(model, &text) + ids + framing;
+            return (text, ids + framing);
         }
         Kind::Completions => {
             if let Some(p) = body.get("prompt") {
@@ -230,15 +278,28 @@ fn input_tokens(kind: Kind, model: &str, body: &Value) -> u64 {
             }
         }
     }
-    count_tokens(model, &text) + ids
+    (text, ids)
 }
+
+/// Input tokens of a request body ([`input_text`] counted).
+#[cfg(test)]
+fn input_tokens(kind: Kind, model: &str, body: &Value) -> u64 {
+    let (text, extra) = input_text(kind, body);
+    count_tokens(model, &text) + extra
+}
+
+/// Texts longer than this are counted on the blocking pool, not on the request's
+/// worker thread (4 MiB of prose takes the tokenizer a good fraction of a second).
+const COUNT_INLINE_MAX: usize = 64 << 10;
 
 fn usage_of(v: &Value) -> Option<Usage> {
     let u = v.get("usage")?;
     if u.is_null() {
         return None;
     }
-    let n = |k: &str| u.get(k).and_then(Value::as_u64);
+    // Clamped to what the engine accepts: a completion it refused (an absurd count
+    // from the upstream) would leave the lease to expire, with no record until then.
+    let n = |k: &str| u.get(k).and_then(Value::as_u64).map(|v| v.min(MAX_COST));
     let input = n("prompt_tokens")?;
     Some(Usage {
         input_tokens: input,
@@ -427,30 +488,36 @@ async fn handle(State(p): State<Arc<Proxy>>, req: Request, kind: Kind) -> Respon
         );
     };
     // The body, bounded in size and time.
-    let bytes = match tokio::time::timeout(
-        p.cfg.body_timeout,
-        axum::body::to_bytes(body, p.cfg.max_body_bytes),
-    )
-    .await
-    {
-        Err(_) => {
-            return openai_error(
-                StatusCode::REQUEST_TIMEOUT,
-                "invalid_request_error",
-                "timeout",
-                "the request body did not arrive in time",
-            );
-        }
-        Ok(Err(_)) => {
-            return openai_error(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "invalid_request_error",
-                "body_too_large",
-                &format!("request body over {} bytes", p.cfg.max_body_bytes),
-            );
-        }
-        Ok(Ok(b)) => b,
-    };
+    let bytes =
+        match tokio::time::timeout(p.cfg.body_timeout, read_body(body, p.cfg.max_body_bytes)).await
+        {
+            Err(_) => {
+                return openai_error(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "invalid_request_error",
+                    "timeout",
+                    "the request body did not arrive in time",
+                );
+            }
+            Ok(Err(BodyError::TooLarge)) => {
+                return openai_error(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "invalid_request_error",
+                    "body_too_large",
+                    &format!("request body over {} bytes", p.cfg.max_body_bytes),
+                );
+            }
+            Ok(Err(BodyError::Broken(e))) => {
+                // A client that broke off mid-upload, or bad chunked framing: not a size.
+                return openai_error(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_request_error",
+                    "body_broken",
+                    &format!("the request body broke off: {e}"),
+                );
+            }
+            Ok(Ok(b)) => b,
+        };
     let mut body: Value = match serde_json::from_slice(&bytes) {
         Ok(v @ Value::Object(_)) => v,
         Ok(_) => {
@@ -533,7 +600,16 @@ async fn handle(State(p): State<Arc<Proxy>>, req: Request, kind: Kind) -> Respon
         (None, _) => Some(MAX_COST),
     };
     let stream = kind != Kind::Embeddings && body.get("stream") == Some(&Value::Bool(true));
-    let input = input_tokens(kind, &model, &body);
+    let (text, extra) = input_text(kind, &body);
+    let input = extra.saturating_add(if text.len() <= COUNT_INLINE_MAX {
+        count_tokens(&model, &text)
+    } else {
+        let m = model.clone();
+        let len = text.len() as u64;
+        tokio::task::spawn_blocking(move || count_tokens(&m, &text))
+            .await
+            .unwrap_or(len)
+    });
 
     // Admit.
     let id = format!("{}-{}", p.id_prefix, p.ids.fetch_add(1, Ordering::Relaxed));
@@ -578,19 +654,25 @@ async fn handle(State(p): State<Arc<Proxy>>, req: Request, kind: Kind) -> Respon
         Ok(d) => d,
         Err(e) => {
             p.agent.counters.errors.fetch_add(1, Ordering::Relaxed);
-            let status = match e {
+            // As the HTTP API answers them (`http.rs`): a full table is the agent's
+            // overload (503, retry), too many limits on one request is the rules'
+            // fault (500), the rest is the request's (400, or 403 with no rule).
+            let (status, kind) = match e {
                 AdmitError::KeyTableFull { .. } | AdmitError::LeaseTableFull { .. } => {
-                    StatusCode::SERVICE_UNAVAILABLE
+                    (StatusCode::SERVICE_UNAVAILABLE, "server_error")
                 }
-                AdmitError::NoMatchingRule => StatusCode::FORBIDDEN,
-                _ => StatusCode::BAD_REQUEST,
+                AdmitError::TooManyLimits { .. } => {
+                    (StatusCode::INTERNAL_SERVER_ERROR, "server_error")
+                }
+                AdmitError::NoMatchingRule => (StatusCode::FORBIDDEN, "invalid_request_error"),
+                _ => (StatusCode::BAD_REQUEST, "invalid_request_error"),
             };
-            return openai_error(
-                status,
-                "invalid_request_error",
-                "not_admitted",
-                &e.to_string(),
-            );
+            let mut r = openai_error(status, kind, "not_admitted", &e.to_string());
+            if status == StatusCode::SERVICE_UNAVAILABLE {
+                r.headers_mut()
+                    .insert("retry-after", HeaderValue::from_static("1"));
+            }
+            return r;
         }
     };
     let hs = headers::for_decision(&p.agent.engine, &d);
@@ -727,15 +809,36 @@ async fn handle(State(p): State<Arc<Proxy>>, req: Request, kind: Kind) -> Respon
         .unwrap_or("application/json")
         .to_string();
     if !status.is_success() {
-        let text = upstream.bytes().await.unwrap_or_default();
+        // Released first: nothing was generated, whatever the body takes to arrive.
         settle.release();
+        let text = error_body(upstream, ERROR_BODY_MAX, p.cfg.upstream_idle_timeout).await;
         let r = (status, [("content-type", content_type)], text).into_response();
         return with_headers(r, &hs);
     }
     if !stream {
         let mut buf = Vec::new();
         let mut s = upstream.bytes_stream();
-        while let Some(chunk) = keeping_lease(&mut settle, s.next()).await {
+        let idle = p.cfg.upstream_idle_timeout;
+        loop {
+            let next = keeping_lease(&mut settle, tokio::time::timeout(idle, s.next())).await;
+            let chunk = match next {
+                Ok(Some(chunk)) => chunk,
+                Ok(None) => break,
+                Err(_) => {
+                    // Stalled with its connection open: the work may be done, but
+                    // what it generated is unknown.
+                    settle.charge_reserved();
+                    return with_headers(
+                        openai_error(
+                            StatusCode::GATEWAY_TIMEOUT,
+                            "upstream_error",
+                            "upstream_idle",
+                            &format!("the upstream sent nothing for {} ms", idle.as_millis()),
+                        ),
+                        &hs,
+                    );
+                }
+            };
             match chunk {
                 Ok(c) if buf.len() + c.len() <= p.cfg.max_response_bytes => {
                     buf.extend_from_slice(&c)
@@ -768,23 +871,34 @@ async fn handle(State(p): State<Arc<Proxy>>, req: Request, kind: Kind) -> Respon
     // Stream: pass each chunk through as it arrives; the tap reads usage and text on
     // the way; the settle guard completes at the end, or on drop if the client goes.
     let tap = SseTap { buf: Vec::new() };
+    let idle = p.cfg.upstream_idle_timeout;
     let body_stream = futures_util::stream::unfold(
         (upstream.bytes_stream(), settle, tap, false),
-        |(mut s, mut settle, mut tap, ended)| async move {
+        move |(mut s, mut settle, mut tap, ended)| async move {
             if ended {
                 return None;
             }
-            match keeping_lease(&mut settle, s.next()).await {
-                Some(Ok(chunk)) => {
+            match keeping_lease(&mut settle, tokio::time::timeout(idle, s.next())).await {
+                Ok(Some(Ok(chunk))) => {
                     tap.feed(&chunk, &mut settle);
                     Some((Ok::<Bytes, std::io::Error>(chunk), (s, settle, tap, false)))
                 }
-                Some(Err(e)) => {
+                Ok(Some(Err(e))) => {
                     // The upstream broke off: settle with what was generated.
                     settle.finish(CompletionStatus::UpstreamError);
                     Some((Err(std::io::Error::other(e)), (s, settle, tap, true)))
                 }
-                None => {
+                Err(_) => {
+                    // Stalled with its connection open: settle with what was
+                    // generated, and end the client's stream with an error.
+                    settle.finish(CompletionStatus::UpstreamError);
+                    let e = std::io::Error::other(format!(
+                        "the upstream sent nothing for {} ms",
+                        idle.as_millis()
+                    ));
+                    Some((Err(e), (s, settle, tap, true)))
+                }
+                Ok(None) => {
                     settle.finish(CompletionStatus::Ok);
                     // The response ends only once the usage record is durable.
                     durable(&settle.agent).await;
@@ -802,6 +916,47 @@ async fn handle(State(p): State<Arc<Proxy>>, req: Request, kind: Kind) -> Respon
     with_headers(r, &hs)
 }
 
+enum BodyError {
+    TooLarge,
+    Broken(String),
+}
+
+/// A request body of at most `max` bytes.
+async fn read_body(body: Body, max: usize) -> Result<Bytes, BodyError> {
+    let mut s = body.into_data_stream();
+    let mut buf = Vec::new();
+    while let Some(chunk) = s.next().await {
+        let c = chunk.map_err(|e| BodyError::Broken(e.to_string()))?;
+        if buf.len() + c.len() > max {
+            return Err(BodyError::TooLarge);
+        }
+        buf.extend_from_slice(&c);
+    }
+    Ok(Bytes::from(buf))
+}
+
+/// Reads an upstream error's body, at most `max` bytes (the rest is dropped) and for
+/// at most `within`: what it says is passed on, but an endless or huge one must hold
+/// neither memory nor the reservation.
+async fn error_body(upstream: reqwest::Response, max: usize, within: Duration) -> Bytes {
+    let mut buf = Vec::new();
+    let mut s = upstream.bytes_stream();
+    let read = async {
+        while let Some(Ok(c)) = s.next().await {
+            let room = max - buf.len();
+            buf.extend_from_slice(&c[..c.len().min(room)]);
+            if buf.len() >= max {
+                break;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(within, read).await;
+    Bytes::from(buf)
+}
+
+/// Most bytes of an upstream error's body passed on.
+const ERROR_BODY_MAX: usize = 64 << 10;
+
 /// With the durable outbox, waits until every usage record so far is committed. A
 /// commit slower than the outbox's timeout is counted (`not_durable`) and the answer
 /// goes out anyway: the tokens are spent, and the record stays queued.
@@ -812,11 +967,12 @@ async fn durable(agent: &AgentState) {
 }
 
 fn bearer(h: &HeaderMap) -> Option<&str> {
-    h.get("authorization")?
-        .to_str()
-        .ok()?
-        .strip_prefix("Bearer ")
-        .map(str::trim)
+    let v = h.get("authorization")?.to_str().ok()?;
+    // The scheme is case-insensitive (RFC 9110): `bearer` is `Bearer`.
+    let (scheme, key) = v.split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| key.trim())
         .filter(|k| !k.is_empty())
 }
 
@@ -832,6 +988,21 @@ fn with_headers(mut r: Response, hs: &[(&'static str, String)]) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn overlong_runs_are_estimated_and_the_rest_is_counted_exactly() {
+        let m = "gpt-4o";
+        let long = "a".repeat(10_000);
+        let text = format!("hello there {long} general kenobi");
+        let rest = count_tokens_exact(m, "hello there   general kenobi");
+        assert_eq!(count_tokens(m, &text), 5_000 + rest);
+        // Text without overlong runs is counted exactly, as before.
+        let prose = "the quick brown fox jumps over the lazy dog\n".repeat(100);
+        assert_eq!(count_tokens(m, &prose), count_tokens_exact(m, &prose));
+        // A run of exactly the bound is not estimated.
+        let edge = "b".repeat(TOKENIZER_RUN_MAX);
+        assert_eq!(count_tokens(m, &edge), count_tokens_exact(m, &edge));
+    }
 
     #[test]
     fn prompts_of_token_ids_count_one_token_an_id() {
