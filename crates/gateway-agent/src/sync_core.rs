@@ -485,6 +485,12 @@ impl<K: Ord + Clone> SyncTracks<K> {
             self.dirty.push(k.clone());
         }
         self.measuring = (Vec::new(), 0);
+        // A concurrency shrink still draining was the last stream's: its ack names the
+        // key by that stream's handle, and a new leader refuses an ack of an older
+        // term whole (the other keys' acks in the message with it). The hello and the
+        // next report carry the grant held, which the allocator reads as the ack once
+        // the work in flight fits.
+        self.pending_acks.clear();
     }
 
     /// The allocator did not know these handles (its `UnknownKeys`): it ignored the

@@ -30,6 +30,8 @@ struct Conn {
 #[derive(Clone)]
 struct Scripted {
     conns: mpsc::Sender<Conn>,
+    /// The term its welcomes carry.
+    term: Arc<std::sync::atomic::AtomicU64>,
 }
 
 #[tonic::async_trait]
@@ -52,7 +54,7 @@ impl pb::allocator_server::Allocator for Scripted {
             .send(Ok(pb::AllocatorMessage {
                 msg: Some(pb::allocator_message::Msg::Welcome(pb::Welcome {
                     protocol_version: pb::PROTOCOL_VERSION,
-                    term: 5,
+                    term: self.term.load(std::sync::atomic::Ordering::Relaxed),
                     config_version: String::new(),
                     max_keys_per_message: 100,
                     max_message_bytes: pb::MAX_MESSAGE_BYTES as u32,
@@ -82,19 +84,34 @@ impl pb::allocator_server::Allocator for Scripted {
 }
 
 async fn scripted_allocator() -> (std::net::SocketAddr, mpsc::Receiver<Conn>) {
+    let (addr, rx, _) = scripted_allocator_at(5).await;
+    (addr, rx)
+}
+
+/// A scripted allocator whose welcomes carry the term the returned cell holds.
+async fn scripted_allocator_at(
+    term: u64,
+) -> (
+    std::net::SocketAddr,
+    mpsc::Receiver<Conn>,
+    Arc<std::sync::atomic::AtomicU64>,
+) {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
     let (conns, rx) = mpsc::channel(8);
+    let term = Arc::new(std::sync::atomic::AtomicU64::new(term));
+    let cell = Arc::clone(&term);
     tokio::spawn(async move {
         tonic::transport::Server::builder()
             .add_service(pb::allocator_server::AllocatorServer::new(Scripted {
                 conns,
+                term,
             }))
             .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(l))
             .await
             .unwrap();
     });
-    (addr, rx)
+    (addr, rx, cell)
 }
 
 fn key(rule: &str, v: &str) -> Option<pb::Key> {
@@ -485,6 +502,94 @@ async fn a_concurrency_shrink_is_acknowledged_only_once_in_flight_work_fits() {
     })
     .await;
     assert!(ack.in_flight <= 1, "{ack:?}");
+}
+
+/// Review (twenty-seventh session): the agent fenced grants only per key, by
+/// (epoch, seq). A grant of another term than its stream's was applied (a deposed
+/// leader's, or a malformed epoch that then refused every later grant of the key), an
+/// extension with epoch u64::MAX refused every later one until a restart, and a
+/// welcome from a deposed leader (a lower term) was taken.
+#[tokio::test]
+async fn messages_of_another_term_are_refused_and_a_deposed_leaders_welcome_too() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let (addr, mut conns, term) = scripted_allocator_at(5).await;
+    let (state, status, _stop) = start_agent(addr);
+    let conn = conns.recv().await.unwrap();
+    let lease_end = conn.hello.agent_time_ns + 30_000_000_000;
+    // A grant of epoch u64::MAX on this term-5 stream, and an extension of that epoch.
+    let mut bogus = grant("org-rps", "acme", 100, 10, 3, lease_end);
+    if let Some(pb::allocator_message::Msg::Grants(g)) = &mut bogus.msg {
+        g.grants[0].epoch = u64::MAX;
+    }
+    conn.to_agent.send(Ok(bogus)).await.unwrap();
+    conn.to_agent
+        .send(Ok(pb::AllocatorMessage {
+            msg: Some(pb::allocator_message::Msg::LeaseExtension(
+                pb::LeaseExtension {
+                    epoch: u64::MAX,
+                    through_seq: 100,
+                    lease_expires_at_ns: lease_end,
+                },
+            )),
+        }))
+        .await
+        .unwrap();
+    // Then the real ones: applied, as if the bogus ones had never come.
+    conn.to_agent
+        .send(Ok(grant("org-rps", "acme", 100, 10, 4, lease_end)))
+        .await
+        .unwrap();
+    conn.to_agent
+        .send(Ok(pb::AllocatorMessage {
+            msg: Some(pb::allocator_message::Msg::LeaseExtension(
+                pb::LeaseExtension {
+                    epoch: 5,
+                    through_seq: 4,
+                    lease_expires_at_ns: lease_end,
+                },
+            )),
+        }))
+        .await
+        .unwrap();
+    let t0 = Instant::now();
+    while status.extensions_applied.load(Relaxed) < 1 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(2),
+            "no extension applied"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(status.grants_refused.load(Relaxed), 1);
+    assert_eq!(status.grants_applied.load(Relaxed), 1);
+    assert_eq!(status.extensions_refused.load(Relaxed), 1);
+    // The grant starts empty (no transfer) and fills at 100 a second.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(admit(&state, "x", &[("org", "acme")]));
+    // The leader is deposed; a stale node at term 4 welcomes the reconnecting agent:
+    // refused, and again at each retry, until term 6 answers.
+    term.store(4, Relaxed);
+    conn.to_agent
+        .send(Err(tonic::Status::unavailable("going away")))
+        .await
+        .unwrap();
+    drop(conn);
+    let t0 = Instant::now();
+    while status.stale_terms.load(Relaxed) < 2 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "a lower term was taken"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(status.connects.load(Relaxed), 1, "no stream under term 4");
+    term.store(6, Relaxed);
+    let t0 = Instant::now();
+    while status.connects.load(Relaxed) < 2 {
+        assert!(t0.elapsed() < Duration::from_secs(5), "term 6 not taken");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(status.term.load(Relaxed), 6);
+    while conns.try_recv().is_ok() {}
 }
 
 #[tokio::test]

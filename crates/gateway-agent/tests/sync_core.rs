@@ -295,6 +295,43 @@ fn a_concurrency_shrink_is_acknowledged_once_in_flight_work_fits() {
     assert_eq!((acks[0].key.as_str(), acks[0].seq), (k.as_str(), 2));
     assert!(acks[0].in_flight <= 1);
     assert_eq!(t.draining(), 0);
+
+    // Review (twenty-seventh session): a shrink still draining when the stream is
+    // lost is not acknowledged on the next one (its handle and term were the old
+    // stream's; a new leader refuses an older term's ack with the rest of its
+    // message). The hello and the next report carry the held grant instead.
+    t.apply(
+        &e,
+        3,
+        vec![grant("team-conc", "red", 4, 3)],
+        vec![k.clone()],
+        &[0],
+    );
+    for id in ["d1", "d2", "d3"] {
+        touch(&e, 3, id, &[("team", "red")]);
+    }
+    let out = t.apply(
+        &e,
+        3,
+        vec![grant("team-conc", "red", 1, 4)],
+        vec![k.clone()],
+        &[0],
+    );
+    assert!(matches!(&out[..], [Applied::Draining]), "{out:?}");
+    assert_eq!(t.draining(), 1);
+    t.new_stream();
+    assert_eq!(t.draining(), 0);
+    for id in ["d1", "d2", "d3"] {
+        e.complete(
+            4,
+            id,
+            bursar_agent::Usage::default(),
+            bursar_agent::CompletionStatus::Ok,
+        )
+        .unwrap();
+    }
+    t.refresh(&e, 5, &mut buf, key_of);
+    assert!(t.drained_acks().is_empty());
 }
 
 #[test]

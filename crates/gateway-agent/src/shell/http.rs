@@ -44,11 +44,43 @@ struct AdmitBody {
     request_id: String,
     #[serde(default)]
     domain: Option<String>,
+    #[serde(deserialize_with = "unique_descriptors")]
     descriptors: BTreeMap<String, String>,
     #[serde(default)]
     cost: CostBody,
     #[serde(default)]
     ttl_ms: Option<u64>,
+}
+
+/// The descriptors object, refusing a name given twice (`{"org":"a","org":"b"}` was
+/// read as `org=b`, silently: which limit a request counts against must not depend on
+/// a JSON parser's choice).
+fn unique_descriptors<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<BTreeMap<String, String>, D::Error> {
+    struct Unique;
+    impl<'de> serde::de::Visitor<'de> for Unique {
+        type Value = BTreeMap<String, String>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("an object of descriptor names to string values")
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(
+            self,
+            mut m: A,
+        ) -> Result<Self::Value, A::Error> {
+            let mut out = BTreeMap::new();
+            while let Some((k, v)) = m.next_entry::<String, String>()? {
+                if out.contains_key(&k) {
+                    return Err(serde::de::Error::custom(format_args!(
+                        "descriptor {k:?} given twice"
+                    )));
+                }
+                out.insert(k, v);
+            }
+            Ok(out)
+        }
+    }
+    d.deserialize_map(Unique)
 }
 
 #[derive(Deserialize)]
@@ -488,6 +520,7 @@ async fn metrics(State(state): State<Arc<AgentState>>) -> Response {
             ("report_sent", &sync.reports_sent),
             ("ack_sent", &sync.acks_sent),
             ("slice_revoked", &sync.slices_revoked),
+            ("stale_term", &sync.stale_terms),
             ("unknown_handle", &sync.unknown_handles),
             ("dropped", &sync.dropped),
         ] {

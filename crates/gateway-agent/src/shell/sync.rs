@@ -187,6 +187,9 @@ pub struct SyncStatus {
     pub reports_sent: AtomicU64,
     /// Acks sent (slices).
     pub acks_sent: AtomicU64,
+    /// Welcomes refused for a term below one heard from within two leases (a deposed
+    /// leader).
+    pub stale_terms: AtomicU64,
     /// Grants the allocator revoked (`Revoke`) that went to their posture.
     pub slices_revoked: AtomicU64,
     /// Key handles the allocator said it did not know (`UnknownKeys`): those keys are
@@ -210,6 +213,8 @@ pub fn spawn(
         status: Arc::clone(&status),
         buf: Vec::new(),
         config_version: String::new(),
+        term: 0,
+        highest_term: (0, std::time::Instant::now(), Duration::ZERO),
     };
     let handle = tokio::spawn(client.run(shutdown));
     (status, handle)
@@ -246,6 +251,14 @@ struct Client {
     session: SyncSession<TrackedKey>,
     buf: Vec<KeyDemand>,
     config_version: String,
+    /// The term of the stream's welcome: grants, extensions and revocations of any
+    /// other term on it are refused (a malformed epoch would fence a key, or every
+    /// later extension, until a restart).
+    term: u64,
+    /// The highest term welcomed so far, when it was last heard from, and its lease: a
+    /// welcome of a lower term (a deposed leader still serving) is refused until every
+    /// grant of the higher term has had time to lapse.
+    highest_term: (u64, std::time::Instant, Duration),
 }
 
 /// Why a stream ended.
@@ -455,6 +468,12 @@ impl Client {
         let mut keys = Vec::with_capacity(grants.len());
         let mut handles = Vec::with_capacity(grants.len());
         for g in grants {
+            if g.epoch != self.term {
+                // Not of this stream's term: the allocator that sent it is not the one
+                // that welcomed this stream (or the grant is malformed).
+                self.status.grants_refused.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
             let (key, rule, values) = match g.key {
                 Some(k) => (
                     TrackedKey::named(&self.state.engine, &k.rule, &k.values),
@@ -573,6 +592,26 @@ impl Client {
                 welcome.config_version, self.config_version
             );
         }
+        let (highest, heard, lease) = self.highest_term;
+        if welcome.term < highest && heard.elapsed() < 2 * lease {
+            // Two leaders at once, for a moment: the lower term's grants would be
+            // counted by an allocator that is no longer in charge.
+            self.status.stale_terms.fetch_add(1, Ordering::Relaxed);
+            return End::Lost(format!(
+                "allocator {target} is at term {}, behind term {highest} heard {} ms ago: \
+                 a deposed leader",
+                welcome.term,
+                heard.elapsed().as_millis()
+            ));
+        }
+        self.term = welcome.term;
+        if welcome.term >= highest || heard.elapsed() >= 2 * lease {
+            self.highest_term = (
+                welcome.term,
+                std::time::Instant::now(),
+                Duration::from_millis(welcome.lease_ms),
+            );
+        }
         self.status.term.store(welcome.term, Ordering::Relaxed);
         self.status.connects.fetch_add(1, Ordering::Relaxed);
         self.status.connected.store(true, Ordering::Relaxed);
@@ -614,8 +653,16 @@ impl Client {
                         Ok(None) => return End::Lost("stream ended".into()),
                         Err(s) => return End::Lost(format!("{} ({:?})", s.message(), s.code())),
                     };
+                    if self.term == self.highest_term.0 {
+                        self.highest_term.1 = std::time::Instant::now();
+                    }
                     match m.msg {
                         Some(In::Grants(g)) => self.apply(g.grants),
+                        Some(In::LeaseExtension(x)) if x.epoch != self.term => {
+                            self.status.extensions_refused.fetch_add(1, Ordering::Relaxed);
+                            Vec::new()
+                        }
+                        Some(In::Revoke(r)) if r.epoch != self.term => Vec::new(),
                         Some(In::LeaseExtension(x)) => {
                             let x = SliceExtension {
                                 epoch: x.epoch,
