@@ -175,6 +175,13 @@ fn bad_input_is_a_clear_400_and_changes_nothing() {
             "malformed body",
         ),
         (
+            // Review (twenty-seventh session): read as org=b, silently.
+            "a descriptor given twice",
+            br#"{"request_id": "x", "descriptors": {"org": "a", "org": "b"}}"#.to_vec(),
+            400,
+            r#"descriptor \"org\" given twice"#,
+        ),
+        (
             "empty descriptors",
             br#"{"request_id": "x", "descriptors": {}}"#.to_vec(),
             400,
