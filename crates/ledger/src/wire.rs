@@ -121,10 +121,131 @@ pub fn parse_batch(
     limits: &Limits,
     events_max: usize,
 ) -> Result<Vec<Event>, BatchError> {
-    if let Some(all) = scan_batch(body) {
-        return fields_to_events(all, now_ms, limits, events_max);
+    if let Some((all, total)) = scan_batch(body, events_max) {
+        if total > events_max {
+            return Err(BatchError::TooMany(total, events_max));
+        }
+        return fields_to_events(all, now_ms, limits);
     }
     parse_batch_serde(body, now_ms, limits, events_max)
+}
+
+/// A JSON array read with at most `max` elements kept: the rest are only counted
+/// (`total`), so a body of millions of tiny elements costs no memory before it is
+/// refused as too many.
+struct Bounded<T> {
+    items: Vec<T>,
+    total: usize,
+}
+
+fn bounded<'de, T: serde::Deserialize<'de>>(
+    body: &'de [u8],
+    max: usize,
+) -> serde_json::Result<Bounded<T>> {
+    struct V<T>(usize, std::marker::PhantomData<T>);
+    impl<'de, T: serde::Deserialize<'de>> serde::de::Visitor<'de> for V<T> {
+        type Value = Bounded<T>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a JSON array")
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(
+            self,
+            mut seq: A,
+        ) -> Result<Bounded<T>, A::Error> {
+            let mut items = Vec::new();
+            while items.len() < self.0 {
+                match seq.next_element::<T>()? {
+                    Some(x) => items.push(x),
+                    None => {
+                        let total = items.len();
+                        return Ok(Bounded { items, total });
+                    }
+                }
+            }
+            let mut total = items.len();
+            while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {
+                total += 1;
+            }
+            Ok(Bounded { items, total })
+        }
+    }
+    use serde::Deserializer as _;
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let out = (&mut de).deserialize_seq(V::<T>(max, std::marker::PhantomData))?;
+    de.end()?;
+    Ok(out)
+}
+
+/// A JSON value whose objects name no key twice, at any depth. `serde_json::Value`
+/// keeps the last of a repeated key; the precise tier reads events through this
+/// instead, so that `"output_tokens": 1, "output_tokens": 1000000` is refused as the
+/// scanner and the typed tier refuse it, not billed as its last value.
+struct UniqueValue(Value);
+
+impl<'de> serde::Deserialize<'de> for UniqueValue {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = Value;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON value")
+            }
+            fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+                Ok(Value::Bool(v))
+            }
+            fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+                Ok(Value::from(v))
+            }
+            fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+                Ok(Value::from(v))
+            }
+            fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
+                Ok(Number::from_f64(v).map_or(Value::Null, Value::Number))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+                Ok(Value::String(v.to_string()))
+            }
+            fn visit_string<E>(self, v: String) -> Result<Value, E> {
+                Ok(Value::String(v))
+            }
+            fn visit_unit<E>(self) -> Result<Value, E> {
+                Ok(Value::Null)
+            }
+            fn visit_none<E>(self) -> Result<Value, E> {
+                Ok(Value::Null)
+            }
+            fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+                <UniqueValue as serde::Deserialize>::deserialize(d).map(|u| u.0)
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<Value, A::Error> {
+                let mut out = Vec::new();
+                while let Some(UniqueValue(v)) = seq.next_element()? {
+                    out.push(v);
+                }
+                Ok(Value::Array(out))
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<Value, A::Error> {
+                let mut out = serde_json::Map::new();
+                while let Some(k) = map.next_key::<String>()? {
+                    let UniqueValue(v) = map.next_value()?;
+                    if out.contains_key(&k) {
+                        return Err(serde::de::Error::custom(format_args!(
+                            "field {k:?} given twice"
+                        )));
+                    }
+                    out.insert(k, v);
+                }
+                Ok(Value::Object(out))
+            }
+        }
+        d.deserialize_any(V).map(UniqueValue)
+    }
 }
 
 /// [`parse_batch`] without the scanner: the serde typed path, then the precise one.
@@ -134,11 +255,12 @@ fn parse_batch_serde(
     limits: &Limits,
     events_max: usize,
 ) -> Result<Vec<Event>, BatchError> {
-    if let Ok(all) = serde_json::from_slice::<Vec<ObjectFields>>(body) {
-        if all.len() > events_max {
-            return Err(BatchError::TooMany(all.len(), events_max));
+    if let Ok(all) = bounded::<ObjectFields>(body, events_max) {
+        if all.total > events_max {
+            return Err(BatchError::TooMany(all.total, events_max));
         }
         return all
+            .items
             .into_iter()
             .enumerate()
             .map(|(index, ObjectFields(f))| {
@@ -147,18 +269,21 @@ fn parse_batch_serde(
             })
             .collect();
     }
-    let v: Value =
-        serde_json::from_slice(body).map_err(|e| BatchError::Malformed(e.to_string()))?;
-    let Value::Array(items) = v else {
+    // Well-formed JSON at all (read without building it), and an array?
+    serde_json::from_slice::<serde::de::IgnoredAny>(body)
+        .map_err(|e| BatchError::Malformed(e.to_string()))?;
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'[') {
         return Err(BatchError::NotArray);
-    };
-    if items.len() > events_max {
-        return Err(BatchError::TooMany(items.len(), events_max));
     }
-    items
+    let all = bounded::<UniqueValue>(body, events_max)
+        .map_err(|e| BatchError::Malformed(e.to_string()))?;
+    if all.total > events_max {
+        return Err(BatchError::TooMany(all.total, events_max));
+    }
+    all.items
         .iter()
         .enumerate()
-        .map(|(index, item)| {
+        .map(|(index, UniqueValue(item))| {
             parse_event(item, now_ms, limits).map_err(|error| BatchError::Event { index, error })
         })
         .collect()
@@ -168,11 +293,7 @@ fn fields_to_events(
     all: Vec<Fields>,
     now_ms: u64,
     limits: &Limits,
-    events_max: usize,
 ) -> Result<Vec<Event>, BatchError> {
-    if all.len() > events_max {
-        return Err(BatchError::TooMany(all.len(), events_max));
-    }
     all.into_iter()
         .enumerate()
         .map(|(index, f)| {
@@ -187,7 +308,10 @@ fn fields_to_events(
 /// integers that fit 64 bits, with no `null`, no repeated and no unknown field. Returns
 /// `None` for anything else (the serde path then decides, with its messages); never
 /// accepts what the serde path would refuse.
-fn scan_batch(body: &[u8]) -> Option<Vec<Fields>> {
+///
+/// Keeps at most `max` events and counts the rest (the second value): a body of
+/// millions of empty objects is refused as too many without holding them.
+fn scan_batch(body: &[u8], max: usize) -> Option<(Vec<Fields>, usize)> {
     // One UTF-8 check for the whole body; every string is then a slice of it cut at
     // ASCII quotes, so valid too.
     let text = std::str::from_utf8(body).ok()?;
@@ -196,14 +320,19 @@ fn scan_batch(body: &[u8]) -> Option<Vec<Fields>> {
         b: body,
         at: 0,
     };
-    let mut out = Vec::with_capacity(body.len() / 200 + 1);
+    let mut out = Vec::with_capacity((body.len() / 200 + 1).min(max.saturating_add(1)));
+    let mut total = 0usize;
     s.ws();
     s.list(b'[', b']', |s| {
-        out.push(s.event()?);
+        let f = s.event()?;
+        total += 1;
+        if out.len() < max {
+            out.push(f);
+        }
         Some(())
     })?;
     s.ws();
-    (s.at == body.len()).then_some(out)
+    (s.at == body.len()).then_some((out, total))
 }
 
 struct Scanner<'a> {
@@ -698,7 +827,7 @@ mod tests {
             assert!(fast.is_ok(), "body {i}: {fast:?}");
             // The scanner takes the plain shapes itself; corrections with negative
             // deltas go to the serde path.
-            assert_eq!(scan_batch(body).is_some(), i != 2, "body {i}");
+            assert_eq!(scan_batch(body, usize::MAX).is_some(), i != 2, "body {i}");
         }
     }
 
@@ -720,10 +849,10 @@ mod tests {
             "[{\"model\":\"a\u{1}b\"}]",         // a control character
             r#"[{"descriptors":[["a"]]}]"#,      // a descriptor that is not a pair
         ] {
-            assert!(scan_batch(body.as_bytes()).is_none(), "{body}");
+            assert!(scan_batch(body.as_bytes(), usize::MAX).is_none(), "{body}");
         }
         assert!(
-            scan_batch(&[b'[', b'"', 0xff, b'"', b']']).is_none(),
+            scan_batch(&[b'[', b'"', 0xff, b'"', b']'], usize::MAX).is_none(),
             "bad UTF-8"
         );
     }
@@ -748,7 +877,7 @@ mod tests {
                 }
             }
             let limits = Limits::default();
-            if scan_batch(&body).is_some() {
+            if scan_batch(&body, usize::MAX).is_some() {
                 prop_assert_eq!(
                     parse_batch(&body, NOW, &limits, 50_000),
                     parse_batch_serde(&body, NOW, &limits, 50_000)
@@ -925,6 +1054,52 @@ mod tests {
         assert_eq!(
             parse_batch(two.as_bytes(), NOW, &limits, 1),
             Err(BatchError::TooMany(2, 1))
+        );
+    }
+
+    /// Review (twenty-seventh session): the scanner and the typed tier refused a field
+    /// given twice, but the precise tier read events through `serde_json::Value`,
+    /// which keeps the last value: the batch was accepted and billed 1,000,000 output
+    /// tokens. And a body of millions of empty objects was held whole (~2 GB) before
+    /// it was refused as too many.
+    #[test]
+    fn a_field_given_twice_is_refused_by_every_tier_and_too_many_are_only_counted() {
+        let limits = Limits::default();
+        let body = r#"[{"request_id":"r1","origin":"a","seq":1,"tenant":"t","model":"m",
+            "time_ms":NOW,"status":"ok","input_tokens":5,"output_tokens":1,
+            "output_tokens":1000000}]"#
+            .replace("NOW", &NOW.to_string());
+        let e = parse_batch(body.as_bytes(), NOW, &limits, 10).unwrap_err();
+        assert!(
+            e.to_string().contains("\"output_tokens\" given twice"),
+            "{e}"
+        );
+        // The same in an escape (so not the scanner), and inside descriptors.
+        let escaped = body.replace(r#""tenant":"t""#, r#""tenant":"\u0074""#);
+        let e = parse_batch(escaped.as_bytes(), NOW, &limits, 10).unwrap_err();
+        assert!(e.to_string().contains("given twice"), "{e}");
+        let mut v = base();
+        v["descriptors"] = json!({"team": "red"});
+        let twice = json!([v])
+            .to_string()
+            .replace(r#"{"team":"red"}"#, r#"{"team":"red","team":"blue"}"#);
+        let e = parse_batch(twice.as_bytes(), NOW, &limits, 10).unwrap_err();
+        assert!(e.to_string().contains(r#""team" given twice"#), "{e}");
+        // Too many: counted exactly on every tier, without being kept.
+        let empties = format!("[{}]", vec!["{}"; 1_000].join(","));
+        assert_eq!(
+            parse_batch(empties.as_bytes(), NOW, &limits, 10),
+            Err(BatchError::TooMany(1_000, 10))
+        );
+        let valid = json!(vec![base(); 300]).to_string();
+        assert_eq!(
+            parse_batch(valid.as_bytes(), NOW, &limits, 10),
+            Err(BatchError::TooMany(300, 10))
+        );
+        let typed = valid.replace(r#""acme""#, r#""\u0061cme""#);
+        assert_eq!(
+            parse_batch(typed.as_bytes(), NOW, &limits, 10),
+            Err(BatchError::TooMany(300, 10))
         );
     }
 
