@@ -989,6 +989,8 @@ pub struct Allocator {
     revocations: Vec<(Arc<str>, u64, Arc<KeyName>)>,
     /// Revocations not queued because the queue was full.
     revocations_dropped: u64,
+    /// Agents forgotten to make room in a full table.
+    agents_evicted: u64,
     /// Names of agents and keys removed while the outbox held grants for them (a
     /// pending grant still names them), and their indices, which are not reused until
     /// the outbox is drained.
@@ -1203,6 +1205,7 @@ impl Allocator {
             unknown_dropped: 0,
             revocations: Vec::new(),
             revocations_dropped: 0,
+            agents_evicted: 0,
             graves: Graves::default(),
             alpha_memo: (0, 0.0, 0.0),
             hasher: FixedState::with_seed(cfg.hash_seed),
@@ -2087,11 +2090,19 @@ impl Allocator {
                     got: hello.agent_time_ns,
                 });
             }
-        } else if self.live_agents >= self.cfg.max_agents {
-            return Err(AllocError::AgentTableFull {
-                max: self.cfg.max_agents,
-            });
         }
+        // A full table makes room by forgetting the agent disconnected longest, once
+        // its grants have lapsed (a lease and the margin): agent ids change with every
+        // rollout (pod names), and the table used to fill for good, refusing every new
+        // agent until a restart. What such an agent's posture may still admit, if it
+        // runs on cut off, no longer counts in the bound: only under this pressure.
+        let evict = if existing.is_none() && self.live_agents >= self.cfg.max_agents {
+            Some(self.longest_gone(now).ok_or(AllocError::AgentTableFull {
+                max: self.cfg.max_agents,
+            })?)
+        } else {
+            None
+        };
         if hello.rule_shapes.len() > MAX_RULE_SHAPES {
             return Err(AllocError::MessageTooLarge {
                 got: hello.rule_shapes.len(),
@@ -2151,6 +2162,12 @@ impl Allocator {
             });
         }
         // Apply.
+        if let Some(v) = evict {
+            let id = Arc::clone(&self.agent(v).id);
+            self.forget_agent(now, &id)
+                .expect("a live agent's id names it");
+            self.agents_evicted += 1;
+        }
         let a = match existing {
             Some(a) if replace => {
                 self.release_agent(now, a);
@@ -2304,6 +2321,25 @@ impl Allocator {
         let a = self.agent_id(agent)?;
         self.agent_mut(a).connected = false;
         Ok(())
+    }
+
+    /// The agent disconnected longest, if it has been gone a lease and the margin
+    /// (every grant it held has lapsed), for [`Allocator::handle_hello`] to forget when
+    /// the table is full.
+    fn longest_gone(&self, now: u64) -> Option<u32> {
+        let hold = self.lease_ns();
+        self.agents
+            .iter()
+            .enumerate()
+            .filter_map(|(i, ag)| ag.as_ref().map(|ag| (i as u32, ag)))
+            .filter(|(_, ag)| !ag.connected && now.saturating_sub(ag.last_heard_ns) >= hold)
+            .min_by_key(|(_, ag)| ag.last_heard_ns)
+            .map(|(i, _)| i)
+    }
+
+    /// Agents forgotten to make room for new ones in a full table.
+    pub fn agents_evicted(&self) -> u64 {
+        self.agents_evicted
     }
 
     /// Forgets an agent (operator action, or the shell's clean-up of an agent gone for
@@ -5714,6 +5750,28 @@ mod tests {
         let e = a.handle_report(now, &report("a", 1, 2, three)).unwrap_err();
         assert!(matches!(e, AllocError::KeyTableFull { max: 2 }));
         assert_eq!(a.key_count(), 0);
+
+        // Review (twenty-seventh session): agents were never forgotten, so ids that
+        // change with every rollout filled the table for good. A full table now
+        // forgets the agent disconnected longest once its grants have lapsed: not a
+        // connected one, nor one gone for less than a lease and the margin.
+        a.handle_disconnect(now, "a").unwrap();
+        let soon = now + a.lease_ns() - 1;
+        let e = a.handle_hello(soon, &hello("b", 1, 1)).unwrap_err();
+        assert!(matches!(e, AllocError::AgentTableFull { max: 1 }));
+        let later = now + a.lease_ns();
+        a.handle_hello(later, &hello("b", 1, 1)).unwrap();
+        assert_eq!((a.agent_count(), a.agents_evicted()), (1, 1));
+        let e = a
+            .handle_report(later, &report("a", 1, 3, vec![]))
+            .unwrap_err();
+        assert!(matches!(e, AllocError::UnknownAgent(_)), "{e}");
+        let e = a.handle_hello(later, &hello("c", 1, 1)).unwrap_err();
+        assert!(
+            matches!(e, AllocError::AgentTableFull { max: 1 }),
+            "b is connected: {e}"
+        );
+        a.check_invariants().unwrap();
     }
 
     /// Agent a holds a `conc` grant (`ga`) and, with `busy` of its slots still in

@@ -374,7 +374,16 @@ fn serve_elected(args: ServeArgs, mut rules: Config, seen: Option<Vec<u8>>) -> R
             args.lease_ms + args.reclaim_margin_ms
         );
         let _ = std::io::stdout().flush();
+        // Stepping down is its own task: in the loop below, a reload waits behind the
+        // core's queue and a recomputation of every changed key, longer than the
+        // step-down margin under load, and a deposed leader must not grant meanwhile.
         let mut lost = leadership.lost;
+        let ttl_s = args.election_ttl_s;
+        tokio::spawn(async move {
+            let _ = lost.wait_for(|l| *l).await;
+            eprintln!("bursar-allocator: etcd lease not renewed for {ttl_s} s: stepping down");
+            std::process::exit(1);
+        });
         loop {
             tokio::select! {
                 _ = tokio::signal::ctrl_c() => break,
@@ -384,11 +393,6 @@ fn serve_elected(args: ServeArgs, mut rules: Config, seen: Option<Vec<u8>>) -> R
                     reload(&handle, "SIGHUP").await;
                 }
                 _ = watch.changed() => reload(&handle, "the rules file changed").await,
-                _ = lost.wait_for(|l| *l) => {
-                    eprintln!("bursar-allocator: etcd lease not renewed for {} s: stepping down", args.election_ttl_s);
-                    let _ = tx.send(true);
-                    std::process::exit(1);
-                }
             }
         }
         eprintln!("bursar-allocator: shutting down");

@@ -133,6 +133,7 @@ fn status_json(s: &Snapshot) -> Value {
             "unknown_handles_dropped": c.unknown_handles_dropped,
             "revocations_sent": c.revocations_sent,
             "revocations_dropped": c.revocations_dropped,
+            "agents_evicted": s.agents_evicted,
         },
         "last_error": s.last_error,
         "config": {

@@ -167,6 +167,8 @@ pub struct Snapshot {
     pub reload: ReloadStatus,
     /// Report, hello and ack lines ignored for naming a removed or replaced rule.
     pub ignored_lines: u64,
+    /// Agents forgotten to make room for new ones in a full table.
+    pub agents_evicted: u64,
 }
 
 struct Route {
@@ -430,6 +432,7 @@ impl Driver {
             rules: self.core.rules().collect(),
             reload: self.reload.clone(),
             ignored_lines: self.core.ignored_lines(),
+            agents_evicted: self.core.agents_evicted(),
         }
     }
 

@@ -229,6 +229,15 @@ impl pb::allocator_server::Allocator for Service {
         let (tx, rx) = mpsc::channel(self.agent_queue_max);
         let weak = tx.downgrade();
         let (reply, answer) = oneshot::channel();
+        // Until the reader below runs (it says `Disconnect` when the stream ends), the
+        // guard says it if this handler is dropped: a client that resets the stream
+        // while its hello waits for the core left the core counting it connected, and
+        // the shell holding its connection entry, for good.
+        let mut guard = HelloGuard {
+            inputs: self.inputs.clone(),
+            conn,
+            agent: Some(agent.clone()),
+        };
         self.inputs
             .send(Input::Hello {
                 conn,
@@ -243,6 +252,7 @@ impl pb::allocator_server::Allocator for Service {
             .map_err(|_| Status::unavailable("the allocator is shutting down"))?
             .map_err(|e| status_of(&e))?;
         let inputs = self.inputs.clone();
+        guard.agent = None;
         tokio::spawn(async move {
             loop {
                 let m = match inbound.message().await {
@@ -284,5 +294,24 @@ impl pb::allocator_server::Allocator for Service {
             let _ = inputs.send(Input::Disconnect { conn, agent }).await;
         });
         Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// Says `Disconnect` for a stream whose hello handler ends before its reader starts
+/// (see `sync`), unless disarmed (`agent` taken).
+struct HelloGuard {
+    inputs: mpsc::Sender<Input>,
+    conn: u64,
+    agent: Option<String>,
+}
+
+impl Drop for HelloGuard {
+    fn drop(&mut self) {
+        if let Some(agent) = self.agent.take() {
+            let (inputs, conn) = (self.inputs.clone(), self.conn);
+            tokio::spawn(async move {
+                let _ = inputs.send(Input::Disconnect { conn, agent }).await;
+            });
+        }
     }
 }

@@ -309,6 +309,11 @@ async fn reload_via(
     inputs: &mpsc::Sender<driver::Input>,
     path: Option<&Path>,
 ) -> Option<Result<driver::Reloaded, String>> {
+    // One reload at a time, from reading the file to its answer: two at once (the
+    // admin POST and SIGHUP, or the file watcher) could apply the older read last and
+    // leave it in force, the watcher having recorded the newer file as seen.
+    static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    let _one = ONE_AT_A_TIME.lock().await;
     let rules = match path {
         None => Err(
             "no rules file: the allocator runs on its embedded rules (start it with \
