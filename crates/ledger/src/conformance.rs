@@ -154,6 +154,18 @@ fn digests_scans_and_conflicts_match_the_reference_model(s: impl Store) {
         s.root().expect("root"),
         "conformance: root is the sum of buckets"
     );
+    // Bounded: the same list up to `max`, none past it (found without building it).
+    let n = all(&s).len();
+    assert_eq!(
+        s.digests_at_most(0, u64::MAX, None, n).expect("digests"),
+        Some(all(&s)),
+        "conformance: digests_at_most at the count"
+    );
+    assert_eq!(
+        s.digests_at_most(0, u64::MAX, None, n - 1).expect("digests"),
+        None,
+        "conformance: digests_at_most below the count"
+    );
     let some = all(&s)[3].0.clone();
     assert_eq!(
         s.digests(some.hour, some.hour + 1, Some(&some.tenant))

@@ -753,9 +753,21 @@ impl ReadView for redb::ReadTransaction {
         to_hour: u64,
         tenant: Option<&str>,
     ) -> Result<Vec<(Bucket, Digest)>, StoreError> {
+        Ok(self
+            .digests_at_most(from_hour, to_hour, tenant, usize::MAX)?
+            .unwrap_or_default())
+    }
+
+    fn digests_at_most(
+        &self,
+        from_hour: u64,
+        to_hour: u64,
+        tenant: Option<&str>,
+        max: usize,
+    ) -> Result<Option<Vec<(Bucket, Digest)>>, StoreError> {
         let mut out = Vec::new();
         if from_hour >= to_hour {
-            return Ok(out);
+            return Ok(Some(out));
         }
         let t = self.open_table(DIGESTS).map_err(backend)?;
         for row in t.range((from_hour, "")..).map_err(backend)? {
@@ -767,6 +779,9 @@ impl ReadView for redb::ReadTransaction {
             if tenant.is_some_and(|want| want != ten) {
                 continue;
             }
+            if out.len() == max {
+                return Ok(None);
+            }
             let d = digest_of(&format!("({hour}, {ten:?})"), v.value())?;
             out.push((
                 Bucket {
@@ -776,7 +791,7 @@ impl ReadView for redb::ReadTransaction {
                 d,
             ));
         }
-        Ok(out)
+        Ok(Some(out))
     }
 }
 

@@ -93,6 +93,21 @@ pub trait Store: Send + Sync {
         out
     }
 
+    /// As [`Store::digests`], or `None` when more than `max` buckets match (found
+    /// without collecting them all).
+    #[allow(clippy::type_complexity)]
+    fn digests_at_most(
+        &self,
+        from_hour: u64,
+        to_hour: u64,
+        tenant: Option<&str>,
+        max: usize,
+    ) -> Result<Option<Vec<(Bucket, Digest)>>, StoreError> {
+        let mut out = Ok(None);
+        self.read_view(&mut |v| out = v.digests_at_most(from_hour, to_hour, tenant, max))?;
+        out
+    }
+
     /// The root digest (the sum of every bucket's).
     fn root(&self) -> Result<Digest, StoreError>;
 
@@ -141,6 +156,20 @@ pub trait ReadView {
         to_hour: u64,
         tenant: Option<&str>,
     ) -> Result<Vec<(Bucket, Digest)>, StoreError>;
+
+    /// As [`Store::digests_at_most`]. The default collects them all first (fine for a
+    /// store in memory); a store on disk stops reading past `max`.
+    #[allow(clippy::type_complexity)]
+    fn digests_at_most(
+        &self,
+        from_hour: u64,
+        to_hour: u64,
+        tenant: Option<&str>,
+        max: usize,
+    ) -> Result<Option<Vec<(Bucket, Digest)>>, StoreError> {
+        let all = self.digests(from_hour, to_hour, tenant)?;
+        Ok((all.len() <= max).then_some(all))
+    }
 }
 
 /// The primitive operations a backend offers inside one write transaction. Events are
