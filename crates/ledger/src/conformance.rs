@@ -162,7 +162,8 @@ fn digests_scans_and_conflicts_match_the_reference_model(s: impl Store) {
         "conformance: digests_at_most at the count"
     );
     assert_eq!(
-        s.digests_at_most(0, u64::MAX, None, n - 1).expect("digests"),
+        s.digests_at_most(0, u64::MAX, None, n - 1)
+            .expect("digests"),
         None,
         "conformance: digests_at_most below the count"
     );
