@@ -412,6 +412,10 @@ pub fn answer(
     // What the lists of buckets may take in the answer's frame, beside its events.
     let mut room = ANSWER_LISTS_BYTES_MAX;
     let mut cut = false;
+    // The answer's events: whole buckets in order while they fit (as `events_in`).
+    let mut events = Vec::new();
+    let mut events_room = Room::of(limits);
+    let mut truncated = false;
     for b in differing_buckets(&local, &offer.buckets) {
         let (mine, theirs) = (count(&local, &b), count(&offer.buckets, &b));
         // Split when the bucket cannot travel whole, or when both sides hold enough of
@@ -424,10 +428,24 @@ pub fn answer(
         // from the next round on).
         let mut splits = mine.max(theirs) > limits.events_max as u64
             || mine.min(theirs) > limits.split_above as u64;
+        // This side's events of the bucket, read once: their size decides a split by
+        // bytes, and they are the answer's while it has room.
+        let mut these = Vec::new();
+        let (mut fits, mut kept) = (false, 0usize);
         if !splits && mine > 0 {
-            let mut bytes = 0u64;
-            store.visit_bucket(&b, &mut |e| bytes += event_wire_bytes(e) as u64)?;
-            let mean = bytes.div_ceil(mine);
+            let mut bytes = 0usize;
+            fits = !truncated;
+            store.visit_bucket(&b, &mut |e| {
+                let size = event_wire_bytes(e);
+                bytes += size;
+                if fits && events_room.fits(these.len() + 1, kept + size) {
+                    kept += size;
+                    these.push(e.clone());
+                } else {
+                    fits = false;
+                }
+            })?;
+            let mean = (bytes as u64).div_ceil(mine);
             splits = mine.max(theirs).saturating_mul(mean) > limits.bytes_max as u64;
         }
         let cost = wire_bytes(&b) + if splits { SPLIT_BYTES } else { 0 };
@@ -440,11 +458,21 @@ pub fn answer(
         room -= cost;
         if splits {
             split.push((b.clone(), sub_digests(store, &b)?));
-        } else {
-            want.push(b);
+            continue;
         }
+        if fits {
+            events_room.take(these.len(), kept);
+            events.append(&mut these);
+        } else if mine > 0 && !truncated {
+            truncated = true;
+            if events.is_empty() {
+                // A first bucket larger than the room alone: whole sub-buckets.
+                let all: Vec<u8> = (0..SUB_BUCKETS).map(|i| i as u8).collect();
+                events = events_in_subs(store, &b, &all, &mut events_room)?.0;
+            }
+        }
+        want.push(b);
     }
-    let (events, truncated) = events_in(store, &want, limits)?;
     Ok(Answer {
         events,
         want,

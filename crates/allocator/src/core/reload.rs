@@ -507,6 +507,21 @@ posture = "open"
         a.check_invariants().unwrap();
     }
 
+    /// `rps` re-matched on two `*` entries: the rule replaced, its keys released.
+    fn keyed_rps() -> Config {
+        Config::from_toml(
+            r#"
+[[rule]]
+name = "rps"
+match = { org = "*", key = "*" }
+dimension = "requests"
+rate = 1000
+per = "second"
+"#,
+        )
+        .unwrap()
+    }
+
     /// Review (twenty-sixth session's open item): the grants of a released key stayed
     /// in force on the agents holding them, uncounted, for as long as they reported
     /// (lease extensions cover every grant of the term up to a seq). Each holder is now
@@ -517,17 +532,7 @@ posture = "open"
         let (mut a, now, _) = two_halves();
         assert!(a.drain_revocations().is_empty());
         let k = key("rps", "x");
-        let keyed = Config::from_toml(
-            r#"
-[[rule]]
-name = "rps"
-match = { org = "*", key = "*" }
-dimension = "requests"
-rate = 1000
-per = "second"
-"#,
-        )
-        .unwrap();
+        let keyed = keyed_rps();
         a.reload(now, &keyed);
         let last_seq = {
             let mut revs = a.drain_revocations();
@@ -592,17 +597,7 @@ per = "second"
     #[test]
     fn a_rule_whose_match_changes_is_replaced_and_its_keys_start_afresh() {
         let (mut a, now, _) = two_halves();
-        let keyed = Config::from_toml(
-            r#"
-[[rule]]
-name = "rps"
-match = { org = "*", key = "*" }
-dimension = "requests"
-rate = 1000
-per = "second"
-"#,
-        )
-        .unwrap();
+        let keyed = keyed_rps();
         let s = a.reload(now, &keyed);
         assert_eq!(s.replaced, vec!["rps".to_string()]);
         assert_eq!(s.removed, vec!["open-rps".to_string()]);
