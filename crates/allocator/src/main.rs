@@ -111,6 +111,14 @@ struct ServeArgs {
     /// Most limit keys tracked.
     #[arg(long, default_value_t = 1_000_000)]
     max_keys: usize,
+    /// Bytes of agents' input (hellos, reports, acks, as converted) queued for the core
+    /// at most. While it is spent, streams are not read: TCP holds their agents back.
+    #[arg(long, default_value_t = 256 << 20, value_parser = clap::value_parser!(u64).range(65_536..=u32::MAX as u64))]
+    input_bytes_max: u64,
+    /// Streams waiting for their hello's answer at most; one more is refused at once
+    /// (RESOURCE_EXHAUSTED, the agent retries with backoff).
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=65_536))]
+    pending_hellos_max: u64,
     /// etcd endpoint for leader election (e.g. http://127.0.0.1:2379). Replicas
     /// campaign; the leader's term is its leader key's revision; the others answer
     /// agents with a redirect to it; a leader that cannot renew its etcd lease for
@@ -228,6 +236,8 @@ fn serve(args: ServeArgs) -> Result<()> {
     let mut cfg = ShellConfig::new(args.grpc, Some(args.admin), term);
     cfg.allocator = allocator_config(&args);
     cfg.rules_path = args.config.clone();
+    cfg.input_bytes_max = args.input_bytes_max as usize;
+    cfg.pending_hellos_max = args.pending_hellos_max as usize;
     cfg.tls = stream_tls(&args)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -361,6 +371,8 @@ fn serve_elected(args: ServeArgs, mut rules: Config, seen: Option<Vec<u8>>) -> R
         let mut cfg = ShellConfig::new(grpc, Some(args.admin), term);
         cfg.allocator = allocator_config(&args);
         cfg.rules_path = args.config.clone();
+        cfg.input_bytes_max = args.input_bytes_max as usize;
+        cfg.pending_hellos_max = args.pending_hellos_max as usize;
         cfg.tls = stream_tls(&args)?;
         let (tx, rx) = tokio::sync::watch::channel(false);
         let (bound, handle) = shell::start_with_handle(&rules, cfg, rx).await?;

@@ -579,3 +579,107 @@ fn agents_and_the_allocator_give_one_file_one_version() {
         bursar_agent::shell::sync::config_version(&engine)
     );
 }
+
+#[tokio::test]
+async fn a_stream_past_the_pending_hello_bound_is_refused_and_one_is_served_once_a_slot_frees() {
+    let a = Allocator::start(&["--term", "5", "--pending-hellos-max", "2"]);
+    // Two streams that never say hello: each holds a slot until its hello timeout
+    // (5 s) or until it ends.
+    let mut silent = Vec::new();
+    for _ in 0..2 {
+        let addr = a.grpc;
+        let (tx, rx) = tokio::sync::mpsc::channel::<pb::AgentMessage>(1);
+        let call = tokio::spawn(async move {
+            let mut c = pb::allocator_client::AllocatorClient::connect(format!("http://{addr}"))
+                .await
+                .unwrap();
+            c.sync(tokio_stream::wrappers::ReceiverStream::new(rx))
+                .await
+                .map(|_| ())
+        });
+        silent.push((tx, call));
+    }
+    let a = std::sync::Arc::new(a);
+    let pending = |a: std::sync::Arc<common::Allocator>| async move {
+        tokio::task::spawn_blocking(move || a.get_json("/v1/status"))
+            .await
+            .unwrap()
+    };
+    let t0 = std::time::Instant::now();
+    while pending(a.clone()).await["input"]["pending_hellos"] != 2 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(4),
+            "both silent streams wait"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (_tx, r) = open(a.grpc, hello("node-c", pb::PROTOCOL_VERSION, 1)).await;
+    let status = r.expect_err("a third stream waiting for its answer is one too many");
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status}");
+    assert!(
+        status.message().contains("--pending-hellos-max"),
+        "{status}"
+    );
+
+    // The silent streams end (no hello after all): their slots free, a hello is served.
+    for (tx, call) in silent {
+        drop(tx);
+        let r = call.await.unwrap();
+        assert_eq!(
+            r.expect_err("no hello").code(),
+            tonic::Code::InvalidArgument
+        );
+    }
+    let t0 = std::time::Instant::now();
+    let mut inbound = loop {
+        let (tx, r) = open(a.grpc, hello("node-c", pb::PROTOCOL_VERSION, 1)).await;
+        match r {
+            Ok(inbound) => break (tx, inbound),
+            Err(s) if s.code() == tonic::Code::ResourceExhausted => {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(5),
+                    "slots stay held: {s}"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(s) => panic!("{s}"),
+        }
+    };
+    let first = inbound.1.message().await.unwrap().unwrap();
+    assert!(
+        matches!(first.msg, Some(pb::allocator_message::Msg::Welcome(_))),
+        "{first:?}"
+    );
+    let v = pending(a.clone()).await;
+    assert!(
+        v["counters"]["streams_refused"].as_u64().unwrap() >= 1,
+        "{v}"
+    );
+    assert_eq!(v["input"]["pending_hellos_max"], 2, "{v}");
+    assert_eq!(v["input"]["pending_hellos"], 0, "{v}");
+    assert_eq!(v["input"]["bytes_max"], 256u64 << 20, "{v}");
+}
+
+#[test]
+fn input_bounds_out_of_range_are_refused_at_start_with_the_flag_named() {
+    for (flag, value) in [
+        ("--input-bytes-max", "1000"),
+        ("--input-bytes-max", "4294967296"),
+        ("--pending-hellos-max", "0"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_bursar-allocator"))
+            .args([
+                "--grpc",
+                "127.0.0.1:0",
+                "--admin",
+                "127.0.0.1:0",
+                flag,
+                value,
+            ])
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{flag} {value} must be refused");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(flag), "{flag} {value}: {err}");
+    }
+}

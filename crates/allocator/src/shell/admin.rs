@@ -134,6 +134,14 @@ fn status_json(s: &Snapshot) -> Value {
             "revocations_sent": c.revocations_sent,
             "revocations_dropped": c.revocations_dropped,
             "agents_evicted": s.agents_evicted,
+            "streams_refused": s.gate.streams_refused,
+            "input_bytes_waits": s.gate.input_bytes_waits,
+        },
+        "input": {
+            "bytes_max": s.gate.input_bytes_max,
+            "bytes_queued": s.gate.input_bytes_queued,
+            "pending_hellos_max": s.gate.pending_hellos_max,
+            "pending_hellos": s.gate.pending_hellos,
         },
         "last_error": s.last_error,
         "config": {

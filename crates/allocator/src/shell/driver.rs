@@ -12,6 +12,7 @@ use bursar_proto::allocator as pb;
 use tokio::sync::{mpsc, oneshot, watch};
 
 use super::ShellClock;
+use super::grpc::{Charge, Gate, GateStatus};
 use crate::{
     Ack, AllocError, Allocator, GrantRef, Hello, KeyStatus, ReloadSummary, Report, RuleStatus,
 };
@@ -33,6 +34,8 @@ pub enum Input {
         tx: Outbound,
         /// Accepted or refused.
         reply: oneshot::Sender<Result<(), AllocError>>,
+        /// Its share of the stream port's input budget.
+        charge: Charge,
     },
     /// A report from stream `conn`.
     Report {
@@ -40,6 +43,8 @@ pub enum Input {
         conn: u64,
         /// The report.
         report: Report,
+        /// Its share of the stream port's input budget.
+        charge: Charge,
     },
     /// Acks from stream `conn`.
     Ack {
@@ -47,6 +52,8 @@ pub enum Input {
         conn: u64,
         /// The acks.
         ack: Ack,
+        /// Its share of the stream port's input budget.
+        charge: Charge,
     },
     /// Stream `conn` of `agent` ended.
     Disconnect {
@@ -68,6 +75,18 @@ pub enum Input {
         /// The outcome.
         reply: oneshot::Sender<Result<Reloaded, String>>,
     },
+}
+
+impl Input {
+    /// Gives a hello, report or ack its share of the input budget (others hold none).
+    pub fn set_charge(&mut self, c: Charge) {
+        match self {
+            Input::Hello { charge, .. }
+            | Input::Report { charge, .. }
+            | Input::Ack { charge, .. } => *charge = c,
+            _ => {}
+        }
+    }
 }
 
 /// A reload that was applied.
@@ -169,6 +188,8 @@ pub struct Snapshot {
     pub ignored_lines: u64,
     /// Agents forgotten to make room for new ones in a full table.
     pub agents_evicted: u64,
+    /// The stream port's bounds (input bytes queued, hellos waiting).
+    pub gate: GateStatus,
 }
 
 struct Route {
@@ -191,6 +212,7 @@ pub struct Driver {
     /// Grants being routed, by the core's agent index (see `GrantRef::agent_index`).
     batch: HashMap<u32, (Arc<str>, Vec<pb::Grant>)>,
     reload: ReloadStatus,
+    gate: Arc<Gate>,
 }
 
 /// Inputs handled before grants are routed, at most.
@@ -204,6 +226,7 @@ impl Driver {
         config_version: String,
         admin_max_keys: usize,
         rules_path: Option<String>,
+        gate: Arc<Gate>,
     ) -> Driver {
         Driver {
             core,
@@ -219,6 +242,7 @@ impl Driver {
                 path: rules_path,
                 ..ReloadStatus::default()
             },
+            gate,
         }
     }
 
@@ -270,6 +294,7 @@ impl Driver {
                 hello,
                 tx,
                 reply,
+                ..
             } => match self.core.handle_hello(now, &hello) {
                 Ok(()) => {
                     self.counters.hellos += 1;
@@ -308,7 +333,7 @@ impl Driver {
                     let _ = reply.send(Err(e));
                 }
             },
-            Input::Report { conn, report } => {
+            Input::Report { conn, report, .. } => {
                 if !self.conns.contains_key(&conn) {
                     return;
                 }
@@ -317,7 +342,7 @@ impl Driver {
                     Err(e) => self.note("report", &report.agent, &e),
                 }
             }
-            Input::Ack { conn, ack } => {
+            Input::Ack { conn, ack, .. } => {
                 if !self.conns.contains_key(&conn) {
                     return;
                 }
@@ -433,6 +458,7 @@ impl Driver {
             reload: self.reload.clone(),
             ignored_lines: self.core.ignored_lines(),
             agents_evicted: self.core.agents_evicted(),
+            gate: self.gate.status(),
         }
     }
 

@@ -4,14 +4,21 @@
 //! decides); its reader task converts each report and ack into the core's types and
 //! queues it for the core task, waiting when the queue is full (back-pressure on the
 //! agent). Malformed messages end the stream with `INVALID_ARGUMENT`.
+//!
+//! Two bounds hold across every stream ([`Gate`]): the bytes of converted input
+//! waiting for the core (each queued hello, report and ack holds its share of the
+//! budget until the core has handled it, so a reader waits, and TCP pushes back on its
+//! agent, once the budget is spent), and the streams still waiting for their hello's
+//! answer (one more is refused at once with `RESOURCE_EXHAUSTED`).
 
+use std::mem::size_of;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bursar_proto::allocator as pb;
 use pb::agent_message::Msg;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -20,6 +27,135 @@ use crate::{
     Ack, AllocError, HeldGrant, HeldSlice, Hello, KeyName, KeyReport, Measure, Report, SliceAck,
 };
 
+/// The bounds every stream shares: bytes of input queued for the core, and streams
+/// waiting for their hello's answer.
+#[derive(Debug)]
+pub struct Gate {
+    bytes: Arc<Semaphore>,
+    bytes_max: u32,
+    pending: Arc<Semaphore>,
+    pending_max: usize,
+    streams_refused: AtomicU64,
+    bytes_waits: AtomicU64,
+}
+
+/// What [`Gate`] shows the admin endpoint.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GateStatus {
+    /// The byte budget of queued input.
+    pub input_bytes_max: u64,
+    /// Bytes of it held by inputs the core has not handled yet (and set aside for a
+    /// reader waiting for the rest of its share).
+    pub input_bytes_queued: u64,
+    /// Times a stream's reader waited for the budget (its agent was held back).
+    pub input_bytes_waits: u64,
+    /// Streams allowed to wait for their hello's answer at once.
+    pub pending_hellos_max: u64,
+    /// Streams waiting for their hello's answer now.
+    pub pending_hellos: u64,
+    /// Streams refused because that many were waiting already.
+    pub streams_refused: u64,
+}
+
+impl Gate {
+    /// A gate with a budget of `bytes_max` bytes (at most `u32::MAX`) and at most
+    /// `pending_max` streams waiting for their hello's answer (both at least 1).
+    pub fn new(bytes_max: usize, pending_max: usize) -> Gate {
+        let bytes_max = bytes_max.clamp(1, u32::MAX as usize) as u32;
+        let pending_max = pending_max.clamp(1, Semaphore::MAX_PERMITS);
+        Gate {
+            bytes: Arc::new(Semaphore::new(bytes_max as usize)),
+            bytes_max,
+            pending: Arc::new(Semaphore::new(pending_max)),
+            pending_max,
+            streams_refused: AtomicU64::new(0),
+            bytes_waits: AtomicU64::new(0),
+        }
+    }
+
+    /// Its counters now.
+    pub fn status(&self) -> GateStatus {
+        GateStatus {
+            input_bytes_max: self.bytes_max as u64,
+            input_bytes_queued: (self.bytes_max as usize)
+                .saturating_sub(self.bytes.available_permits())
+                as u64,
+            input_bytes_waits: self.bytes_waits.load(Ordering::Relaxed),
+            pending_hellos_max: self.pending_max as u64,
+            pending_hellos: self
+                .pending_max
+                .saturating_sub(self.pending.available_permits())
+                as u64,
+            streams_refused: self.streams_refused.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Takes `bytes` of the budget (all of it for an input larger than the whole
+    /// budget: such an input waits until nothing else is queued), waiting while it is
+    /// spent.
+    pub async fn charge(&self, bytes: usize) -> Charge {
+        let n = bytes.clamp(1, self.bytes_max as usize) as u32;
+        let permit = match Arc::clone(&self.bytes).try_acquire_many_owned(n) {
+            Ok(p) => p,
+            Err(_) => {
+                self.bytes_waits.fetch_add(1, Ordering::Relaxed);
+                Arc::clone(&self.bytes)
+                    .acquire_many_owned(n)
+                    .await
+                    .expect("the gate's semaphore is never closed")
+            }
+        };
+        Charge(Some(permit))
+    }
+}
+
+/// An input's share of the byte budget, given back when the input is dropped (after
+/// the core has handled it).
+#[derive(Debug, Default)]
+pub struct Charge(#[allow(dead_code)] Option<OwnedSemaphorePermit>); // held for its drop
+
+impl Charge {
+    /// No share (inputs that do not come from a stream).
+    pub const NONE: Charge = Charge(None);
+}
+
+/// Heap and inline bytes a converted key holds, about.
+fn key_bytes(k: &KeyName) -> usize {
+    k.rule.len()
+        + k.values
+            .iter()
+            .map(|v| v.len() + size_of::<String>())
+            .sum::<usize>()
+}
+
+/// Bytes a converted hello holds, about (what it is charged).
+pub fn hello_bytes(h: &Hello) -> usize {
+    size_of::<Hello>()
+        + h.agent.len()
+        + h.held.len() * size_of::<HeldSlice>()
+        + h.held.iter().map(|s| key_bytes(&s.key)).sum::<usize>()
+        + h.rule_shapes
+            .iter()
+            .map(|(r, _)| r.len() + size_of::<(String, u64)>())
+            .sum::<usize>()
+}
+
+/// Bytes a converted report holds, about (what it is charged).
+pub fn report_bytes(r: &Report) -> usize {
+    size_of::<Report>()
+        + r.agent.len()
+        + r.keys.len() * size_of::<KeyReport>()
+        + r.keys.iter().map(|k| key_bytes(&k.key)).sum::<usize>()
+}
+
+/// Bytes a converted ack holds, about (what it is charged).
+pub fn ack_bytes(a: &Ack) -> usize {
+    size_of::<Ack>()
+        + a.agent.len()
+        + a.slices.len() * size_of::<SliceAck>()
+        + a.slices.iter().map(|s| key_bytes(&s.key)).sum::<usize>()
+}
+
 /// The tonic service.
 #[derive(Clone)]
 pub struct Service {
@@ -27,20 +163,23 @@ pub struct Service {
     hello_timeout: Duration,
     agent_queue_max: usize,
     next_conn: Arc<AtomicU64>,
+    gate: Arc<Gate>,
 }
 
 impl Service {
-    /// A service queueing inputs on `inputs`.
+    /// A service queueing inputs on `inputs`, within `gate`'s bounds.
     pub fn new(
         inputs: mpsc::Sender<Input>,
         hello_timeout: Duration,
         agent_queue_max: usize,
+        gate: Arc<Gate>,
     ) -> Service {
         Service {
             inputs,
             hello_timeout,
             agent_queue_max: agent_queue_max.max(1),
             next_conn: Arc::new(AtomicU64::new(1)),
+            gate,
         }
     }
 
@@ -204,6 +343,15 @@ impl pb::allocator_server::Allocator for Service {
         &self,
         request: Request<Streaming<pb::AgentMessage>>,
     ) -> Result<Response<Self::SyncStream>, Status> {
+        // Held until the hello is answered (or the stream ends before).
+        let Ok(_pending) = Arc::clone(&self.gate.pending).try_acquire_owned() else {
+            self.gate.streams_refused.fetch_add(1, Ordering::Relaxed);
+            return Err(Status::resource_exhausted(format!(
+                "{} streams are waiting for their hello's answer already \
+                 (--pending-hellos-max); retry later",
+                self.gate.pending_max
+            )));
+        };
         let mut inbound = request.into_inner();
         let first = tokio::time::timeout(self.hello_timeout, inbound.message())
             .await
@@ -224,6 +372,7 @@ impl pb::allocator_server::Allocator for Service {
             )));
         }
         let hello = hello_from_pb(h)?;
+        let charge = self.gate.charge(hello_bytes(&hello)).await;
         let (agent, incarnation) = (hello.agent.clone(), hello.incarnation);
         let conn = self.next_conn.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::channel(self.agent_queue_max);
@@ -244,6 +393,7 @@ impl pb::allocator_server::Allocator for Service {
                 hello,
                 tx,
                 reply,
+                charge,
             })
             .await
             .map_err(|_| Status::unavailable("the allocator is shutting down"))?;
@@ -252,6 +402,7 @@ impl pb::allocator_server::Allocator for Service {
             .map_err(|_| Status::unavailable("the allocator is shutting down"))?
             .map_err(|e| status_of(&e))?;
         let inputs = self.inputs.clone();
+        let gate = Arc::clone(&self.gate);
         guard.agent = None;
         tokio::spawn(async move {
             loop {
@@ -266,19 +417,46 @@ impl pb::allocator_server::Allocator for Service {
                         break;
                     }
                 };
+                // A newer stream of this agent took the route (the core task held the
+                // only sender): this one is read no further.
+                if weak.strong_count() == 0 {
+                    break;
+                }
                 let input = match m.msg {
-                    Some(Msg::Report(r)) => report_from_pb(&agent, incarnation, r)
-                        .map(|report| Input::Report { conn, report }),
-                    Some(Msg::Ack(a)) => {
-                        ack_from_pb(&agent, incarnation, a).map(|ack| Input::Ack { conn, ack })
-                    }
+                    Some(Msg::Report(r)) => report_from_pb(&agent, incarnation, r).map(|report| {
+                        (
+                            report_bytes(&report),
+                            Input::Report {
+                                conn,
+                                report,
+                                charge: Charge::NONE,
+                            },
+                        )
+                    }),
+                    Some(Msg::Ack(a)) => ack_from_pb(&agent, incarnation, a).map(|ack| {
+                        (
+                            ack_bytes(&ack),
+                            Input::Ack {
+                                conn,
+                                ack,
+                                charge: Charge::NONE,
+                            },
+                        )
+                    }),
                     Some(Msg::Hello(_)) => Err(Status::invalid_argument(
                         "a stream carries one hello, first",
                     )),
                     None => Err(Status::invalid_argument("an empty message")),
                 };
                 match input {
-                    Ok(i) => {
+                    Ok((bytes, mut i)) => {
+                        // The budget first: while it is spent, this stream is not read
+                        // and TCP holds its agent back.
+                        let charged = tokio::select! {
+                            c = gate.charge(bytes) => c,
+                            _ = inputs.closed() => break,
+                        };
+                        i.set_charge(charged);
                         if inputs.send(i).await.is_err() {
                             break;
                         }
@@ -313,5 +491,180 @@ impl Drop for HelloGuard {
                 let _ = inputs.send(Input::Disconnect { conn, agent }).await;
             });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pb::allocator_client::AllocatorClient;
+
+    fn line(i: usize) -> pb::KeyReport {
+        pb::KeyReport {
+            key: Some(pb::Key {
+                rule: "org-rps".into(),
+                values: vec![format!("tenant-{i:0>24}")],
+            }),
+            admitted: 1,
+            rejected: 0,
+            counting_since_ns: 1,
+            in_flight: 0,
+            held: None,
+            key_handle: 0,
+        }
+    }
+
+    fn report(time: u64, keys: usize) -> pb::AgentMessage {
+        pb::AgentMessage {
+            msg: Some(Msg::Report(pb::Report {
+                agent_time_ns: time,
+                keys: (0..keys).map(line).collect(),
+                measure: 0,
+            })),
+        }
+    }
+
+    /// A real server and client over loopback; the test stands in for the core task,
+    /// so it decides when queued inputs are handled (dropped).
+    #[tokio::test]
+    async fn queued_input_stays_within_the_byte_budget_and_every_report_arrives_in_order() {
+        const BUDGET: usize = 8 * 1024;
+        const REPORTS: u64 = 200;
+        let gate = Arc::new(Gate::new(BUDGET, 4));
+        let (tx, mut rx) = mpsc::channel(10_000);
+        let svc = Service::new(tx, Duration::from_secs(5), 16, Arc::clone(&gate)).into_server();
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(svc)
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(l)),
+        );
+        let mut client = AllocatorClient::connect(format!("http://{addr}"))
+            .await
+            .unwrap();
+        let (out, out_rx) = mpsc::channel(1_000);
+        out.send(pb::AgentMessage {
+            msg: Some(Msg::Hello(pb::Hello {
+                protocol_version: pb::PROTOCOL_VERSION,
+                agent: "node-a".into(),
+                incarnation: 1,
+                weight: 1,
+                agent_time_ns: 1,
+                held: vec![],
+                config_version: String::new(),
+                report_interval_ms: 250,
+                grants_by_handle: false,
+                rule_shapes: vec![],
+            })),
+        })
+        .await
+        .unwrap();
+        let call = tokio::spawn(async move { client.sync(ReceiverStream::new(out_rx)).await });
+        let Some(Input::Hello {
+            reply, tx: route, ..
+        }) = rx.recv().await
+        else {
+            panic!("the hello comes first");
+        };
+        reply.send(Ok(())).unwrap();
+        let _inbound = call.await.unwrap().expect("accepted");
+        // Many small reports, then one larger than the whole budget.
+        for t in 2..REPORTS + 1 {
+            out.send(report(t, 5)).await.unwrap();
+        }
+        out.send(report(REPORTS + 1, 100)).await.unwrap();
+
+        // Nothing handled yet: the reader fills the budget, then waits.
+        let t0 = std::time::Instant::now();
+        while gate.status().input_bytes_waits == 0 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "the reader never waited"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut held = Vec::new();
+        while let Ok(i) = rx.try_recv() {
+            held.push(i);
+        }
+        let bytes: usize = held
+            .iter()
+            .map(|i| match i {
+                Input::Report { report, .. } => report_bytes(report),
+                other => panic!("only reports: {other:?}"),
+            })
+            .sum();
+        let status = gate.status();
+        assert!(
+            !held.is_empty() && held.len() < REPORTS as usize,
+            "{}",
+            held.len()
+        );
+        assert!(bytes <= BUDGET, "{bytes} bytes queued, budget {BUDGET}");
+        // Every queued byte is charged (a waiting reader may hold part of the rest).
+        assert!(
+            (bytes as u64..=BUDGET as u64).contains(&status.input_bytes_queued),
+            "{} charged, {bytes} queued",
+            status.input_bytes_queued
+        );
+        assert_eq!(status.input_bytes_max, BUDGET as u64);
+
+        // Handling (dropping) inputs gives the budget back: every report arrives, in
+        // order, the oversized one too.
+        let mut next = 2;
+        for i in held.drain(..) {
+            let Input::Report { report, .. } = i else {
+                unreachable!()
+            };
+            assert_eq!(report.agent_time_ns, next);
+            next += 1;
+        }
+        while next <= REPORTS + 1 {
+            let i = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+                .await
+                .expect("the reader resumes")
+                .expect("open");
+            let Input::Report { report, .. } = i else {
+                panic!("only reports")
+            };
+            assert_eq!(report.agent_time_ns, next);
+            if next == REPORTS + 1 {
+                assert!(report_bytes(&report) > BUDGET, "the last one is oversized");
+                assert_eq!(gate.status().input_bytes_queued, BUDGET as u64);
+            }
+            next += 1;
+        }
+        assert_eq!(gate.status().input_bytes_queued, 0, "all given back");
+        drop(route);
+    }
+
+    #[test]
+    fn charges_count_what_a_line_holds_and_grow_with_its_names() {
+        let short = report_from_pb(
+            "a",
+            1,
+            pb::Report {
+                agent_time_ns: 1,
+                keys: vec![line(1)],
+                measure: 0,
+            },
+        )
+        .unwrap();
+        let mut long_line = line(1);
+        long_line.key.as_mut().unwrap().values[0] = "x".repeat(10_000);
+        let long = report_from_pb(
+            "a",
+            1,
+            pb::Report {
+                agent_time_ns: 1,
+                keys: vec![long_line],
+                measure: 0,
+            },
+        )
+        .unwrap();
+        assert!(report_bytes(&short) >= size_of::<Report>() + size_of::<KeyReport>());
+        assert!(report_bytes(&long) >= report_bytes(&short) + 10_000 - 40);
     }
 }

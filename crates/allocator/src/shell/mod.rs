@@ -21,8 +21,16 @@
 //!
 //! # Bounds and what happens at them
 //!
-//! - Inputs: `input_queue_max` (default 4,096). Full: stream readers wait (TCP
-//!   back-pressure on the agent); admin requests wait.
+//! - Inputs: `input_queue_max` (default 4,096) messages, and `input_bytes_max`
+//!   (default 256 MiB) bytes of converted hellos, reports and acks not yet handled by
+//!   the core (each holds its share until handled). Either full: stream readers wait
+//!   (TCP back-pressure on the agent); admin requests wait on the first only.
+//! - Streams waiting for their hello's answer: `pending_hellos_max` (default 256).
+//!   Full: a new stream is refused at once (`RESOURCE_EXHAUSTED`). Streams past their
+//!   hello belong to registered agents (at most the core's `max_agents`, one live
+//!   stream each), and HTTP/2 allows `streams_per_connection_max` (default 16) per
+//!   connection. A stream's reader holds at most one message of up to
+//!   `MAX_MESSAGE_BYTES` while it converts it or waits for the budget.
 //! - Per-agent outbound: `agent_queue_max` messages (default 64). Full: the grant batch
 //!   is dropped and counted (`grants_dropped`). That is safe: a sent grant counts as
 //!   committed until acknowledged or expired (invariant 1), and the core re-sends
@@ -72,6 +80,14 @@ pub struct ShellConfig {
     pub input_queue_max: usize,
     /// Messages waiting per agent stream. Default 64.
     pub agent_queue_max: usize,
+    /// Bytes of converted input (hellos, reports, acks) waiting for the core, at most
+    /// (1 to `u32::MAX`). Default 256 MiB.
+    pub input_bytes_max: usize,
+    /// Streams waiting for their hello's answer, at most; one more is refused at once.
+    /// Default 256.
+    pub pending_hellos_max: usize,
+    /// Concurrent HTTP/2 streams per connection (an agent opens one). Default 16.
+    pub streams_per_connection_max: u32,
     /// Time an agent has to send its hello after opening a stream. Default 5 s.
     pub hello_timeout: Duration,
     /// Keys listed per admin response at most. Default 1,000.
@@ -117,6 +133,9 @@ impl ShellConfig {
             allocator: AllocatorConfig::default(),
             input_queue_max: 4_096,
             agent_queue_max: 64,
+            input_bytes_max: 256 << 20,
+            pending_hellos_max: 256,
+            streams_per_connection_max: 16,
             hello_timeout: Duration::from_secs(5),
             admin_max_keys: 1_000,
             rules_path: None,
@@ -137,6 +156,14 @@ pub enum ShellError {
     /// A bound on the shell's own queues is zero (operator).
     #[error("shell setting `{0}` must be at least 1")]
     Bound(&'static str),
+    /// A bound on the shell's own queues is above what it supports (operator).
+    #[error("shell setting `{name}` must be at most {max}")]
+    TooLarge {
+        /// The setting.
+        name: &'static str,
+        /// Its largest value.
+        max: u64,
+    },
     /// An address could not be bound (operator: in use, or not local).
     #[error("binding {addr}: {source}")]
     Bind {
@@ -357,11 +384,24 @@ pub async fn start_with_handle(
         ("input_queue_max", cfg.input_queue_max),
         ("agent_queue_max", cfg.agent_queue_max),
         ("admin_max_keys", cfg.admin_max_keys),
+        ("input_bytes_max", cfg.input_bytes_max),
+        ("pending_hellos_max", cfg.pending_hellos_max),
+        (
+            "streams_per_connection_max",
+            cfg.streams_per_connection_max as usize,
+        ),
     ] {
         if v == 0 {
             return Err(ShellError::Bound(name));
         }
     }
+    if cfg.input_bytes_max > u32::MAX as usize {
+        return Err(ShellError::TooLarge {
+            name: "input_bytes_max",
+            max: u32::MAX as u64,
+        });
+    }
+    let gate = Arc::new(grpc::Gate::new(cfg.input_bytes_max, cfg.pending_hellos_max));
     let clock = ShellClock::new();
     let core = Allocator::new(rules, cfg.allocator.clone(), cfg.term, clock.now_ns())?;
     let grpc_l = TcpListener::bind(cfg.grpc)
@@ -397,9 +437,10 @@ pub async fn start_with_handle(
         config_version(rules),
         cfg.admin_max_keys,
         cfg.rules_path.as_ref().map(|p| p.display().to_string()),
+        Arc::clone(&gate),
     );
     tokio::spawn(driver.run(rx, shutdown.clone()));
-    let svc = grpc::Service::new(tx.clone(), cfg.hello_timeout, cfg.agent_queue_max);
+    let svc = grpc::Service::new(tx.clone(), cfg.hello_timeout, cfg.agent_queue_max, gate);
     let mut sd = shutdown.clone();
     // TCP_NODELAY: a small grant must not wait on Nagle's algorithm and the agent's
     // delayed ACK (~40 ms).
@@ -411,6 +452,7 @@ pub async fn start_with_handle(
             })
         },
     );
+    let streams_per_connection = cfg.streams_per_connection_max;
     let mut server = tonic::transport::Server::builder();
     if let Some(tls) = cfg.tls.clone() {
         server = server
@@ -419,6 +461,7 @@ pub async fn start_with_handle(
     }
     tokio::spawn(async move {
         let _ = server
+            .max_concurrent_streams(Some(streams_per_connection))
             .http2_keepalive_interval(Some(Duration::from_secs(2)))
             .http2_keepalive_timeout(Some(Duration::from_secs(5)))
             .add_service(svc.into_server())
