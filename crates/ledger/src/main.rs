@@ -53,6 +53,11 @@ struct Args {
     /// Port 0 picks a free port (printed as `gossip on ADDR`).
     #[arg(long)]
     gossip: Option<std::net::SocketAddr>,
+    /// The address peers reach this node's --gossip at (its identity in membership).
+    /// Required when --gossip listens on every interface (0.0.0.0 or [::]); in
+    /// Kubernetes, the pod IP (`$(POD_IP):7490`).
+    #[arg(long, requires = "gossip")]
+    gossip_advertise: Option<std::net::SocketAddr>,
     /// A seed peer's --gossip address, HOST:PORT or IP:PORT (repeatable; names are
     /// resolved again every 2 s). Membership finds the rest.
     #[arg(long, requires = "gossip")]
@@ -134,6 +139,7 @@ fn main() -> anyhow::Result<()> {
             };
             let mut c = ClusterConfig::new(&node_id, listen, tls);
             c.seeds = args.peer.clone();
+            c.advertise = args.gossip_advertise;
             c.push_fanout = args.push_fanout;
             c.sync_interval = Duration::from_millis(args.sync_interval_ms);
             c.fault_injection = args.fault_injection;

@@ -466,3 +466,56 @@ fn convergence_of_many_events_after_a_heal() {
         "{got} bytes for {n_events} events"
     );
 }
+
+/// A free UDP port on loopback (bound, then released for the node to take).
+fn free_udp_port() -> u16 {
+    std::net::UdpSocket::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[test]
+fn nodes_listening_on_every_interface_find_each_other_by_their_advertised_addresses() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cdir = tmp.path().join("certs");
+    certs(&cdir, &["a", "b"]);
+    let (pa, pb) = (free_udp_port(), free_udp_port());
+    let start_any = |id: &str, port: u16, peers: &[String]| {
+        let mut args = vec![
+            "--gossip".to_string(),
+            format!("0.0.0.0:{port}"),
+            "--gossip-advertise".into(),
+            format!("127.0.0.1:{port}"),
+            "--tls-dir".into(),
+            cdir.display().to_string(),
+            "--sync-interval-ms".into(),
+            "300".into(),
+        ];
+        for p in peers {
+            args.extend(["--peer".to_string(), p.clone()]);
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        Node::start_named(&tmp.path().join(id), id, &args)
+    };
+    let a = start_any("a", pa, &[]);
+    // b's seed list names itself too (as a StatefulSet's shared list does): harmless.
+    let b = start_any(
+        "b",
+        pb,
+        &[format!("127.0.0.1:{pa}"), format!("localhost:{pb}")],
+    );
+    wait_until("two members", Duration::from_secs(20), || {
+        [&a, &b]
+            .iter()
+            .all(|n| cluster(n)["members"].as_array().unwrap().len() == 1)
+    });
+    let seen = cluster(&a)["members"].to_string();
+    assert!(seen.contains(&format!("127.0.0.1:{pb}")), "{seen}");
+    let seen = cluster(&b)["members"].to_string();
+    assert!(seen.contains(&format!("127.0.0.1:{pa}")), "{seen}");
+    let t = now_ms();
+    post_ok(&a, &events("any", "agent-a", 50, t));
+    wait_until("push", Duration::from_secs(20), || converged(&[&a, &b]));
+}

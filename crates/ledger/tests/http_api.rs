@@ -411,6 +411,36 @@ fn help_documents_the_cluster_and_bad_cluster_flags_are_clear_errors() {
         ],
         "own --gossip",
     );
+    // Every interface, and no address to be known by (foca would drop every packet
+    // from a peer also calling itself 0.0.0.0:PORT).
+    refused(
+        &["--gossip", "0.0.0.0:7999", "--tls-dir", d],
+        "--gossip-advertise",
+    );
+    refused(
+        &[
+            "--gossip",
+            "0.0.0.0:7999",
+            "--gossip-advertise",
+            "0.0.0.0:7999",
+            "--tls-dir",
+            d,
+        ],
+        "must name one address",
+    );
+    refused(
+        &[
+            "--gossip",
+            "0.0.0.0:7999",
+            "--gossip-advertise",
+            "10.1.2.3:7999",
+            "--tls-dir",
+            d,
+            "--peer",
+            "10.1.2.3:7999",
+        ],
+        "own --gossip",
+    );
     // A seed that is not HOST:PORT.
     refused(
         &[

@@ -3,6 +3,7 @@
 //! asks (sends, timers, notifications) through an accumulating runtime. The member
 //! list it maintains is what push and pull choose peers from; no data rides on it.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
 use std::sync::Arc;
@@ -95,7 +96,7 @@ pub(crate) async fn run(inner: Arc<Inner>, mut rx: mpsc::Receiver<Input>) {
         .map(|d| d.as_millis() as u64)
         .unwrap_or(1);
     let me = Ident {
-        addr: inner.cfg.listen,
+        addr: inner.cfg.identity_addr(),
         id: inner.cfg.node_id.clone(),
         generation,
     };
@@ -162,25 +163,32 @@ fn drain(inner: &Arc<Inner>, rt: &mut AccumulatingRuntime<Ident>) {
         });
     }
     while let Some(n) = rt.to_notify() {
-        let mut members = inner.members.lock().expect("members");
-        match n {
-            OwnedNotification::MemberUp(id) => {
-                members.insert(id.addr, id);
-            }
-            // A newer generation at the same address stays (it already replaced this one).
-            OwnedNotification::MemberDown(id)
-                if members
-                    .get(&id.addr)
-                    .is_some_and(|m| m.generation <= id.generation) =>
-            {
-                members.remove(&id.addr);
-            }
-            OwnedNotification::Rename(old, new) => {
-                members.remove(&old.addr);
-                members.insert(new.addr, new);
-            }
-            _ => {}
+        apply(&mut inner.members.lock().expect("members"), n);
+    }
+}
+
+/// Applies one of foca's notifications to the live members, by address.
+fn apply(members: &mut HashMap<SocketAddr, Ident>, n: OwnedNotification<Ident>) {
+    match n {
+        OwnedNotification::MemberUp(id) => {
+            members.insert(id.addr, id);
         }
+        // A newer generation at the same address stays (it already replaced this one).
+        OwnedNotification::MemberDown(id)
+            if members
+                .get(&id.addr)
+                .is_some_and(|m| m.generation <= id.generation) =>
+        {
+            members.remove(&id.addr);
+        }
+        // The new identity takes the old one's place only if the old one was live:
+        // foca renames a down member to a newer down one without a `MemberDown` (and
+        // a down one to a live one with a `MemberUp` after this), so inserting here
+        // unconditionally kept a dead peer as a member for good.
+        OwnedNotification::Rename(old, new) if members.remove(&old.addr).is_some() => {
+            members.insert(new.addr, new);
+        }
+        _ => {}
     }
 }
 
@@ -197,7 +205,8 @@ pub(crate) async fn resolve_seeds(inner: Arc<Inner>) {
                 tokio::time::timeout(Duration::from_secs(2), tokio::net::lookup_host(s.as_str()))
                     .await;
             if let Ok(Ok(addrs)) = r {
-                found.extend(addrs.filter(|a| *a != inner.cfg.listen));
+                let own = (inner.cfg.listen, inner.cfg.identity_addr());
+                found.extend(addrs.filter(|a| *a != own.0 && *a != own.1));
             }
         }
         found.sort();
@@ -222,5 +231,51 @@ pub(crate) async fn datagram_loop(inner: Arc<Inner>, conn: quinn::Connection) {
         .is_some_and(|c| c.stable_id() == conn.stable_id())
     {
         conns.remove(&addr);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(port: u16, generation: u64) -> Ident {
+        Ident {
+            addr: SocketAddr::from(([10, 0, 0, 1], port)),
+            id: format!("n{port}"),
+            generation,
+        }
+    }
+
+    #[test]
+    fn a_down_member_renamed_to_a_newer_down_one_stays_gone() {
+        let mut m = HashMap::new();
+        apply(&mut m, OwnedNotification::MemberUp(id(1, 1)));
+        apply(&mut m, OwnedNotification::MemberDown(id(1, 1)));
+        assert!(m.is_empty());
+        // It restarted (generation 2) elsewhere and died again: foca says only Rename.
+        apply(&mut m, OwnedNotification::Rename(id(1, 1), id(1, 2)));
+        assert!(m.is_empty(), "a dead peer must not come back: {m:?}");
+    }
+
+    #[test]
+    fn renames_of_live_members_and_rejoins_keep_the_newest_identity() {
+        let mut m = HashMap::new();
+        apply(&mut m, OwnedNotification::MemberUp(id(1, 1)));
+        // Live to live: only the rename.
+        apply(&mut m, OwnedNotification::Rename(id(1, 1), id(1, 2)));
+        assert_eq!(m[&id(1, 0).addr].generation, 2);
+        // Down, then back: rename, then up.
+        apply(&mut m, OwnedNotification::MemberDown(id(1, 2)));
+        apply(&mut m, OwnedNotification::Rename(id(1, 2), id(1, 3)));
+        apply(&mut m, OwnedNotification::MemberUp(id(1, 3)));
+        assert_eq!(m[&id(1, 0).addr].generation, 3);
+        // Live to down: rename, then down.
+        apply(&mut m, OwnedNotification::Rename(id(1, 3), id(1, 4)));
+        apply(&mut m, OwnedNotification::MemberDown(id(1, 4)));
+        assert!(m.is_empty());
+        // An older generation's down does not remove a newer live one.
+        apply(&mut m, OwnedNotification::MemberUp(id(2, 5)));
+        apply(&mut m, OwnedNotification::MemberDown(id(2, 4)));
+        assert_eq!(m.len(), 1);
     }
 }

@@ -53,6 +53,11 @@ pub struct ClusterConfig {
     pub node_id: String,
     /// UDP address for QUIC (`--gossip`).
     pub listen: SocketAddr,
+    /// The address peers reach this node at (`--gossip-advertise`): its identity in
+    /// membership. `None`: `listen`, which must then name one interface (a node bound
+    /// to `0.0.0.0` would call itself `0.0.0.0`, as every such node would, and foca
+    /// drops packets from its own address: no member would ever be seen).
+    pub advertise: Option<SocketAddr>,
     /// Seed peers' gossip addresses (`--peer`), `HOST:PORT` or `IP:PORT`; resolved at
     /// start and every 2 s.
     pub seeds: Vec<String>,
@@ -85,6 +90,7 @@ impl ClusterConfig {
         ClusterConfig {
             node_id: node_id.to_string(),
             listen,
+            advertise: None,
             seeds: Vec::new(),
             tls,
             push_fanout: 2,
@@ -97,6 +103,11 @@ impl ClusterConfig {
             fault_injection: false,
             rng_seed: 0,
         }
+    }
+
+    /// The address this node is known by in membership: `advertise`, else `listen`.
+    pub fn identity_addr(&self) -> SocketAddr {
+        self.advertise.unwrap_or(self.listen)
     }
 
     /// Checks the values are usable.
@@ -124,11 +135,25 @@ impl ClusterConfig {
         if self.push_queue_max == 0 {
             return Err("push_queue_max must be > 0".into());
         }
-        if let Some(own) = self
-            .seeds
-            .iter()
-            .find(|s| s.parse::<SocketAddr>().ok() == Some(self.listen))
-        {
+        match self.advertise {
+            None if self.listen.ip().is_unspecified() => {
+                return Err(format!(
+                    "--gossip {} listens on every interface: give --gossip-advertise IP:PORT, \
+                     the address peers reach this node at (in Kubernetes, the pod IP)",
+                    self.listen
+                ));
+            }
+            Some(a) if a.ip().is_unspecified() || a.port() == 0 => {
+                return Err(format!(
+                    "--gossip-advertise {a}: must name one address and a port peers can reach"
+                ));
+            }
+            _ => {}
+        }
+        if let Some(own) = self.seeds.iter().find(|s| {
+            let a = s.parse::<SocketAddr>().ok();
+            a == Some(self.listen) || (a.is_some() && a == self.advertise)
+        }) {
             return Err(format!("--peer {own} is this node's own --gossip address"));
         }
         if let Some(bad) = self.seeds.iter().find(|s| {
@@ -263,6 +288,7 @@ impl Cluster {
         })?;
         let mut cfg = cfg;
         cfg.listen = listen;
+        debug_assert!(cfg.advertise.is_some() || !listen.ip().is_unspecified());
         let (foca_tx, foca_rx) = mpsc::channel(4096);
         let rng = rand::rngs::SmallRng::seed_from_u64(cfg.rng_seed ^ 0x5eed_1ed9);
         let inner = Arc::new(Inner {
