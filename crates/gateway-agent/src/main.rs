@@ -290,10 +290,24 @@ fn serve(args: ServeArgs) -> Result<()> {
     }
     let outbox = match &args.outbox_dir {
         Some(dir) => {
+            let mut seen = std::collections::HashSet::new();
             for url in &args.ledger {
                 if !url.starts_with("http://") {
                     bail!("--ledger {url:?}: only plain http:// ledger URLs are supported");
                 }
+                // One URL given twice would count as two of the holders an event needs
+                // while only one node can answer it: nothing would ever be trimmed.
+                if !seen.insert(url.trim_end_matches('/').to_ascii_lowercase()) {
+                    bail!(
+                        "--ledger {url:?} is given twice: each --ledger must reach another ledger node"
+                    );
+                }
+            }
+            if args.ledger.len() == 1 {
+                eprintln!(
+                    "bursar-agent: one --ledger: events leave the outbox once that one node holds them \
+                     (give two ledger nodes' URLs to keep each event until two hold it)"
+                );
             }
             let mut cfg = OutboxConfig::new(dir.clone(), args.ledger.len().min(2));
             cfg.agent_id = args.agent_id.clone();

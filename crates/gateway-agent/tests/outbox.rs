@@ -86,23 +86,31 @@ struct Ledger {
     addr: SocketAddr,
     dir: PathBuf,
     node_id: String,
+    /// More flags, kept for restarts.
+    extra: Vec<String>,
     /// The data directory's owner, when the ledger made it (removed on drop).
     _tmp: Option<TempDir>,
 }
 
 impl Ledger {
     fn start(node_id: &str) -> Ledger {
+        Ledger::start_with(node_id, &[])
+    }
+
+    fn start_with(node_id: &str, extra: &[&str]) -> Ledger {
         let tmp = tempdir(node_id);
-        let mut l = Ledger::start_at(&tmp, node_id, "127.0.0.1:0");
+        let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        let mut l = Ledger::start_at(&tmp, node_id, "127.0.0.1:0", &extra);
         l._tmp = Some(tmp);
         l
     }
 
-    fn start_at(dir: &Path, node_id: &str, http: &str) -> Ledger {
+    fn start_at(dir: &Path, node_id: &str, http: &str, extra: &[String]) -> Ledger {
         let mut child = Command::new(ledger_bin())
             .arg("--data-dir")
             .arg(dir)
             .args(["--node-id", node_id, "--http", http])
+            .args(extra)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
@@ -122,6 +130,7 @@ impl Ledger {
             addr,
             dir: dir.to_path_buf(),
             node_id: node_id.to_string(),
+            extra: extra.to_vec(),
             _tmp: None,
         }
     }
@@ -144,7 +153,9 @@ impl Ledger {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             // The port may linger briefly after the kill.
-            let r = std::panic::catch_unwind(|| Ledger::start_at(&self.dir, &self.node_id, &http));
+            let r = std::panic::catch_unwind(|| {
+                Ledger::start_at(&self.dir, &self.node_id, &http, &self.extra)
+            });
             match r {
                 Ok(mut l) => {
                     self.child = l.child.take();
@@ -1077,4 +1088,138 @@ fn a_ledger_that_lost_its_data_gets_every_held_event_again() {
         agent.pending() == 0
     });
     assert_eq!((a.events(), b.events()), (50, 50));
+}
+
+/// Regression (review, twenty-eighth session): a batch the ledger refused (413 over
+/// its body bound, or 400) was retried whole for ever, so delivery stopped and the
+/// outbox filled. The forwarder now halves it until it fits.
+#[test]
+fn a_batch_over_the_ledgers_body_bound_is_split_until_it_fits() {
+    let mut a = Ledger::start_with("ledger-a", &["--body-max-bytes", "16384"]);
+    let outbox = tempdir("agent-small-bodies");
+    let agent = AgentProc::start(&outbox, &[a.url()], &[]);
+    // Held while the ledger is down, so the first batch is all 300 (~100 KB).
+    a.kill9();
+    for i in 0..300u64 {
+        let r = agent
+            .admit_complete(&format!("big-{i}"), "acme", 10, 1)
+            .expect("complete");
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    assert_eq!(agent.pending(), 300);
+    a.restart();
+    wait_until("every event delivered", Duration::from_secs(30), || {
+        agent.pending() == 0
+    });
+    let held = a.export();
+    let ids: std::collections::HashSet<_> =
+        held.iter().map(|e| e["request_id"].to_string()).collect();
+    assert_eq!((held.len(), ids.len()), (300, 300), "each once");
+}
+
+/// Regression (review, twenty-eighth session): one URL given twice counted as two of
+/// the holders an event needs while one node answered both: nothing was ever trimmed.
+#[test]
+fn the_same_ledger_url_twice_is_refused_at_start() {
+    let outbox = tempdir("agent-dup-ledger");
+    let config = outbox.join("rules.toml");
+    std::fs::write(&config, RULES).expect("write rules");
+    let out = Command::new(env!("CARGO_BIN_EXE_bursar-agent"))
+        .arg("--config")
+        .arg(&config)
+        .args(["--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
+        .arg("--outbox-dir")
+        .arg(&*outbox)
+        .args([
+            "--ledger",
+            "http://127.0.0.1:9",
+            "--ledger",
+            "http://127.0.0.1:9/",
+        ])
+        .output()
+        .expect("run");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("is given twice"), "{err}");
+}
+
+/// A per-request load balancer over two ledger nodes: every request (health check or
+/// POST) goes to the next node in turn. Counts the POSTs.
+fn round_robin_balancer(
+    urls: Vec<String>,
+) -> (String, std::sync::Arc<std::sync::atomic::AtomicU64>) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let posts = std::sync::Arc::new(AtomicU64::new(0));
+    let counted = posts.clone();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async move {
+            let client = reqwest::Client::new();
+            let next = std::sync::Arc::new(AtomicU64::new(0));
+            let app = axum::Router::new().fallback(
+                move |method: axum::http::Method, uri: axum::http::Uri, body: axum::body::Bytes| {
+                    let (client, urls, next, posts) =
+                        (client.clone(), urls.clone(), next.clone(), counted.clone());
+                    async move {
+                        let i = next.fetch_add(1, Ordering::Relaxed) as usize % urls.len();
+                        if method == axum::http::Method::POST {
+                            posts.fetch_add(1, Ordering::Relaxed);
+                        }
+                        let r = client
+                            .request(method, format!("{}{}", urls[i], uri))
+                            .header("content-type", "application/json")
+                            .body(body)
+                            .send()
+                            .await
+                            .expect("ledger");
+                        let status = r.status().as_u16();
+                        let text = r.text().await.expect("answer");
+                        (
+                            axum::http::StatusCode::from_u16(status).unwrap(),
+                            [("content-type", "application/json")],
+                            text,
+                        )
+                    }
+                },
+            );
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            tx.send(l.local_addr().unwrap()).unwrap();
+            axum::serve(l, app).await.unwrap();
+        });
+    });
+    (format!("http://{}", rx.recv().expect("address")), posts)
+}
+
+/// Regression (review, twenty-eighth session): behind a balancer that alternates
+/// between nodes, every answer came from another node than the one learned, nothing
+/// was ever credited, and the forwarder POSTed back to back with no pause. A node
+/// that already held everything before the batch is now credited with it.
+#[test]
+fn a_round_robin_balancer_over_two_nodes_still_gets_every_event_delivered() {
+    let a = Ledger::start("ledger-a");
+    let b = Ledger::start("ledger-b");
+    let (balancer, posts) = round_robin_balancer(vec![a.url(), b.url()]);
+    let outbox = tempdir("agent-round-robin");
+    let agent = AgentProc::start(&outbox, &[balancer], &[]);
+    for i in 0..100u64 {
+        let r = agent
+            .admit_complete(&format!("rr-{i}"), "acme", 10, 1)
+            .expect("complete");
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    wait_until("every event delivered", Duration::from_secs(30), || {
+        agent.pending() == 0
+    });
+    let mut ids = std::collections::HashSet::new();
+    for e in a.export().into_iter().chain(b.export()) {
+        ids.insert(e["request_id"].to_string());
+    }
+    assert_eq!(ids.len(), 100, "each event is held by a node");
+    let n = posts.load(std::sync::atomic::Ordering::Relaxed);
+    println!("round-robin balancer: {n} POSTs for 100 events");
+    assert!(n < 1_000, "{n} POSTs: the forwarder spun");
 }

@@ -125,9 +125,44 @@ async fn deliver(
     let mut node: Option<String> = None;
     let mut learned_at = Instant::now();
     let mut last_error = String::new();
+    // Events per POST: halved when the ledger refuses a batch as too large (413) or
+    // as invalid (400: halving isolates the event it refuses, and delivers every one
+    // before it), doubled back towards `batch_max` after each credited batch.
+    let mut batch = cfg.batch_max.max(1);
+    // Answers in a row from another node than the one learned (nothing credited):
+    // paced, or a balancer alternating between nodes would have this loop POST
+    // back to back without ever crediting a batch.
+    let mut moved = 0u32;
     while !*shutdown.borrow() {
-        let failed = match step(&outbox, &cfg, &st, &client, &mut node, &mut learned_at).await {
+        let r = step(
+            &outbox,
+            &cfg,
+            &st,
+            &client,
+            &mut node,
+            &mut learned_at,
+            &mut batch,
+        )
+        .await;
+        if !matches!(r, Ok(Step::Moved)) {
+            moved = 0;
+        }
+        let failed = match r {
+            Ok(Step::Moved) => {
+                moved += 1;
+                if moved > 1 {
+                    let pause = (Duration::from_millis(100) * (1 << (moved - 2).min(6)))
+                        .min(cfg.backoff_max);
+                    tokio::select! {
+                        _ = tokio::time::sleep(pause) => {}
+                        _ = shutdown.changed() => {}
+                    }
+                }
+                continue;
+            }
+            Ok(Step::Shrunk) => continue,
             Ok(Step::Sent) => {
+                batch = (batch * 2).min(cfg.batch_max.max(1));
                 backoff = Duration::from_millis(100);
                 st.up.store(true, Ordering::Relaxed);
                 if !last_error.is_empty() {
@@ -172,8 +207,14 @@ async fn deliver(
 }
 
 enum Step {
+    /// A batch credited (or a holder learned again before crediting).
     Sent,
+    /// Nothing to send to this node.
     Idle,
+    /// Another node than the one learned answered: learned, nothing credited.
+    Moved,
+    /// The ledger refused the batch as too large or invalid: `batch` halved.
+    Shrunk,
 }
 
 async fn step(
@@ -183,6 +224,7 @@ async fn step(
     client: &reqwest::Client,
     node: &mut Option<String>,
     learned_at: &mut Instant,
+    batch_max: &mut usize,
 ) -> Result<Step, String> {
     let id = match node {
         Some(id) => id.clone(),
@@ -197,7 +239,7 @@ async fn step(
     let cursor = outbox.cursor(&id);
     st.cursor.store(cursor, Ordering::Relaxed);
     let ob = Arc::clone(outbox);
-    let max = cfg.batch_max;
+    let max = (*batch_max).clamp(1, cfg.batch_max.max(1));
     let batch = tokio::task::spawn_blocking(move || ob.read_after(cursor, max))
         .await
         .map_err(|e| format!("reading the outbox: {e}"))?
@@ -231,11 +273,19 @@ async fn step(
         .text()
         .await
         .map_err(|e| format!("POST /v1/events: reading the answer: {e}"))?;
+    if matches!(status.as_u16(), 400 | 413) && n > 1 {
+        *batch_max = (batch.len() / 2).max(1);
+        return Ok(Step::Shrunk);
+    }
     if status.as_u16() != 200 {
-        let what = if status.as_u16() == 400 {
-            " (the ledger refused the batch: a bug or clock skew; it is kept and retried)"
-        } else {
-            ""
+        let what = match status.as_u16() {
+            400 => {
+                " (the ledger refused this event: a bug or clock skew; it is kept and retried, and the events after it wait)"
+            }
+            413 => {
+                " (one event is larger than the ledger accepts; it is kept and retried, and the events after it wait)"
+            }
+            _ => "",
         };
         return Err(format!(
             "POST /v1/events: {status}{what}: {}",
@@ -256,13 +306,19 @@ async fn step(
     {
         // Another node answered at this URL (a load balancer, a replaced node), or
         // the same node with another store (its data was wiped): it holds this batch,
-        // but not necessarily what the learned holder's cursor covers, so nothing is
-        // credited; the next step sends from the answering holder's own cursor (what
-        // it already holds is counted once there).
+        // but not necessarily what the learned holder's cursor covers, so it is
+        // credited only when its own cursor reaches the batch; else the next step
+        // sends from its own cursor (what it already holds is counted once there).
         let other = learn(outbox, st, other, answered_store);
+        // It holds this batch, the events after `cursor` up to `last`; if it held
+        // everything up to `cursor` already, it holds everything up to `last`.
+        let credited = outbox.cursor(&other) >= cursor && outbox.ack(&other, last);
+        if credited {
+            st.delivered.fetch_add(n, Ordering::Relaxed);
+        }
         st.cursor.store(outbox.cursor(&other), Ordering::Relaxed);
         *node = Some(other);
-        return Ok(Step::Sent);
+        return Ok(if credited { Step::Sent } else { Step::Moved });
     }
     if !outbox.ack(&id, last) {
         // Another task (a second URL of the same node) learned it under a new store
