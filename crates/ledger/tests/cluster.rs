@@ -355,6 +355,12 @@ fn a_corrupt_frame_from_a_peer_is_refused_and_changes_nothing() {
                 }
                 b
             }),
+            ("the largest length, then nothing", {
+                let mut b = good[..frame::HEADER_BYTES].to_vec();
+                let max = (frame::FRAME_MAX_DEFAULT - frame::HEADER_BYTES) as u32;
+                b[8..12].copy_from_slice(&max.to_le_bytes());
+                b
+            }),
             ("absurd length", {
                 let mut b = good[..frame::HEADER_BYTES].to_vec();
                 b[8..12].copy_from_slice(&u32::MAX.to_le_bytes());

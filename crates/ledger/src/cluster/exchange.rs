@@ -71,8 +71,7 @@ impl Channel<'_> {
                 .frames_rejected
                 .fetch_add(1, Ordering::Relaxed);
         })?;
-        let mut payload = vec![0u8; h.len];
-        read_exact(&mut self.recv, &mut payload).await?;
+        let payload = read_payload(&mut self.recv, h.len).await?;
         self.inner
             .stats
             .bytes_received
@@ -109,6 +108,25 @@ impl Channel<'_> {
         // Give the peer a moment to read the last frame before the stream is dropped.
         let _ = tokio::time::timeout(Duration::from_secs(1), self.send.stopped()).await;
     }
+}
+
+/// A frame's payload of `len` bytes, the buffer grown as the bytes arrive: a header
+/// alone (12 bytes claiming the 32 MiB bound) commits no memory; a peer must send the
+/// bytes it claims. (It was allocated whole from the header, before the first byte.)
+async fn read_payload(r: &mut quinn::RecvStream, len: usize) -> Result<Vec<u8>, ExchangeError> {
+    const CHUNK: usize = 64 << 10;
+    let mut buf = Vec::with_capacity(len.min(CHUNK));
+    while buf.len() < len {
+        match r
+            .read_chunk((len - buf.len()).min(CHUNK), true)
+            .await
+            .map_err(transport)?
+        {
+            Some(c) => buf.extend_from_slice(&c.bytes),
+            None => return Err(ExchangeError::Frame(FrameError::Truncated("stream ended"))),
+        }
+    }
+    Ok(buf)
 }
 
 async fn read_exact(r: &mut quinn::RecvStream, buf: &mut [u8]) -> Result<(), ExchangeError> {
