@@ -174,38 +174,12 @@ fn main() -> Result<()> {
     }
 }
 
+/// The term file's next term: one more than the last run's, never below the wall
+/// clock in ms (the default without a file): a lost or emptied file (a pod's emptyDir,
+/// a new volume) must not start the count again at 1, or every agent holding a grant
+/// of an earlier run is refused ("unknown seq", "newer term") until it restarts.
 fn next_term(path: &Path) -> Result<u64> {
-    let last = match std::fs::read_to_string(path) {
-        Ok(s) => s
-            .trim()
-            .parse::<u64>()
-            .with_context(|| format!("{}: not a term number", path.display()))?,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
-        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
-    };
-    // Never below the wall clock in ms (the default without a file): a lost or emptied
-    // file (a pod's emptyDir, a new volume) must not start the count again at 1, or
-    // every agent holding a grant of an earlier run is refused ("unknown seq", "newer
-    // term") until it restarts.
-    let wall = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64);
-    let term = last.checked_add(1).context("term overflow")?.max(wall);
-    let tmp = path.with_extension("tmp");
-    {
-        use std::io::Write;
-        let mut f =
-            std::fs::File::create(&tmp).with_context(|| format!("writing {}", tmp.display()))?;
-        writeln!(f, "{term}")?;
-        f.sync_all()?;
-    }
-    std::fs::rename(&tmp, path).with_context(|| format!("renaming onto {}", path.display()))?;
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty())
-        && let Ok(d) = std::fs::File::open(dir)
-    {
-        let _ = d.sync_all();
-    }
-    Ok(term)
+    bursar_ledger::counter::next(path).context("the term file")
 }
 
 fn serve(args: ServeArgs) -> Result<()> {

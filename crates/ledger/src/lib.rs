@@ -40,6 +40,8 @@
 //! - [`reconcile`]: digest-driven reconciliation between two stores, sans-IO (the
 //!   core the cluster's anti-entropy runs over its streams).
 //! - [`redb_store`]: the durable backend; [`id_runs`]: its dedupe index (sorted runs).
+//! - [`counter`]: a number that only grows across restarts (membership generation,
+//!   the allocator's term file).
 //! - `cluster` (feature `cluster`): QUIC transport, TLS, membership, push and pull.
 //! - `server` (feature `server`): the HTTP JSON shell: one writer thread owns the
 //!   writes and group-commits concurrent requests; reads use MVCC snapshots.
@@ -52,6 +54,7 @@
 #[cfg(feature = "cluster")]
 pub mod cluster;
 pub mod conformance;
+pub mod counter;
 pub mod digest;
 pub mod event;
 pub mod id_runs;

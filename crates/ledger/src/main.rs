@@ -159,6 +159,15 @@ fn main() -> anyhow::Result<()> {
     cfg.validate()?;
     std::fs::create_dir_all(&data_dir)
         .with_context(|| format!("creating data dir {}", data_dir.display()))?;
+    let mut cluster = cluster;
+    if let Some(c) = cluster.as_mut() {
+        // One more than the last run's (or the wall clock, if higher): a restart wins
+        // the address conflict against its old identity even if the clock stepped back.
+        c.generation = Some(
+            bursar_ledger::counter::next(&data_dir.join("membership-generation"))
+                .context("the membership generation file")?,
+        );
+    }
     let store = RedbStore::open_dir(&data_dir)
         .context("refusing to start: the ledger data file could not be opened")?;
     let rt = tokio::runtime::Builder::new_multi_thread()

@@ -519,6 +519,19 @@ fn nodes_listening_on_every_interface_find_each_other_by_their_advertised_addres
     });
     let seen = cluster(&a)["members"].to_string();
     assert!(seen.contains(&format!("127.0.0.1:{pb}")), "{seen}");
+    // The generation a restart must beat is kept in the data directory.
+    let gen_file = tmp.path().join("a").join("membership-generation");
+    let generation: u64 = std::fs::read_to_string(&gen_file)
+        .expect("the generation file")
+        .trim()
+        .parse()
+        .expect("a number");
+    assert_eq!(
+        cluster(&a)["generation"],
+        generation,
+        "the one membership runs"
+    );
+    assert_eq!(cluster(&a)["advertise"], format!("127.0.0.1:{pa}"));
     let seen = cluster(&b)["members"].to_string();
     assert!(seen.contains(&format!("127.0.0.1:{pa}")), "{seen}");
     let t = now_ms();

@@ -91,10 +91,12 @@ fn send(inner: &Arc<Inner>, to: SocketAddr, packet: bytes::Bytes) {
 
 /// The membership task.
 pub(crate) async fn run(inner: Arc<Inner>, mut rx: mpsc::Receiver<Input>) {
-    let generation = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(1);
+    let generation = inner.cfg.generation.unwrap_or_else(|| {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(1)
+    });
     let me = Ident {
         addr: inner.cfg.identity_addr(),
         id: inner.cfg.node_id.clone(),

@@ -58,6 +58,11 @@ pub struct ClusterConfig {
     /// to `0.0.0.0` would call itself `0.0.0.0`, as every such node would, and foca
     /// drops packets from its own address: no member would ever be seen).
     pub advertise: Option<SocketAddr>,
+    /// This run's membership generation (a restarted node must win the address
+    /// conflict against its previous identity, which peers keep as down): the binary
+    /// keeps it in the data directory ([`crate::counter`]). `None`: the wall clock in
+    /// ms, which a clock stepped back between runs would lower.
+    pub generation: Option<u64>,
     /// Seed peers' gossip addresses (`--peer`), `HOST:PORT` or `IP:PORT`; resolved at
     /// start and every 2 s.
     pub seeds: Vec<String>,
@@ -91,6 +96,7 @@ impl ClusterConfig {
             node_id: node_id.to_string(),
             listen,
             advertise: None,
+            generation: None,
             seeds: Vec::new(),
             tls,
             push_fanout: 2,
@@ -377,6 +383,8 @@ impl Cluster {
         json!({
             "node_id": self.inner.cfg.node_id,
             "gossip": self.local_addr().to_string(),
+            "advertise": self.inner.cfg.identity_addr().to_string(),
+            "generation": self.inner.cfg.generation,
             "isolated": self.inner.isolated.load(Ordering::Relaxed),
             "members": self.members().iter().map(|(id, a)| json!({"node_id": id, "gossip": a.to_string()})).collect::<Vec<_>>(),
             "push": {"ok": l(&s.push_ok), "failed": l(&s.push_failed), "events": l(&s.push_events), "bytes": l(&s.push_bytes)},
