@@ -295,7 +295,8 @@ pub struct KeySeries {
     pub deficit: Vec<f64>,
     /// The deepest deficit so far (the measured overshoot), tokens.
     pub overshoot: Vec<f64>,
-    /// The stated bound so far, tokens.
+    /// The bound stated over the verifier's current window (since it was last full),
+    /// tokens.
     pub bound: Vec<f64>,
     /// Per recorded agent, the slice rate its engine holds for the key (tokens/s; 0
     /// when it holds none or is down).
@@ -310,8 +311,6 @@ struct Exact {
     rate: i128,
     at: u64,
     min_level: i128,
-    /// The lowest level since the checker's last sample ([`Exact::take_window_deficit`]).
-    window_min: i128,
 }
 
 impl Exact {
@@ -323,7 +322,6 @@ impl Exact {
             rate: rate_per_s as i128,
             at,
             min_level: cap,
-            window_min: cap,
         }
     }
 
@@ -338,21 +336,18 @@ impl Exact {
         self.refill(now);
         self.level -= cost as i128 * SEC as i128;
         self.min_level = self.min_level.min(self.level);
-        self.window_min = self.window_min.min(self.level);
     }
 
-    /// The deepest deficit (tokens) since the last call, which starts the next window
-    /// at the level as of `now` (the level only falls at a debit, so the window's
-    /// lowest is the lowest of its start and its debits).
-    fn take_window_deficit(&mut self, now: u64) -> f64 {
-        let d = self.window_deficit();
+    /// Whether the bucket is at capacity at `now` (before any debit then): a
+    /// deficit after this point is measured over a window starting here.
+    fn is_full(&mut self, now: u64) -> bool {
         self.refill(now);
-        self.window_min = self.level;
-        d
+        self.level >= self.cap
     }
 
-    fn window_deficit(&self) -> f64 {
-        (-self.window_min).max(0) as f64 / SEC as f64
+    /// The deficit now, tokens (0 when not in deficit), without refilling.
+    fn deficit_level(&self) -> f64 {
+        (-self.level).max(0) as f64 / SEC as f64
     }
 
     /// The ideal limiter: admits if the cost fits.
@@ -377,6 +372,21 @@ impl Exact {
     }
 }
 
+impl KeyState {
+    /// Debits an admission from the verifier, noting the window its deficit (if any)
+    /// is measured over.
+    fn verify(&mut self, now: u64, cost: u64) {
+        if self.verifier.is_full(now) {
+            self.base = self.allowance - self.bound_burst as f64;
+        }
+        self.verifier.debit(now, cost);
+        let d = self.verifier.deficit_level();
+        if d > 0.0 {
+            self.window_worst = self.window_worst.max(d + self.base);
+        }
+    }
+}
+
 struct KeyState {
     name: KeyName,
     value: String,
@@ -390,8 +400,20 @@ struct KeyState {
     late_ideal_admitted: u64,
     first_offer: Option<u64>,
     first_admit: Option<u64>,
-    /// The stated bound accumulated so far, tokens.
+    /// The stated bound accumulated so far, tokens: the excess rate's integral plus
+    /// every rise of the stated burst.
     allowance: f64,
+    /// `allowance` less the burst then in force, as of the last sample before the
+    /// verifier was last full (seen at the first debit after): a deficit is allowed
+    /// `allowance - base`, what the bound states over its window (since the bucket
+    /// was last full: the excess rate's integral, the burst in force then and every
+    /// rise since). Lax by at most one sample's accrual.
+    base: f64,
+    /// Since the last sample, the largest `deficit + base` at a debit (`-inf`: none):
+    /// checked against the allowance as the sample ends.
+    window_worst: f64,
+    /// The largest `allowance - base` at any sample: the bound stated over a window.
+    window_bound_max: f64,
     /// The most a window's deepest deficit exceeded the allowance as of the sample
     /// ending the window (tokens; > 0 is a violation). A deficit is held to the bound
     /// accumulated by its time, not by the end of the run: comparing the run's deepest
@@ -857,6 +879,9 @@ impl Sim {
                     first_offer: None,
                     first_admit: None,
                     allowance: 0.0,
+                    base: 0.0,
+                    window_worst: f64::NEG_INFINITY,
+                    window_bound_max: 0.0,
                     worst_excess: 0.0,
                     bound_rate: 0,
                     bound_burst: 0,
@@ -1401,7 +1426,7 @@ impl Sim {
             *b += cost;
         }
         key.first_admit.get_or_insert(now);
-        key.verifier.debit(now, cost);
+        key.verify(now, cost);
         if let Some((fleet, _)) = key.bins.as_mut()
             && let Some(b) = fleet.get_mut(bin)
         {
@@ -1432,8 +1457,11 @@ impl Sim {
             key.allowance += burst.saturating_sub(key.bound_burst) as f64;
             key.bound_rate = rate;
             key.bound_burst = burst;
-            let deficit = key.verifier.take_window_deficit(self.now);
-            key.worst_excess = key.worst_excess.max(deficit - key.allowance);
+            // Each deficit since the last sample against the bound over its own
+            // window (since the verifier was last full), as stated by this sample.
+            key.worst_excess = key.worst_excess.max(key.window_worst - key.allowance);
+            key.window_worst = f64::NEG_INFINITY;
+            key.window_bound_max = key.window_bound_max.max(key.allowance - key.base);
         }
         if self.series.is_some() {
             self.sample_series();
@@ -1490,7 +1518,7 @@ impl Sim {
         for (ks, key) in s.keys.iter_mut().zip(self.keys.iter_mut()) {
             ks.deficit.push(key.verifier.deficit_now_tokens(self.now));
             ks.overshoot.push(key.verifier.deficit_tokens());
-            ks.bound.push(key.allowance);
+            ks.bound.push(key.allowance - key.base);
         }
         for i in 0..s.agents.len() {
             let a = &self.shards[i % SHARDS].agents[i / SHARDS];
@@ -1546,15 +1574,15 @@ impl Sim {
         for k in &self.keys {
             let measured = k.verifier.deficit_tokens();
             over_max = over_max.max(measured / b);
-            bound_max = bound_max.max(k.allowance / b);
+            let window_bound = k.window_bound_max.max(k.allowance - k.base);
+            bound_max = bound_max.max(window_bound / b);
             // The tail since the last sample, against the allowance as it ends.
-            let excess = k
-                .worst_excess
-                .max(k.verifier.window_deficit() - k.allowance);
+            let excess = k.worst_excess.max(k.window_worst - k.allowance);
             if excess > 1e-6 {
                 let msg = format!(
-                    "key {}: overshoot {excess:.1} tokens above the bound stated by its time                      (deepest deficit {measured:.1}, bound over the run {:.1}, B = {b})",
-                    k.name, k.allowance
+                    "key {}: overshoot {excess:.1} tokens above the bound stated over its window \
+                     (deepest deficit {measured:.1}, largest bound over a window {window_bound:.1}, B = {b})",
+                    k.name
                 );
                 self.violations += 1;
                 if self.violation_messages.len() < VIOLATIONS_KEPT_MAX {
@@ -1564,7 +1592,7 @@ impl Sim {
             outcomes.push(KeyOutcome {
                 key: k.name.to_string(),
                 overshoot_tokens: measured,
-                bound_tokens: k.allowance,
+                bound_tokens: window_bound,
                 offered: k.offered,
                 admitted: k.admitted,
                 ideal_admitted: k.ideal_admitted,
@@ -1859,13 +1887,70 @@ mod tests {
         sim.sample();
         // A deficit of R tokens 10 ms in: far above the 0.05 R stated by 50 ms, below
         // the 3 R stated by the end.
-        sim.keys[0].verifier.debit(t0 + 10 * MS, b + r);
+        sim.keys[0].verify(t0 + 10 * MS, b + r);
         for i in 1..=60 {
             sim.now = t0 + i * SAMPLE_NS;
             sim.sample();
         }
         let report = sim.report();
         assert!(report.summary.violations > 0, "{:?}", report.summary);
+    }
+
+    /// Review, twenty-eighth session: the allowance accumulated over the whole run, so
+    /// a bound stated earlier (an overdraft accruing, a partition's fallback bursts)
+    /// covered a breach long after the verifier was full again. A deficit is held to
+    /// the bound over its own window, since the verifier was last full.
+    #[test]
+    fn a_bound_stated_before_the_verifier_was_full_again_does_not_cover_a_later_deficit() {
+        let mut sc = small("steady");
+        sc.keys = 1;
+        // The stated bound grows by R/10 each second (static split: the overdraft).
+        sc.allocator.overdraft_permille = 100;
+        let mut sim = Sim::new(&sc, 1, "static").unwrap();
+        let (t0, r, b) = (sim.t0, sc.limit.rate_per_s, sc.limit.burst);
+        for i in 0..=200 {
+            sim.now = t0 + i * SAMPLE_NS;
+            sim.sample();
+        }
+        // 10 s in, R accrued; the verifier is full. R/2 over it now is far above what
+        // the bound states over a window that starts now.
+        sim.keys[0].verify(sim.now + MS, b + r / 2);
+        sim.now += SAMPLE_NS;
+        sim.sample();
+        let report = sim.report();
+        assert!(report.summary.violations > 0, "{:?}", report.summary);
+    }
+
+    #[test]
+    fn an_excess_within_the_overdraft_over_its_window_is_no_violation() {
+        let mut sc = small("steady");
+        sc.keys = 1;
+        sc.allocator.overdraft_permille = 100;
+        let mut sim = Sim::new(&sc, 1, "static").unwrap();
+        let (t0, r, b) = (sim.t0, sc.limit.rate_per_s, sc.limit.burst);
+        sim.now = t0;
+        sim.sample();
+        // From a full verifier: B at once, then 1.05 R for 10 s (every 10 ms): a
+        // deficit growing to R/2 against the R/10 per second the overdraft states.
+        sim.keys[0].verify(t0, b);
+        let step = 10 * MS;
+        for i in 1..=1_000u64 {
+            let at = t0 + i * step;
+            while sim.now + SAMPLE_NS <= at {
+                sim.now += SAMPLE_NS;
+                sim.sample();
+            }
+            sim.keys[0].verify(at, r * 105 / 100 / 100);
+        }
+        sim.now += SAMPLE_NS;
+        sim.sample();
+        let report = sim.report();
+        assert_eq!(report.summary.violations, 0, "{:?}", report.summary);
+        assert!(
+            report.summary.overshoot_max_fraction_of_burst > 0.0,
+            "{:?}",
+            report.summary
+        );
     }
 
     #[test]
