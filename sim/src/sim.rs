@@ -137,10 +137,12 @@ pub struct Summary {
     pub jain_fairness: Option<f64>,
     /// 95th percentile of the time from a key's first request to its first admission.
     pub cold_first_admit_p95_ms: Option<f64>,
-    /// Messages (both ways, and peer to peer) per agent per virtual second.
+    /// Messages (both ways, and peer to peer) per agent per virtual second of
+    /// traffic (sent from the start of traffic on, over its duration: the warm-up
+    /// before it is left out, as its length follows the lease).
     pub control_messages_per_agent_per_s: f64,
     /// Their encoded size ([`crate::wire`]: protobuf plus gRPC's prefix, no HTTP/2,
-    /// TLS or TCP overhead), bytes per agent per virtual second.
+    /// TLS or TCP overhead), bytes per agent per virtual second of traffic.
     pub control_bytes_per_agent_per_s: f64,
     /// Keys whose overshoot exceeded their bound, plus failed invariant checks.
     pub violations: u64,
@@ -780,6 +782,8 @@ pub struct Sim {
     end: u64,
     overdraft_rate: u64,
     counters: Counters,
+    /// Control messages and bytes sent before traffic started (not in the rates).
+    control_at_t0: (u64, u64),
     violations: u64,
     violation_messages: Vec<String>,
     demand_buf: Vec<KeyDemand>,
@@ -978,6 +982,7 @@ impl Sim {
             next_engine_check: 20,
             end,
             counters: Counters::default(),
+            control_at_t0: (0, 0),
             violations: 0,
             violation_messages: Vec::new(),
             demand_buf: Vec::new(),
@@ -1436,7 +1441,25 @@ impl Sim {
 
     // ---- checker ----
 
+    /// Control messages and their bytes sent so far, every side and shard.
+    fn control_totals(&self) -> (u64, u64) {
+        let mut n = (0, 0);
+        for c in std::iter::once(&self.counters)
+            .chain(std::iter::once(&self.side().counters))
+            .chain(self.shards.iter().map(|s| &s.counters))
+        {
+            n.0 += c.to_allocator + c.to_agents + c.peer;
+            n.1 += c.to_allocator_bytes + c.to_agents_bytes + c.peer_bytes;
+        }
+        n
+    }
+
     fn sample(&mut self) {
+        if self.samples == 0 {
+            // Traffic starts: control traffic is counted from here, over the traffic's
+            // duration (the warm-up before it grows with the lease and has no load).
+            self.control_at_t0 = self.control_totals();
+        }
         let from = self.last_sample_at();
         let span = self.now.saturating_sub(from) as f64;
         self.samples += 1;
@@ -1629,12 +1652,10 @@ impl Sim {
             .filter_map(|k| Some((k.first_admit? - k.first_offer?) as f64 / MS as f64))
             .collect();
         let duration_s = (self.end - self.t0) as f64 / SEC as f64;
-        let msgs =
-            (self.counters.to_allocator + self.counters.to_agents + self.counters.peer) as f64;
-        let bytes = (self.counters.to_allocator_bytes
-            + self.counters.to_agents_bytes
-            + self.counters.peer_bytes) as f64;
-        let per_agent_s = self.shared.sc.gateways as f64 * (self.end as f64 / SEC as f64);
+        let (msgs, bytes) = self.control_totals();
+        let msgs = msgs.saturating_sub(self.control_at_t0.0) as f64;
+        let bytes = bytes.saturating_sub(self.control_at_t0.1) as f64;
+        let per_agent_s = self.shared.sc.gateways as f64 * duration_s.max(1e-9);
         Report {
             scenario: self.shared.sc.name.clone(),
             seed: self.seed,
@@ -1950,6 +1971,26 @@ mod tests {
             report.summary.overshoot_max_fraction_of_burst > 0.0,
             "{:?}",
             report.summary
+        );
+    }
+
+    /// Review, twenty-eighth session: control traffic was divided by the run's whole
+    /// time, warm-up included, whose length follows the lease: longer leases looked
+    /// cheaper for that alone. It is counted from the start of traffic, over it.
+    #[test]
+    fn control_traffic_per_agent_is_counted_over_the_traffic_whatever_the_lease() {
+        let rate = |lease_ms: u64| {
+            let mut sc = small("steady");
+            sc.allocator.lease_ms = lease_ms;
+            run(&sc, 1)
+                .unwrap()
+                .summary
+                .control_messages_per_agent_per_s
+        };
+        let (short, long) = (rate(1_000), rate(10_000));
+        assert!(
+            (short / long - 1.0).abs() < 0.15,
+            "{short:.1} against {long:.1} messages per agent per second"
         );
     }
 
