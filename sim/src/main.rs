@@ -192,6 +192,9 @@ fn real_main() -> Result<ExitCode> {
         } => {
             let mut sc = Scenario::load(&scenario)?;
             fleet.overrides().apply(&mut sc)?;
+            for w in sc.faults_after_end() {
+                eprintln!("bursar-sim: note: {w}");
+            }
             let seed_list: Vec<u64> = (1..=seeds.max(1)).collect();
             println!(
                 "compare {}: {} gateways x {} keys x {} virtual s, seeds 1..={}",
@@ -362,6 +365,9 @@ fn real_main() -> Result<ExitCode> {
             };
             let replay = replay_command(&scenario, seed, &overrides, &policy);
             overrides.apply(&mut sc)?;
+            for w in sc.faults_after_end() {
+                eprintln!("bursar-sim: note: {w}");
+            }
             let mut sim = Sim::new(&sc, seed, &policy)?;
             if let Some(t) = threads {
                 sim.set_threads(t as usize);

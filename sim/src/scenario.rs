@@ -452,6 +452,11 @@ pub struct Overrides {
     pub measure_window_ms: Option<u64>,
 }
 
+/// An hour in ms: the largest one-way latency, jitter or cold-key stagger.
+const HOUR_MS: f64 = 3_600_000.0;
+/// A day in s: the longest run, and the latest a fault or the whale may start.
+const DAY_S: f64 = 86_400.0;
+
 impl Overrides {
     /// Applies every override given, then validates the result.
     pub fn apply(&self, sc: &mut Scenario) -> Result<(), ScenarioError> {
@@ -623,11 +628,13 @@ impl Scenario {
         let named = std::iter::once(("network", self.network.clone()))
             .chain(self.link_specs().into_iter().map(|n| ("link", n)));
         for (at, n) in named {
-            if !finite_nonneg(n.latency_ms) {
-                return bad(&format!("{at}.latency_ms"), "must be a number >= 0");
+            // At most an hour one way: past that the nanosecond clock's sums overflow
+            // long before anything could arrive.
+            if !(finite_nonneg(n.latency_ms) && n.latency_ms <= HOUR_MS) {
+                return bad(&format!("{at}.latency_ms"), "must be 0 to 3,600,000");
             }
-            if !finite_nonneg(n.jitter_ms) {
-                return bad(&format!("{at}.jitter_ms"), "must be a number >= 0");
+            if !(finite_nonneg(n.jitter_ms) && n.jitter_ms <= HOUR_MS) {
+                return bad(&format!("{at}.jitter_ms"), "must be 0 to 3,600,000");
             }
             if !(0.0..=1.0).contains(&n.loss) {
                 return bad(&format!("{at}.loss"), "must be 0 to 1");
@@ -665,8 +672,13 @@ impl Scenario {
         if !(0.5..=1.0).contains(&w.shift_share) {
             return bad("workload.shift_share", "must be 0.5 to 1");
         }
-        if !finite_nonneg(w.whale_at_s) || !finite_nonneg(w.cold_stagger_ms) {
-            return bad("workload", "whale_at_s and cold_stagger_ms must be >= 0");
+        let whale_ok = finite_nonneg(w.whale_at_s) && w.whale_at_s <= DAY_S;
+        let stagger_ok = finite_nonneg(w.cold_stagger_ms) && w.cold_stagger_ms <= HOUR_MS;
+        if !(whale_ok && stagger_ok) {
+            return bad(
+                "workload",
+                "whale_at_s must be 0 to 86,400 and cold_stagger_ms 0 to 3,600,000",
+            );
         }
         let period_ok = w.diurnal_period_s.is_finite() && w.diurnal_period_s > 0.0;
         if !(period_ok && (0.0..=1.0).contains(&w.diurnal_amplitude)) {
@@ -680,8 +692,12 @@ impl Scenario {
         }
         for f in &self.faults {
             let length_ok = f.kind == FaultKind::AgentJoin || f.for_s > 0.0;
-            if !(finite_nonneg(f.at_s) && f.for_s.is_finite() && length_ok) {
-                return bad("fault", "at_s must be >= 0 and for_s above 0");
+            let in_a_day = f.at_s <= DAY_S && f.for_s <= DAY_S;
+            if !(finite_nonneg(f.at_s) && f.for_s.is_finite() && length_ok && in_a_day) {
+                return bad(
+                    "fault",
+                    "at_s must be 0 to 86,400 and for_s above 0, at most 86,400",
+                );
             }
             if let Some(&i) = f.agents.iter().find(|&&i| i >= self.gateways) {
                 return bad(
@@ -709,14 +725,37 @@ impl Scenario {
         Ok(())
     }
 
-    /// True if any fault can make an agent admit outside the allocator's budget.
+    /// True if any fault that starts within the run can make an agent admit outside
+    /// the allocator's budget.
     pub fn has_partition(&self) -> bool {
         self.faults.iter().any(|f| {
-            matches!(
-                f.kind,
-                FaultKind::Partition | FaultKind::AllocatorPartition | FaultKind::AllocatorCrash
-            )
+            f.at_s < self.duration_s
+                && matches!(
+                    f.kind,
+                    FaultKind::Partition
+                        | FaultKind::AllocatorPartition
+                        | FaultKind::AllocatorCrash
+                )
         })
+    }
+
+    /// A line per fault that starts at or after the run's end (a shortened
+    /// `--duration-s` leaves it out): it will not happen.
+    pub fn faults_after_end(&self) -> Vec<String> {
+        self.faults
+            .iter()
+            .enumerate()
+            .filter(|(_, f)| f.at_s >= self.duration_s)
+            .map(|(i, f)| {
+                format!(
+                    "fault #{} ({:?} at {} s) starts after the run's end ({} s): it will not happen",
+                    i + 1,
+                    f.kind,
+                    f.at_s,
+                    self.duration_s
+                )
+            })
+            .collect()
     }
 }
 
@@ -831,6 +870,40 @@ mod tests {
         let text = format!("{}\n[network]\nlatency_ms = -1.0\n", BUILT_INS[0].1);
         let e = Scenario::from_toml("x", &text).unwrap_err();
         assert!(e.to_string().contains("network.latency_ms"), "{e}");
+    }
+
+    /// Review, twenty-eighth session: times were only checked to be >= 0, so a latency
+    /// of 1e14 ms or a fault at 1e11 s saturated the nanosecond clock and its sums
+    /// overflowed (a panic in debug, messages delivered in the past in release).
+    #[test]
+    fn times_past_what_the_clock_can_add_are_refused_with_the_field_name() {
+        let text = format!(
+            "{}
+[network]
+latency_ms = 1e14
+",
+            BUILT_INS[0].1
+        );
+        let e = Scenario::from_toml("x", &text).unwrap_err();
+        assert!(e.to_string().contains("network.latency_ms"), "{e}");
+        let mut s = Scenario::load("partition-one").unwrap();
+        s.faults[0].at_s = 1e11;
+        let e = s.validate().unwrap_err();
+        assert!(e.to_string().contains("fault"), "{e}");
+        let mut s = Scenario::load("whale").unwrap();
+        s.workload.whale_at_s = 1e11;
+        assert!(s.validate().is_err());
+    }
+
+    #[test]
+    fn a_fault_after_a_shortened_run_is_named_and_is_no_partition() {
+        let mut s = Scenario::load("partition-one").unwrap();
+        assert!(s.has_partition() && s.faults_after_end().is_empty());
+        s.duration_s = s.faults[0].at_s;
+        assert!(!s.has_partition(), "a fault at the end never happens");
+        let notes = s.faults_after_end();
+        assert_eq!(notes.len(), 1);
+        assert!(notes[0].contains("will not happen"), "{notes:?}");
     }
 
     #[test]

@@ -94,7 +94,7 @@ fn a_missing_file_and_an_unknown_field_are_clear_errors() {
     for flag in ["--latency-ms", "--jitter-ms"] {
         let (code, _, err) = sim(&["compare", "steady", "--seeds", "1", flag, "-5"]);
         assert_eq!(code, 2, "{err}");
-        assert!(err.contains("must be a number >= 0"), "{err}");
+        assert!(err.contains("must be 0 to 3,600,000"), "{err}");
     }
 }
 
