@@ -35,6 +35,8 @@ pub struct PolicyOutcome {
     /// Violations summed over seeds (for a baseline: keys whose overshoot exceeded
     /// the bound it does not state, i.e. any overshoot).
     pub violations: u64,
+    /// Seeds whose run found a violation, to replay with `bursar-sim run`.
+    pub failed_seeds: Vec<u64>,
 }
 
 /// Every policy on one scenario.
@@ -92,6 +94,11 @@ pub fn compare(sc: &Scenario, seeds: &[u64]) -> Result<Comparison, SimError> {
                 .sum::<f64>()
                 / n,
             violations: su().map(|s| s.violations).sum(),
+            failed_seeds: reports
+                .iter()
+                .filter(|r| r.summary.violations > 0)
+                .map(|r| r.seed)
+                .collect(),
         });
     }
     Ok(Comparison {
@@ -121,6 +128,8 @@ mod tests {
         assert_eq!(by("static").control_messages_per_agent_per_s, 0.0);
         assert!(by("gubernator").overshoot_max_fraction_of_burst > 0.0);
         assert!(by("gubernator").violations > 0);
+        assert!(by("bursar").failed_seeds.is_empty());
+        assert_eq!(by("gubernator").failed_seeds, [5], "the seed to replay");
         assert!(by("gubernator").utilization_max > by("static").utilization_max);
     }
 }

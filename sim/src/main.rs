@@ -239,10 +239,14 @@ fn real_main() -> Result<ExitCode> {
                     .with_context(|| format!("writing {}", path.display()))?;
             }
             let ours = c.policies.iter().find(|p| p.policy == "bursar");
-            if ours.is_some_and(|p| p.violations > 0) {
-                println!(
-                    "FAILED: the real allocator measured above its bound (replay each seed with `bursar-sim run`)"
-                );
+            if let Some(p) = ours.filter(|p| p.violations > 0) {
+                println!("FAILED: the real allocator measured above its bound; replay with:");
+                for &seed in &p.failed_seeds {
+                    println!(
+                        "  {}",
+                        replay_command(&scenario, seed, &fleet.overrides(), "bursar")
+                    );
+                }
                 return Ok(ExitCode::FAILURE);
             }
             Ok(ExitCode::SUCCESS)
