@@ -1707,7 +1707,6 @@ impl Sim {
         }
         let every = (self.shared.sc.workload.shift_every_s * SEC as f64) as u64;
         let per_window = (REALLOC_WINDOW_NS / BIN_NS) as usize;
-        let settle_bins = (SEC / BIN_NS) as usize;
         let mut samples = Vec::new();
         for k in &self.keys {
             let Some((fleet, ideal)) = &k.bins else {
@@ -1717,17 +1716,19 @@ impl Sim {
             while ts + every <= self.end - self.t0 {
                 let b0 = (ts / BIN_NS) as usize;
                 let b1 = (((ts + every) / BIN_NS) as usize).min(fleet.len());
-                if b1 < b0 + settle_bins.max(per_window) {
+                if b1 < b0 + per_window {
                     break;
                 }
-                let settled: u64 = fleet[b1 - settle_bins..b1].iter().sum::<u64>()
-                    * per_window as u64
-                    / settle_bins as u64;
+                // 95 % of the ideal bucket over the same window, as the issue defines it.
+                // (Until the twenty-eighth session: of the lower of the ideal and what
+                // the fleet settled at over the phase's last second, so a policy that
+                // settled low, or never moved, passed in the first window: `static`
+                // read 250 ms, the best of all.)
                 let mut found = None;
                 for e in (b0 + per_window)..=b1 {
                     let f: u64 = fleet[e - per_window..e].iter().sum();
                     let i: u64 = ideal[e - per_window..e].iter().sum();
-                    if f * 100 >= settled.min(i) * 95 {
+                    if f * 100 >= i * 95 {
                         found = Some(e);
                         break;
                     }
@@ -2020,6 +2021,29 @@ mod tests {
             waited >= (sim.end - t0) as f64 / MS as f64 - 1.0,
             "{waited}"
         );
+    }
+
+    /// Review, twenty-eighth session: reallocation was measured to 95 % of the lower of
+    /// the ideal and what the fleet settled at, so `static`, which never moves budget,
+    /// read the best figure. It is measured to 95 % of the ideal bucket; a phase that
+    /// never gets there counts whole.
+    #[test]
+    fn a_policy_that_never_moves_budget_is_censored_at_the_phase_and_short_phases_count() {
+        let mut sc = Scenario::load("shift").unwrap();
+        sc.duration_s = 7.0;
+        let every_ms = sc.workload.shift_every_s * 1_000.0;
+        let fixed = Sim::new(&sc, 1, "static").unwrap().run();
+        assert_eq!(
+            fixed.summary.realloc_p95_ms,
+            Some(every_ms),
+            "never reached"
+        );
+        let ours = run(&sc, 1).unwrap();
+        let t = ours.summary.realloc_p95_ms.expect("measured");
+        assert!(t < every_ms, "{t} ms");
+        sc.workload.shift_every_s = 0.8;
+        sc.duration_s = 4.0;
+        assert!(run(&sc, 1).unwrap().summary.realloc_p95_ms.is_some());
     }
 
     #[test]
