@@ -163,7 +163,9 @@ impl RateParams {
 pub(crate) enum Params {
     /// An open rate bucket.
     Rate(RateParams),
-    /// A rate bucket whose slice is zero: admits nothing, holds nothing.
+    /// A rate bucket whose slice is zero: admits nothing. Its state's `tat` is the debt
+    /// it carries, in whole units (see [`Slot::level`]): a bucket that closes in debt
+    /// and reopens is still in debt (invariant 2: growing never raises the level).
     Closed(RateLimit),
     /// Concurrency slots.
     Slots(u64),
@@ -299,8 +301,9 @@ pub(crate) struct Slot {
     /// never saw admitted (without it, two rules on one key starve each other's demand,
     /// found by the local cluster).
     pub(crate) blocked: AtomicU64,
-    /// Slots: engine time of the last take. Rate buckets derive idleness from their
-    /// TAT and hold [`RATE_MARK`] plus their generation here ([`Slot::generation`]).
+    /// Slots: engine time of the last take. Open rate buckets derive idleness from
+    /// their TAT and hold [`RATE_MARK`] plus their generation here
+    /// ([`Slot::generation`]); closed ones, both marks and the time they were made.
     touched: AtomicU64,
     pub(crate) key: Arc<LimitKey>,
     /// The sync client's last walk of this slot ([`Slot::walk_mark`];
@@ -317,6 +320,11 @@ pub(crate) struct Slot {
 /// generation.
 const RATE_MARK: u64 = 1 << 63;
 
+/// The next bit of a closed bucket's `touched`, whose other bits are the engine time it
+/// was made at: it debits nothing, so no lease names its generation, and with this bit
+/// its generation ([`Slot::generation`]) matches no open bucket's.
+const CLOSED_MARK: u64 = 1 << 62;
+
 /// Generations of rate buckets, unique in the process: a lease names the bucket it was
 /// debited on by its key and generation ([`Slot::generation`]), without a reference.
 static NEXT_GENERATION: AtomicU64 = AtomicU64::new(1);
@@ -326,7 +334,8 @@ static NEXT_GENERATION: AtomicU64 = AtomicU64::new(1);
 const WALK_UNSEEN: u64 = u64::MAX;
 
 impl Slot {
-    pub(crate) fn new(key: Arc<LimitKey>, params: Params, state: State) -> Slot {
+    /// A new slot at engine time `now` (a closed bucket's age counts from it).
+    pub(crate) fn new(key: Arc<LimitKey>, params: Params, state: State, now: u64) -> Slot {
         debug_assert!(!state.sealed());
         Slot {
             state: AtomicU128::new(state.pack()),
@@ -335,9 +344,8 @@ impl Slot {
             blocked: AtomicU64::new(0),
             touched: AtomicU64::new(match params {
                 Params::Slots(_) => 0,
-                Params::Rate(_) | Params::Closed(_) => {
-                    RATE_MARK | NEXT_GENERATION.fetch_add(1, Ordering::Relaxed)
-                }
+                Params::Rate(_) => RATE_MARK | NEXT_GENERATION.fetch_add(1, Ordering::Relaxed),
+                Params::Closed(_) => RATE_MARK | CLOSED_MARK | now.min(CLOSED_MARK - 1),
             }),
             params,
             check: key.check,
@@ -354,9 +362,11 @@ impl Slot {
     /// 2^40 (10^12 units) between two walks while in-flight came back to its value;
     /// then the key's next change shows it, counts included (they are cumulative).
     pub(crate) fn walk_mark(&self, in_flight: u64) -> bool {
-        let counts = self.admitted.load(Ordering::Relaxed)
-            + self.rejected.load(Ordering::Relaxed)
-            + self.blocked.load(Ordering::Relaxed);
+        let counts = self
+            .admitted
+            .load(Ordering::Relaxed)
+            .wrapping_add(self.rejected.load(Ordering::Relaxed))
+            .wrapping_add(self.blocked.load(Ordering::Relaxed));
         let mark = (counts & ((1 << 40) - 1)) | (in_flight << 40);
         // A load, and a store only on a change: the walker is the only writer (under the
         // slow-path lock, as `walk_unseen`'s callers), so no locked swap, and a walk of
@@ -412,12 +422,13 @@ impl Slot {
             .map_err(State::unpack)
     }
 
-    /// State of a full bucket (rate) or nothing in flight (slots), nothing held.
+    /// State of a full bucket (rate), nothing in flight (slots) or no debt (closed),
+    /// nothing held.
     pub(crate) fn full_state(params: &Params, now: u64) -> State {
         let tat = match params {
             // TAT <= now means full; `now` itself is the canonical full state.
-            Params::Rate(_) | Params::Closed(_) => now,
-            Params::Slots(_) => 0,
+            Params::Rate(_) => now,
+            Params::Closed(_) | Params::Slots(_) => 0,
         };
         State { tat, held: 0 }
     }
@@ -432,8 +443,7 @@ impl Slot {
                     held: 0,
                 }
             }
-            Params::Closed(_) => State { tat: now, held: 0 },
-            Params::Slots(_) => State { tat: 0, held: 0 },
+            Params::Closed(_) | Params::Slots(_) => State { tat: 0, held: 0 },
         }
     }
 
@@ -532,8 +542,9 @@ impl Slot {
         }
     }
 
-    /// Settles part of a reservation: gives back `refund_ns` of debit (rate) or
-    /// `refund_ns` slots (concurrency), and releases `release` held units. The level
+    /// Settles part of a reservation: gives back `refund_ns` of debit (rate),
+    /// `refund_ns` units (closed) or `refund_ns` slots (concurrency), and releases
+    /// `release` held units. The level
     /// never rises above `burst - held`. Returns false if sealed (nothing changed; the
     /// caller re-resolves the key and settles on the current slot in units).
     pub(crate) fn settle(&self, now: u64, refund_ns: u64, release: u64) -> bool {
@@ -557,9 +568,16 @@ impl Slot {
                     }
                 }
                 Params::Closed(_) => {
+                    // `refund_ns` is in units here. As in a rate bucket, `level + held`
+                    // (minus the debt) moves by `refund - release`, and never rises
+                    // above the capacity, zero.
                     assert!(cur.held >= release, "released more than was held");
                     State {
-                        tat: cur.tat,
+                        tat: cur
+                            .tat
+                            .saturating_add(release)
+                            .saturating_sub(refund_ns)
+                            .min(TAT_MAX),
                         held: cur.held - release,
                     }
                 }
@@ -585,19 +603,26 @@ impl Slot {
     /// wait. For tokens already spent (post-hoc debits, output beyond the reservation).
     /// Returns false if sealed.
     pub(crate) fn charge(&self, now: u64, cost: u64) -> bool {
-        let Params::Rate(p) = &self.params else {
-            return !self.load().sealed();
-        };
-        let inc = p.debit_ns(cost);
         let mut cur = self.load();
         loop {
             if cur.sealed() {
                 return false;
             }
-            let floor = p.floor(now, cur.held);
-            let next = State {
-                tat: cur.tat.max(floor).saturating_add(inc).min(TAT_MAX),
-                held: cur.held,
+            let next = match &self.params {
+                Params::Rate(p) => State {
+                    tat: cur
+                        .tat
+                        .max(p.floor(now, cur.held))
+                        .saturating_add(p.debit_ns(cost))
+                        .min(TAT_MAX),
+                    held: cur.held,
+                },
+                // A closed bucket's debt grows: it is owed when the slice reopens.
+                Params::Closed(_) => State {
+                    tat: cur.tat.saturating_add(cost).min(TAT_MAX),
+                    held: cur.held,
+                },
+                Params::Slots(_) => return true,
             };
             match self.cas(cur, next) {
                 Ok(()) => return true,
@@ -624,13 +649,22 @@ impl Slot {
     /// Seals the slot only if it is at rest: a rate bucket full, holding nothing, with
     /// no take for `idle_ns` (a take leaves the TAT above its time); or no slot in
     /// flight and none taken for `idle_ns`. Evicting such a slot is invisible: it is
-    /// recreated identical.
-    pub(crate) fn seal_if_at_rest(&self, now: u64, idle_ns: u64) -> bool {
+    /// recreated identical. A closed bucket is at rest when it holds nothing, owes
+    /// nothing and was made `idle_ns` ago (a bucket in debt repays it only once it
+    /// reopens); with `forgive_debt`, whatever it owes: the engine passes it for a key
+    /// whose grant's lease ended, which the allocator has taken back and which, if it
+    /// returns, comes back new and closed until granted (else a key that closed in
+    /// debt and never returned would hold its table entry for good).
+    pub(crate) fn seal_if_at_rest(&self, now: u64, idle_ns: u64, forgive_debt: bool) -> bool {
         let cur = self.load();
         let at_rest = !cur.sealed()
             && match self.params {
-                Params::Rate(_) | Params::Closed(_) => {
-                    cur.held == 0 && cur.tat.saturating_add(idle_ns) <= now
+                Params::Rate(_) => cur.held == 0 && cur.tat.saturating_add(idle_ns) <= now,
+                Params::Closed(_) => {
+                    let made = self.touched.load(Ordering::Relaxed) & !(RATE_MARK | CLOSED_MARK);
+                    cur.held == 0
+                        && (cur.tat == 0 || forgive_debt)
+                        && made.saturating_add(idle_ns) <= now
                 }
                 Params::Slots(_) => {
                     cur.tat == 0
@@ -659,7 +693,7 @@ impl Slot {
     }
 
     /// Admissible level in whole units at `now` (negative: debt): tokens a request could
-    /// take now, or free slots.
+    /// take now, or free slots. A closed bucket's is minus what it holds and owes.
     pub(crate) fn level(params: &Params, state: State, now: u64) -> i128 {
         match params {
             Params::Rate(p) => {
@@ -667,7 +701,7 @@ impl Slot {
                 let deficit = state.tat.max(floor) - now;
                 p.limit.burst as i128 - p.tokens_owed(deficit) as i128
             }
-            Params::Closed(_) => -(state.held as i128),
+            Params::Closed(_) => -(state.held as i128) - state.tat as i128,
             Params::Slots(max) => *max as i128 - state.tat as i128,
         }
     }
@@ -710,12 +744,13 @@ pub(crate) fn convert(
                         released,
                     )
                 }
+                // Closed: the capacity is zero, so `kept` is minus the debt carried.
                 _ => (
                     State {
-                        tat: now,
+                        tat: u64::try_from(-kept).unwrap_or(TAT_MAX).min(TAT_MAX),
                         held: state.held,
                     },
-                    with_held.max(0) as u64,
+                    released,
                 ),
             }
         }
@@ -779,7 +814,7 @@ mod tests {
     }
 
     fn full(p: Params, now: u64) -> Slot {
-        Slot::new(key(), p, Slot::full_state(&p, now))
+        Slot::new(key(), p, Slot::full_state(&p, now), now)
     }
 
     fn level(s: &Slot, now: u64) -> i128 {
@@ -916,6 +951,81 @@ mod tests {
         assert_eq!(released, 90);
         assert_eq!(state.held, 30);
         assert_eq!(Slot::level(&small, state, 0), -20);
+    }
+
+    #[test]
+    fn a_closed_bucket_keeps_its_debt_and_reopens_owing_it() {
+        let open = rate(10, 10);
+        let closed = rate(0, 0);
+        assert!(matches!(closed, Params::Closed(_)));
+        let slot = full(open, 0);
+        assert!(slot.charge(0, 40));
+        assert_eq!(level(&slot, 0), -30);
+        let (state, released) = convert(&open, slot.seal().unwrap(), &closed, 0, 0);
+        assert_eq!(released, 0);
+        assert_eq!(Slot::level(&closed, state, 0), -30);
+        // More spent while closed (output beyond a reservation) adds to it; a refund
+        // of a debit carried over takes from it, never below zero.
+        let slot = Slot::new(key(), closed, state, 0);
+        assert!(slot.charge(5, 5));
+        assert_eq!(level(&slot, 5), -35);
+        assert!(slot.settle(5, 3, 0));
+        assert_eq!(level(&slot, 5), -32);
+        let (state, _) = convert(&closed, slot.seal().unwrap(), &open, 7, 0);
+        assert_eq!(Slot::level(&open, state, 7), -32, "growth keeps the debt");
+        let (state, _) = convert(&closed, State { tat: 3, held: 0 }, &open, 7, 5);
+        assert_eq!(
+            Slot::level(&open, state, 7),
+            2,
+            "a transfer pays it off first"
+        );
+        let slot = Slot::new(key(), closed, State { tat: 2, held: 0 }, 0);
+        assert!(slot.settle(0, 9, 0));
+        assert_eq!(level(&slot, 0), 0, "capacity zero: no credit");
+    }
+
+    #[test]
+    fn a_closed_bucket_holding_a_reservation_owes_what_it_used() {
+        let open = rate(10, 10);
+        let closed = rate(0, 0);
+        let slot = full(open, 0);
+        assert!(matches!(slot.try_take(0, 8, true), Take::Taken { .. }));
+        let (state, released) = convert(&open, slot.seal().unwrap(), &closed, 0, 0);
+        // As on any shrink, the clamp counts held units as returnable (level 2 + held
+        // 8); what the reservation then uses becomes debt.
+        assert_eq!(released, 10);
+        assert_eq!(state.held, 8);
+        let slot = Slot::new(key(), closed, state, 0);
+        assert_eq!(level(&slot, 0), -8);
+        // 3 of the 8 used: refund 5, release 8.
+        assert!(slot.settle(0, 5, 8));
+        assert_eq!(slot.load().held, 0);
+        assert_eq!(level(&slot, 0), -3);
+    }
+
+    #[test]
+    fn a_closed_bucket_rests_once_idle_since_it_was_made_and_holding_nothing() {
+        let closed = rate(0, 0);
+        let slot = Slot::new(key(), closed, State { tat: 0, held: 1 }, 1_000);
+        assert!(
+            !slot.seal_if_at_rest(5_000, 1_000, true),
+            "holds a reservation"
+        );
+        assert!(slot.settle(5_000, 1, 1));
+        assert!(
+            !slot.seal_if_at_rest(1_500, 1_000, false),
+            "made 500 ns ago"
+        );
+        assert!(slot.settle(5_000, 1, 0));
+        assert_eq!(level(&slot, 5_000), 0);
+        assert!(slot.seal_if_at_rest(2_000, 1_000, false));
+        let owing = Slot::new(key(), closed, State { tat: 4, held: 0 }, 1_000);
+        assert!(!owing.seal_if_at_rest(9_000, 1_000, false), "debt pins it");
+        assert!(owing.seal_if_at_rest(9_000, 1_000, true), "unless forgiven");
+        // Its generation is no open bucket's.
+        let made = Slot::new(key(), closed, State { tat: 0, held: 0 }, 3);
+        assert!(made.generation() >= CLOSED_MARK);
+        assert!(!made.marks_in_flight());
     }
 
     #[test]

@@ -459,7 +459,9 @@ impl SlotCounters {
     /// Cost of matching requests not admitted: rejected by this slot, or by another rule
     /// the request also matched (demand all the same).
     pub fn rejected(&self) -> u64 {
-        self.0.rejected.load(Ordering::Relaxed) + self.0.blocked.load(Ordering::Relaxed)
+        // Counters wrap (as `fetch_add` does); their growth is read modulo 2^64.
+        (self.0.rejected.load(Ordering::Relaxed))
+            .wrapping_add(self.0.blocked.load(Ordering::Relaxed))
     }
 
     /// Of [`SlotCounters::rejected`], the cost another rule rejected.
@@ -516,11 +518,17 @@ impl KeyTotals {
     pub fn observe(&mut self, c: SlotCounters) {
         let (a, r) = (c.admitted(), c.rejected());
         if self.slot.same_slot(&c) {
-            self.admitted += a.saturating_sub(self.slot_admitted);
-            self.rejected += r.saturating_sub(self.slot_rejected);
+            self.admitted = self
+                .admitted
+                .saturating_add(a.wrapping_sub(self.slot_admitted));
+            self.rejected = self
+                .rejected
+                .saturating_add(r.wrapping_sub(self.slot_rejected));
         } else {
-            self.admitted += self.slot.admitted().saturating_sub(self.slot_admitted) + a;
-            self.rejected += self.slot.rejected().saturating_sub(self.slot_rejected) + r;
+            let old_a = self.slot.admitted().wrapping_sub(self.slot_admitted);
+            let old_r = self.slot.rejected().wrapping_sub(self.slot_rejected);
+            self.admitted = self.admitted.saturating_add(old_a).saturating_add(a);
+            self.rejected = self.rejected.saturating_add(old_r).saturating_add(r);
             self.slot = c;
         }
         self.slot_admitted = a;
@@ -543,6 +551,13 @@ impl KeyTotals {
     pub fn rejected(&self) -> u64 {
         self.rejected
     }
+}
+
+/// Adds a slot's counts to per-rule totals (admitted, rejected, blocked), saturating.
+fn retire_counts(totals: &mut (u64, u64, u64), s: &Slot) {
+    totals.0 = totals.0.saturating_add(s.admitted.load(Ordering::Relaxed));
+    totals.1 = totals.1.saturating_add(s.rejected.load(Ordering::Relaxed));
+    totals.2 = totals.2.saturating_add(s.blocked.load(Ordering::Relaxed));
 }
 
 /// Per-rule totals, for summaries and metrics. Approximate under concurrent slice
@@ -699,6 +714,15 @@ struct CompiledRule {
 }
 
 impl CompiledRule {
+    /// What one request of `cost` counts as demand: at most the whole limit's capacity
+    /// (a cost no slice could ever admit is not demand a fleet could serve, and one
+    /// absurd request must not pull the rule's slices toward this agent or wrap its
+    /// counters).
+    #[inline]
+    fn demand(&self, cost: u64) -> u64 {
+        cost.min(self.whole_capacity.max(1))
+    }
+
     /// If the rule matches, writes the `*` values into `out` and returns how many.
     #[inline]
     fn matches<'a>(
@@ -1666,7 +1690,7 @@ impl Engine {
                         retry_after_ns,
                         after,
                     } => {
-                        self.count(&slot.rejected, key_id, cost);
+                        self.count(&slot.rejected, key_id, rule.demand(cost));
                         out.limits_mut().push(status(
                             rule,
                             cost,
@@ -1865,7 +1889,7 @@ impl Engine {
                 continue;
             }
             if let Ok((slot, id)) = self.slot_for(table, now, ri, &values[..nv], true, &mut memo) {
-                self.count(&slot.blocked, id, c);
+                self.count(&slot.blocked, id, rule.demand(c));
             }
         }
     }
@@ -1900,7 +1924,7 @@ impl Engine {
             let amount = match &slot.params {
                 Params::Slots(_) => refund.min(1),
                 Params::Rate(p) => p.refund_ns(refund),
-                Params::Closed(_) => 0,
+                Params::Closed(_) => refund,
             };
             if slot.settle(now, amount, held) {
                 return;
@@ -2051,7 +2075,7 @@ impl Engine {
             display: display_key(&c.rule, values).into(),
             values: values.iter().map(|v| Box::<str>::from(*v)).collect(),
         });
-        let slot = Arc::new(Slot::new(key, params, state));
+        let slot = Arc::new(Slot::new(key, params, state, now));
         slow.pending.insert(slot_id, Arc::clone(&slot));
         self.changed.mark(slot_id);
         slow.keys += 1;
@@ -2123,9 +2147,7 @@ impl Engine {
         let mut evicted = 0;
         let retire = |slow_retired: &mut Vec<(u64, u64, u64)>, s: &Slot| {
             let r = &mut slow_retired[s.key.rule as usize];
-            r.0 += s.admitted.load(Ordering::Relaxed);
-            r.1 += s.rejected.load(Ordering::Relaxed);
-            r.2 += s.blocked.load(Ordering::Relaxed);
+            retire_counts(r, s);
         };
         let candidates: Vec<Arc<Slot>> = live_slots(slow, &table)
             .map(|(_, s)| Arc::clone(s))
@@ -2142,7 +2164,8 @@ impl Engine {
             // after the lease plus its margin), an idle key goes with its slice, or an
             // agent whose keys churn would fill its tables with keys granted long ago
             // and refuse every new one; if it comes back it is a new key (closed until
-            // granted, reported at once).
+            // granted, reported at once). A closed one goes with any debt it carried:
+            // else one that closed in debt and never came back would stay for good.
             let ended = slow
                 .slices
                 .get(&*s.key as &dyn KeyView)
@@ -2150,7 +2173,7 @@ impl Engine {
             if self.cfg.slice_source == SliceSource::Allocated && ended == Some(false) {
                 continue;
             }
-            if s.seal_if_at_rest(now, idle_ns) {
+            if s.seal_if_at_rest(now, idle_ns, ended == Some(true)) {
                 if ended == Some(true) {
                     slow.slices.remove(&*s.key as &dyn KeyView);
                 }
@@ -2370,7 +2393,10 @@ impl Engine {
                 Some(s) if s.generation() == l.generation => {
                     let exact_ns = match &s.params {
                         Params::Rate(p) => l.debited.saturating_sub(p.debit_ns(used)),
-                        Params::Closed(_) | Params::Slots(_) => 0,
+                        // Unreachable (a closed bucket debits nothing, so no lease
+                        // names its generation); in units, as `settle_current`.
+                        Params::Closed(_) => l.reserved - used,
+                        Params::Slots(_) => 0,
                     };
                     s.settle(now, exact_ns, l.held())
                 }
@@ -2519,15 +2545,16 @@ impl Engine {
                         retry_after_ns,
                         after,
                     } => {
-                        self.count(&slot.rejected, id, cost.max(1));
+                        self.count(&slot.rejected, id, rule.demand(cost.max(1)));
                         limits.push(status(rule, cost, !rule.enforce, &slot.params, after, now));
                         if rule.enforce {
                             undo(&taken);
                             for (slot, _, id) in taken.iter().flatten() {
                                 self.count(&slot.blocked, *id, hits);
                             }
-                            for (_, slot, id) in charges.iter().flatten() {
-                                self.count(&slot.blocked, *id, hits);
+                            for (ri, slot, id) in charges.iter().flatten() {
+                                let demand = table.compiled[*ri as usize].demand(hits);
+                                self.count(&slot.blocked, *id, demand);
                             }
                             self.block_later(
                                 table,
@@ -2851,10 +2878,7 @@ impl Engine {
         let (slot_id, key, state, released, replaced) = match existing {
             Some((slot_id, old)) => match old.seal() {
                 Some(final_state) => {
-                    let r = &mut slow.retired[rule as usize];
-                    r.0 += old.admitted.load(Ordering::Relaxed);
-                    r.1 += old.rejected.load(Ordering::Relaxed);
-                    r.2 += old.blocked.load(Ordering::Relaxed);
+                    retire_counts(&mut slow.retired[rule as usize], &old);
                     let (state, released) =
                         bucket::convert(&old.params, final_state, &params, now, transfer);
                     let key = Arc::clone(&old.key);
@@ -2893,7 +2917,7 @@ impl Engine {
             Params::Slots(_) => state.tat,
             _ => 0,
         };
-        let slot = Arc::new(Slot::new(Arc::clone(&key), params, state));
+        let slot = Arc::new(Slot::new(Arc::clone(&key), params, state, now));
         slow.pending.insert(slot_id, Arc::clone(&slot));
         self.changed.mark(slot_id);
         let applied = SliceApplied {
@@ -3054,9 +3078,9 @@ impl Engine {
             .collect();
         for (_, s) in live_slots(&slow, &table) {
             let r = &mut out[s.key.rule as usize];
-            r.admitted += s.admitted.load(Ordering::Relaxed);
-            r.rejected += s.rejected.load(Ordering::Relaxed);
-            r.blocked += s.blocked.load(Ordering::Relaxed);
+            let mut counts = (r.admitted, r.rejected, r.blocked);
+            retire_counts(&mut counts, s);
+            (r.admitted, r.rejected, r.blocked) = counts;
             r.keys += 1;
         }
         out
@@ -3474,7 +3498,7 @@ impl Engine {
                 Some(true)
             }
             Take::Busy { .. } => {
-                self.count(&slot.rejected, id, cost);
+                self.count(&slot.rejected, id, rule.demand(cost));
                 Some(!rule.enforce)
             }
             Take::Sealed => None,
@@ -3973,6 +3997,7 @@ mod key_table_tests {
             Arc::new(LimitKey::for_tests("k")),
             p,
             Slot::full_state(&p, 0),
+            0,
         ))
     }
 

@@ -193,6 +193,13 @@ impl ExactBucket {
         self.worst = self.worst.max(-self.level - self.slack);
     }
 
+    /// Charges `cost` units already spent (usage beyond a reservation, known only at
+    /// completion): the level may go below zero without counting as a deficit, and a
+    /// later admission that finds it unpaid does.
+    pub fn charge_spent(&mut self, cost: u64) {
+        self.level -= cost as i128 * self.period_ns;
+    }
+
     /// A new slice: shrinking clamps the level, growing does not raise it (invariant 2).
     pub fn reslice(&mut self, rate: u64, burst: u64) {
         self.rate = rate as i128;

@@ -1393,6 +1393,95 @@ fn a_shrink_clamps_the_level_and_reports_what_it_gave_up() {
     assert_eq!(e.level(0, "rpm", &["a"]), Some(10));
 }
 
+const ALLOCATED_OUTPUT: &str = r#"
+[engine]
+slice_source = "allocated"
+[[rule]]
+name = "otpm"
+match = { org = "*" }
+dimension = "output_tokens"
+rate = 100
+per = "second"
+posture = "strict"
+"#;
+
+fn otpm_slice(rate: u64, burst: u64, seq: u64) -> SliceUpdate {
+    SliceUpdate {
+        rule: "otpm".into(),
+        transfer_tokens: burst,
+        ..slice(rate, burst, 1, seq)
+    }
+}
+
+#[test]
+fn debt_survives_a_slice_closing_and_reopening() {
+    // Growth never raises the level (invariant 2), and a closed slice is the smallest
+    // there is: a bucket that closes in debt reopens in the same debt. The engine once
+    // closed it at zero and reopened it 30 tokens richer.
+    let e = engine(ALLOCATED_OUTPUT);
+    e.apply_slices(0, &[otpm_slice(10, 10, 1)]);
+    assert!(
+        e.admit(0, &req("a", &[("org", "a")], tokens(0, Some(10))))
+            .unwrap()
+            .is_admitted()
+    );
+    let used = Usage {
+        output_tokens: 40,
+        ..Usage::default()
+    };
+    e.complete(0, "a", used, CompletionStatus::Ok).unwrap();
+    assert_eq!(e.level(0, "otpm", &["a"]), Some(-30));
+    let closed = e.apply_slices(0, &[otpm_slice(0, 0, 2)]);
+    assert_eq!(closed[0].as_ref().unwrap().released_tokens, 0);
+    assert_eq!(e.level(0, "otpm", &["a"]), Some(-30), "closed, still owing");
+    let mut reopen = otpm_slice(10, 10, 3);
+    reopen.transfer_tokens = 0;
+    e.apply_slices(0, &[reopen]);
+    assert_eq!(
+        e.level(0, "otpm", &["a"]),
+        Some(-30),
+        "reopened, still owing"
+    );
+    // It repays at the slice's rate: 3 s for 30 tokens.
+    assert_eq!(e.level(3 * SEC, "otpm", &["a"]), Some(0));
+    assert!(
+        !e.admit(SEC, &req("b", &[("org", "a")], tokens(0, Some(1))))
+            .unwrap()
+            .is_admitted()
+    );
+}
+
+#[test]
+fn a_lease_settled_on_a_closed_slice_leaves_its_actual_use_as_debt() {
+    // Reserve 10 on an open slice, close it, then complete with 4 used and with 25
+    // used: the closed slice owes what was used, the refund and the release cancel.
+    for (out, owed) in [(4, 4), (25, 25)] {
+        let e = engine(ALLOCATED_OUTPUT);
+        e.apply_slices(0, &[otpm_slice(10, 10, 1)]);
+        let d = e
+            .admit(0, &req("a", &[("org", "a")], tokens(0, Some(10))))
+            .unwrap();
+        assert!(d.is_admitted());
+        e.apply_slices(0, &[otpm_slice(0, 0, 2)]);
+        assert_eq!(
+            e.level(0, "otpm", &["a"]),
+            Some(-10),
+            "the reservation is held"
+        );
+        let used = Usage {
+            output_tokens: out,
+            ..Usage::default()
+        };
+        e.complete(0, "a", used, CompletionStatus::Ok).unwrap();
+        assert_eq!(e.level(0, "otpm", &["a"]), Some(-owed), "used {out}");
+        let mut reopen = otpm_slice(10, 10, 3);
+        reopen.transfer_tokens = 10;
+        e.apply_slices(0, &[reopen]);
+        assert_eq!(e.level(0, "otpm", &["a"]), Some(10 - owed), "used {out}");
+        e.check_invariants(0).unwrap();
+    }
+}
+
 #[test]
 fn stale_terms_and_sequences_are_ignored() {
     let e = engine(ALLOCATED);
@@ -1804,6 +1893,80 @@ fn a_request_rejected_by_one_rule_still_counts_as_demand_on_the_others() {
     assert_eq!(itps_rej, 20 + 50);
     let stats = e.stats();
     assert_eq!(stats.iter().find(|s| s.rule == "rpm").unwrap().blocked, 1);
+}
+
+#[test]
+fn one_request_counts_as_demand_at_most_a_whole_limit() {
+    // An absurd cost (rejected by an earlier rule, or by a shadow rule that never
+    // refuses) once added itself whole to the demand counters: a report then pulled
+    // the fleet's slices toward one request no slice could ever admit, and a few
+    // million of them overflowed the counters (a panic in a debug build).
+    let e = engine(
+        r#"
+        [[rule]]
+        name = "rpm"
+        match = { org = "*" }
+        dimension = "requests"
+        rate = 1
+        per = "second"
+        [[rule]]
+        name = "itps"
+        match = { org = "*" }
+        dimension = "input_tokens"
+        rate = 100
+        per = "second"
+        [[rule]]
+        name = "shadow-itps"
+        match = { org = "*" }
+        dimension = "input_tokens"
+        rate = 50
+        per = "second"
+        mode = "shadow"
+        "#,
+    );
+    let x = &[("org", "x")];
+    assert!(
+        e.admit(0, &req("a", x, tokens(1, Some(0))))
+            .unwrap()
+            .is_admitted()
+    );
+    let huge = 1u64 << 40;
+    for i in 0..64 {
+        let d = e
+            .admit(0, &req(&format!("b{i}"), x, tokens(huge, Some(0))))
+            .unwrap();
+        assert!(!d.is_admitted(), "rpm is spent");
+    }
+    let mut demand = Vec::new();
+    e.key_demand(&mut demand);
+    let get = |rule: &str| demand.iter().find(|d| &*d.rule == rule).unwrap();
+    assert_eq!(get("itps").counters.blocked(), 64 * 100);
+    assert_eq!(get("shadow-itps").counters.blocked(), 64 * 50);
+    // A shadow rule's own rejection, with every enforced limit admitting: at most its
+    // capacity too.
+    let s = engine(
+        r#"
+        [[rule]]
+        name = "shadow-itps"
+        match = { org = "*" }
+        dimension = "input_tokens"
+        rate = 50
+        per = "second"
+        mode = "shadow"
+        "#,
+    );
+    for i in 0..64 {
+        let d = s
+            .admit(0, &req(&format!("c{i}"), x, tokens(huge, Some(0))))
+            .unwrap();
+        assert!(d.is_admitted(), "shadow rules never refuse");
+    }
+    demand.clear();
+    s.key_demand(&mut demand);
+    assert_eq!(demand[0].counters.rejected(), 64 * 50);
+    let stats = s.stats();
+    assert_eq!(stats[0].rejected, 64 * 50);
+    s.check_invariants(0).unwrap();
 }
 
 #[test]

@@ -85,12 +85,17 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         5 => (0..2usize, 0..600u64, 50..2_000u64)
             .prop_map(|(org, input, ttl_ms)| Op::Admit { org, input, ttl_ms }),
-        3 => (any::<usize>(), 0..=100u64).prop_map(|(pick, used_pct)| Op::Complete { pick, used_pct }),
+        // Up to three times the reservation: usage beyond it is charged as debt, which
+        // must survive slices closing and reopening.
+        3 => (any::<usize>(), 0..=300u64).prop_map(|(pick, used_pct)| Op::Complete { pick, used_pct }),
         1 => any::<usize>().prop_map(|pick| Op::Duplicate { pick }),
         3 => (0..400u64).prop_map(|ms| Op::Advance { ms }),
         1 => Just(Op::Maintain),
         1 => (0..2usize, 0..2_000u64, 0..800u64)
             .prop_map(|(org, rate, burst)| Op::Slice { org, rate, burst }),
+        // A closed slice (what a grant of nothing installs), then usually a reopening.
+        1 => (0..2usize, any::<bool>())
+            .prop_map(|(org, by_rate)| Op::Slice { org, rate: if by_rate { 0 } else { 500 }, burst: if by_rate { 300 } else { 0 } }),
         1 => (1..20u64, 1..8u64).prop_map(|(rate, burst)| Op::Reload { rate, burst }),
     ]
 }
@@ -107,6 +112,12 @@ enum Event {
         org: usize,
         rate: u64,
         burst: u64,
+    },
+    /// A completion's usage beyond its reservation, charged when it arrives.
+    Excess {
+        t: u64,
+        org: usize,
+        units: u64,
     },
     /// The `rps` limit reloaded: for each org, whether the engine held its key then.
     Reload {
@@ -236,6 +247,13 @@ impl Run {
                         entry.2 = Some(used);
                     }
                     Completion::Duplicate => prop_assert!(entry.2.is_some() || !was_live),
+                }
+                if r != Completion::Duplicate && used > entry.1 {
+                    self.log.push(Event::Excess {
+                        t: self.now,
+                        org: entry.0,
+                        units: used - entry.1,
+                    });
                 }
                 if was_live || r == Completion::Late {
                     self.finished.push(id);
@@ -376,8 +394,9 @@ proptest! {
             }
         }
 
-        // Conformance: replay admissions at their times, charging the actual cost
-        // (the reservation when it never completed), through exact buckets.
+        // Conformance: replay admissions at their times, charging the actual cost up to
+        // the reservation (the reservation when it never completed), and usage beyond
+        // it when its completion came, through exact buckets.
         let mut v = [
             ExactBucket::new(1000, 500, PERIOD_NS, 0),
             ExactBucket::new(1000, 500, PERIOD_NS, 0),
@@ -392,13 +411,17 @@ proptest! {
                 Event::Admitted { t, org, id } => {
                     let (_, reserved, actual) = run.reqs[&id];
                     v[org].advance(t);
-                    v[org].charge(actual.unwrap_or(reserved));
+                    v[org].charge(actual.unwrap_or(reserved).min(reserved));
                     rps[org].advance(t);
                     rps[org].charge(1);
                 }
                 Event::Slice { t, org, rate, burst } => {
                     v[org].advance(t);
                     v[org].reslice(rate, burst);
+                }
+                Event::Excess { t, org, units } => {
+                    v[org].advance(t);
+                    v[org].charge_spent(units);
                 }
                 Event::Reload { t, rate, burst, held } => {
                     for (org, b) in rps.iter_mut().enumerate() {
