@@ -1753,14 +1753,15 @@ impl Engine {
         // leave the table; so may one the table snapshot did not show (found or made on
         // the slow path: a completion's snapshot may not show it either, and an eviction
         // then drops it from pending before the record is written). Those leases keep
-        // the key's name (see `LeaseTable::insert`).
-        // So may a key this lease reserved nothing on (it holds nothing there, so the
-        // key may be evicted at rest before the completion charges what was used).
+        // the key's name (see `LeaseTable::insert`). A key this lease reserved nothing
+        // on may be evicted at rest before its completion charges what was used: while
+        // the lease is live the eviction names it (`keep_names`); after, the
+        // completion's snapshot still shows it (`charge_units`). Naming it here cost an
+        // allocation per admission (an embeddings request under an output rule).
         let sealed = |j: usize| {
-            let nothing_held = held[j].as_ref().is_some_and(|l| l.reserved == 0);
             slots[j]
                 .as_ref()
-                .filter(|s| matches!(s, SlotRef::Owned(_)) || s.is_sealed() || nothing_held)
+                .filter(|s| matches!(s, SlotRef::Owned(_)) || s.is_sealed())
                 .map(|s| &s.key)
         };
         match self
@@ -1950,8 +1951,11 @@ impl Engine {
                 Some(s) => s,
                 // Evicted at rest since (a lease that holds nothing, or one that
                 // expired, does not keep its key): recreated as it was, full, and
-                // charged. Lost only if its name is gone too or the key table is full.
-                None => match self.recreate(now, l, name) {
+                // charged, named by the lease, else by the completion's table
+                // snapshot (a key evicted after its lease left the lease table, too
+                // late to name it, was still in a snapshot taken before). Lost only if
+                // neither shows it or the key table is full.
+                None => match self.recreate(now, l, name.or(found.map(|s| &s.key))) {
                     Some(s) => s,
                     None => return,
                 },
