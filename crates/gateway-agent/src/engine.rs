@@ -553,6 +553,13 @@ impl KeyTotals {
     }
 }
 
+/// How often the slow path may do work that grows with the key table (a publish
+/// copies its chunk array, an eviction walk reads every key): 1 ms plus 1 us per key,
+/// i.e. a few percent of a core at most.
+fn walk_interval_ns(keys: usize) -> u64 {
+    1_000_000 + keys as u64 * 1_000
+}
+
 /// Adds a slot's counts to per-rule totals (admitted, rejected, blocked), saturating.
 fn retire_counts(totals: &mut (u64, u64, u64), s: &Slot) {
     totals.0 = totals.0.saturating_add(s.admitted.load(Ordering::Relaxed));
@@ -1148,6 +1155,10 @@ struct Slow {
     retired: Vec<(u64, u64, u64)>,
     /// Engine time of the last publish.
     published_at_ns: u64,
+    /// Engine time of the last walk of a full key table that found nothing to evict
+    /// for a new key: until [`Slow::walk_interval_ns`] has passed, new keys are refused
+    /// at once instead of each walking every key again under the slow-path lock.
+    full_walk_at_ns: Option<u64>,
     /// Keys created lately, numbered (the sync client's new-key poll reads only these:
     /// [`Engine::new_key_demand`]); at most [`CREATED_MAX`], oldest dropped. The key,
     /// not the slot: an evicted slot is not kept alive by it.
@@ -1386,6 +1397,7 @@ impl Engine {
                 keys: 0,
                 retired,
                 published_at_ns: 0,
+                full_walk_at_ns: None,
                 created: VecDeque::new(),
                 created_seq: 0,
                 gone: VecDeque::new(),
@@ -2028,9 +2040,8 @@ impl Engine {
         if let Some((_, s)) = find_live(&slow, &table, id, check) {
             // A key still waiting in `pending` is used again: publish soon, so it
             // leaves the slow path. The interval grows with the table (a publish copies
-            // its chunk array, and all of it when it rebuilds): 1 ms plus 1 us per key,
-            // i.e. a few percent of a core at most.
-            let interval = 1_000_000 + table.len() as u64 * 1_000;
+            // its chunk array, and all of it when it rebuilds).
+            let interval = walk_interval_ns(table.len());
             if now.saturating_sub(slow.published_at_ns) >= interval {
                 drop(table);
                 self.publish_locked(&mut slow, now);
@@ -2038,8 +2049,24 @@ impl Engine {
             return Ok(s);
         }
         if slow.keys >= self.cfg.max_keys {
+            // A table full of keys in use: one walk per interval looks for keys at rest
+            // (a clock that went back walks at once); a new key meanwhile is refused
+            // without one, or a stream of new keys would make each pay for them all.
+            let interval = walk_interval_ns(table.len());
             drop(table);
-            let evicted = self.evict_locked(&mut slow, now, 0, self.cfg.max_keys / 16 + 1);
+            let recent = slow
+                .full_walk_at_ns
+                .is_some_and(|t| now.wrapping_sub(t) < interval);
+            let evicted = if recent {
+                0
+            } else {
+                self.evict_locked(&mut slow, now, 0, self.cfg.max_keys / 16 + 1)
+            };
+            slow.full_walk_at_ns = match (evicted, recent) {
+                (0, false) => Some(now),
+                (0, true) => slow.full_walk_at_ns,
+                _ => None,
+            };
             if evicted == 0 {
                 return Err(AdmitError::KeyTableFull {
                     max: self.cfg.max_keys,
@@ -2622,12 +2649,16 @@ impl Engine {
 
     /// Charges a cost that was already spent (Envoy's post-hoc `hits_addend`), past zero
     /// if need be: the buckets go into debt and later requests wait. Holds no lease.
+    /// Returns how many limits were charged. A limit whose key cannot be made (the key
+    /// table full) does not stop the others: a cost already spent is charged wherever
+    /// it can be, and then the first such error is returned.
     pub fn charge(&self, now: u64, req: &AdmitRequest<'_>) -> Result<usize, AdmitError> {
         validate_request(req)?;
         let table = self.table.load();
         let mut values: [&str; MAX_DESCRIPTORS] = [""; MAX_DESCRIPTORS];
         let mut memo = KeyMemo::default();
         let mut charged = 0;
+        let mut failed = None;
         for &ri in self.candidates(req.domain) {
             let rule = &table.compiled[ri as usize];
             let Some(nv) = rule.matches(req.descriptors, &mut values) else {
@@ -2639,7 +2670,14 @@ impl Engine {
             let values = &values[..nv];
             let cost = rule.cost(&req.cost);
             for attempt in 0..8 {
-                let (slot, id) = self.slot_for(&table, now, ri, values, attempt == 0, &mut memo)?;
+                let (slot, id) =
+                    match self.slot_for(&table, now, ri, values, attempt == 0, &mut memo) {
+                        Ok(s) => s,
+                        Err(e) => {
+                            failed.get_or_insert(e);
+                            break;
+                        }
+                    };
                 if slot.charge(now, cost) {
                     self.count(&slot.admitted, id, cost);
                     charged += 1;
@@ -2647,7 +2685,10 @@ impl Engine {
                 }
             }
         }
-        Ok(charged)
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(charged),
+        }
     }
 
     /// Applies allocator grants. Each update is fenced by (epoch, seq); a changed slice

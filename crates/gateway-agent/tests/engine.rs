@@ -807,6 +807,43 @@ fn post_hoc_charges_go_past_zero() {
 }
 
 #[test]
+fn a_post_hoc_charge_lands_on_every_key_it_can_when_the_table_is_full() {
+    // The org's key exists; the user's cannot be made (one key at most). The org is
+    // still charged, whatever the rule order, and the error says why the user was not.
+    for (first, second) in [("org", "user"), ("user", "org")] {
+        let e = engine(&format!(
+            r#"
+            [engine]
+            max_keys = 1
+            [[rule]]
+            name = "{first}-rpm"
+            match = {{ {first} = "*" }}
+            dimension = "requests"
+            rate = 10
+            per = "second"
+            [[rule]]
+            name = "{second}-rpm"
+            match = {{ {second} = "*" }}
+            dimension = "requests"
+            rate = 10
+            per = "second"
+            "#
+        ));
+        e.charge(0, &req("seed", &[("org", "a")], Cost::ONE_REQUEST))
+            .unwrap();
+        assert_eq!(e.level(0, "org-rpm", &["a"]), Some(9));
+        let both = [("org", "a"), ("user", "u")];
+        assert_eq!(
+            e.charge(0, &req("c", &both, Cost::ONE_REQUEST)),
+            Err(AdmitError::KeyTableFull { max: 1 }),
+            "{first} first"
+        );
+        assert_eq!(e.level(0, "org-rpm", &["a"]), Some(8), "{first} first");
+        e.check_invariants(0).unwrap();
+    }
+}
+
+#[test]
 fn bad_requests_get_clear_errors_and_change_nothing() {
     let e = engine(LLM);
     let cases: Vec<(AdmitRequest<'_>, AdmitError)> = vec![
@@ -996,6 +1033,56 @@ fn idle_keys_are_evicted_and_the_key_table_is_bounded() {
             .is_admitted()
     );
     e.check_invariants(2 * SEC).unwrap();
+}
+
+/// A full table of keys in use once made every new key walk all of them under the
+/// slow-path lock (cloning each): a stream of new keys paid O(max_keys) a request. A
+/// fruitless walk now holds for an interval (1 ms plus 1 us a key), new keys refused
+/// at once meanwhile.
+#[test]
+fn a_full_key_table_is_walked_for_room_at_most_once_an_interval() {
+    let e = engine(
+        r#"
+        [engine]
+        max_keys = 4
+        [[rule]]
+        name = "rps"
+        match = { user = "*" }
+        dimension = "requests"
+        rate = 1000000
+        per = "second"
+        burst = 1
+        "#,
+    );
+    for i in 0..4 {
+        admit_and_complete(&e, 0, &format!("r{i}"), &[("user", &format!("u{i}"))]);
+    }
+    let new_key = |now: u64, i: usize| {
+        e.admit(
+            now,
+            &req(
+                &format!("n{i}"),
+                &[("user", &format!("n{i}"))],
+                Cost::ONE_REQUEST,
+            ),
+        )
+    };
+    // Every bucket is empty at 0: nothing at rest, the walk finds no room.
+    assert_eq!(
+        new_key(0, 0).unwrap_err(),
+        AdmitError::KeyTableFull { max: 4 }
+    );
+    // At 2 us every bucket has refilled (1 us a request) and is at rest, but the walk
+    // is not due again before 1 ms + 4 us: refused without one.
+    assert_eq!(
+        new_key(2_000, 1).unwrap_err(),
+        AdmitError::KeyTableFull { max: 4 }
+    );
+    assert_eq!(e.key_count(), 4);
+    // Once due, the walk evicts the keys at rest and the new key gets its room.
+    assert!(new_key(MS + 4_000, 2).unwrap().is_admitted());
+    assert!(e.key_count() <= 4);
+    e.check_invariants(MS + 4_000).unwrap();
 }
 
 /// A retried request id is answered from its lease with each limit as its key shows it
