@@ -31,9 +31,10 @@
 //! than `split_above` (default 1,024) on both, is not sent whole: the responder answers with its [`SUB_BUCKETS`] sub-digests (events split by
 //! the top byte of their element hash), the initiator sends its events in the
 //! sub-buckets that differ and asks for the responder's ([`split_request`],
-//! [`serve_subs`]). Known limit: one level of splitting, so a bucket stays
-//! reconcilable while each differing sub-bucket fits in `events_max` (256 times
-//! `events_max` events per bucket); deeper splitting is not built.
+//! [`serve_subs`]). A differing sub-bucket too large for one message travels as a
+//! window of its events in hash space ([`ReconcileLimits::window_seed`] picks which):
+//! the windows move from round to round, so it converges over rounds instead of
+//! sending its first events every time.
 //!
 use std::cmp::Ordering;
 
@@ -64,6 +65,13 @@ pub struct ReconcileLimits {
     /// and a frame over the bound failed the same way every round. A differing bucket
     /// whose events would not fit is compared by sub-digests.
     pub bytes_max: usize,
+    /// Which window of a sub-bucket too large for one message is sent: the sub-bucket's
+    /// hash space is cut into windows that fit the room (with a tenth to spare), and
+    /// this picks one (modulo their number). The cluster draws a new one for every
+    /// round, so that successive rounds send different windows; with one seed the same
+    /// window went every round and the rest of such a sub-bucket never converged.
+    /// Default 0.
+    pub window_seed: u64,
 }
 
 impl Default for ReconcileLimits {
@@ -73,6 +81,7 @@ impl Default for ReconcileLimits {
             events_max: 50_000,
             split_above: 1_024,
             bytes_max: 12 << 20,
+            window_seed: 0,
         }
     }
 }
@@ -161,6 +170,35 @@ fn sub_of(element_hash: u128) -> usize {
     (element_hash >> 120) as usize
 }
 
+/// An event's place within its sub-bucket: the 32 bits of its element hash after the
+/// sub-bucket's byte (as uniform as the hash).
+fn place_in_sub(element_hash: u128) -> u32 {
+    (element_hash >> 88) as u32
+}
+
+/// The window of a sub-bucket of `n` events and `bytes` bytes sent in a message with
+/// `room`: (start, width) in [`place_in_sub`]'s space, wide enough to be expected to
+/// fill nine tenths of the room, starting where `seed` (mixed) says. The events in it
+/// go nearest the start first, so however they cluster each one is sent by the windows
+/// that start just below it.
+fn window(n: usize, bytes: usize, room: Room, seed: u64) -> (u32, u64) {
+    const SPACE: u128 = 1 << 32;
+    let by_count = SPACE * room.events as u128 / n.max(1) as u128;
+    let by_bytes = SPACE * room.bytes as u128 / bytes.max(1) as u128;
+    let width = (by_count.min(by_bytes) * 9 / 10).clamp(1, SPACE) as u64;
+    // The golden-ratio (Weyl) sequence: successive seeds start far apart and, however
+    // many rounds there are, leave no wide stretch unvisited (a pseudo-random start
+    // left 8 % of the space untouched by 100 rounds).
+    ((seed as u32).wrapping_mul(0x9e37_79b9), width)
+}
+
+/// How far into the window (`start`, `width`) `place` lies, wrapping round the space,
+/// if it lies in it.
+fn in_window(place: u32, (start, width): (u32, u64)) -> Option<u32> {
+    let d = place.wrapping_sub(start);
+    (u64::from(d) < width).then_some(d)
+}
+
 /// The [`SUB_BUCKETS`] sub-digests of `bucket` (reads the whole bucket).
 pub fn sub_digests(store: &dyn Store, bucket: &Bucket) -> Result<Vec<Digest>, StoreError> {
     let mut subs = vec![Digest::default(); SUB_BUCKETS];
@@ -178,12 +216,14 @@ fn events_in_subs(
     bucket: &Bucket,
     subs: &[u8],
     room: &mut Room,
+    seed: u64,
 ) -> Result<(Vec<Event>, bool), StoreError> {
     // Whole sub-buckets only, in sub order: a cut through the middle of sub-buckets
     // would leave every one of them still differing, and the next round would send
     // the same prefix again (a livelock the 1,000,000-event convergence benchmark
-    // found). A single sub-bucket larger than the room is sent cut (the known limit of
-    // one level of splitting), when nothing else was.
+    // found). A single sub-bucket larger than the room, when nothing else was sent, goes
+    // as one window of its events in hash space, picked by `seed`: its first events in
+    // store order went every round instead, and it never converged.
     if subs.is_empty() {
         return Ok((Vec::new(), false));
     }
@@ -220,22 +260,34 @@ fn events_in_subs(
         any = true;
     }
     let mut out = Vec::new();
-    let budget = *room;
-    let (mut left_n, mut left_b) = (budget.events, budget.bytes);
+    let cut_window = cut_one.map(|sub| window(size[sub].0, size[sub].1, *room, seed));
+    // The cut sub-bucket's events in its window, by distance from the window's start
+    // (expected to fill nine tenths of the room).
+    let mut windowed: Vec<(u32, Event)> = Vec::new();
     store.visit_bucket(bucket, &mut |e| {
-        let sub = sub_of(element_hash(&e.encode()));
+        let h = element_hash(&e.encode());
+        let sub = sub_of(h);
         if take[sub] {
             out.push(e.clone());
-        } else if cut_one == Some(sub) {
-            let b = event_wire_bytes(e);
-            // At least one event, so that a bucket of huge events still moves.
-            if left_n > 0 && (b <= left_b || out.is_empty()) {
-                left_n -= 1;
-                left_b = left_b.saturating_sub(b);
-                out.push(e.clone());
-            }
+        } else if cut_one == Some(sub)
+            && let Some(d) = cut_window.and_then(|w| in_window(place_in_sub(h), w))
+        {
+            windowed.push((d, e.clone()));
         }
     })?;
+    windowed.sort_unstable_by_key(|(d, _)| *d);
+    let budget = *room;
+    let (mut left_n, mut left_b) = (budget.events, budget.bytes);
+    for (_, e) in windowed {
+        let b = event_wire_bytes(&e);
+        // At least one event, so that a bucket of huge events still moves.
+        if left_n == 0 || (b > left_b && !out.is_empty()) {
+            break;
+        }
+        left_n -= 1;
+        left_b = left_b.saturating_sub(b);
+        out.push(e);
+    }
     if cut_one.is_some() {
         room.take(budget.events - left_n, budget.bytes - left_b);
     }
@@ -266,7 +318,7 @@ pub fn split_request(
             .filter(|&i| theirs.get(i) != Some(&mine[i]))
             .map(|i| i as u8)
             .collect();
-        let (mut e, _) = events_in_subs(store, bucket, &subs, &mut room)?;
+        let (mut e, _) = events_in_subs(store, bucket, &subs, &mut room, limits.window_seed)?;
         events.append(&mut e);
         wants.push((bucket.clone(), subs));
     }
@@ -286,7 +338,7 @@ pub fn serve_subs(
         if room.is_empty() {
             break;
         }
-        let (mut e, _) = events_in_subs(store, bucket, subs, &mut room)?;
+        let (mut e, _) = events_in_subs(store, bucket, subs, &mut room, limits.window_seed)?;
         out.append(&mut e);
     }
     Ok(out)
@@ -385,7 +437,7 @@ fn events_in(
             out.truncate(start);
             if out.is_empty() {
                 let all: Vec<u8> = (0..SUB_BUCKETS).map(|i| i as u8).collect();
-                let (these, _) = events_in_subs(store, b, &all, &mut room)?;
+                let (these, _) = events_in_subs(store, b, &all, &mut room, limits.window_seed)?;
                 out = these;
             }
             return Ok((out, true));
@@ -468,7 +520,7 @@ pub fn answer(
             if events.is_empty() {
                 // A first bucket larger than the room alone: whole sub-buckets.
                 let all: Vec<u8> = (0..SUB_BUCKETS).map(|i| i as u8).collect();
-                events = events_in_subs(store, &b, &all, &mut events_room)?.0;
+                events = events_in_subs(store, &b, &all, &mut events_room, limits.window_seed)?.0;
             }
         }
         want.push(b);
@@ -559,6 +611,12 @@ pub fn reconcile_in_memory(
         if a.root()? == b.root()? {
             return Ok((round, moved));
         }
+        // A new window each round for sub-buckets too large for one message (the
+        // cluster draws its seeds at random).
+        let limits = &ReconcileLimits {
+            window_seed: limits.window_seed.wrapping_add(round as u64),
+            ..*limits
+        };
         let o = offer(a, to, limits)?;
         let ans = answer(b, &o, limits)?;
         // Serve before applying the answer, so `b` does not get its own events back.
@@ -850,6 +908,7 @@ mod tests {
             events_max: 500,
             split_above: usize::MAX,
             bytes_max: 48 << 10,
+            window_seed: 0,
         };
         let bytes = |v: &[Event]| v.iter().map(event_wire_bytes).sum::<usize>();
         let within = |v: &[Event]| bytes(v) <= limits.bytes_max || v.len() == 1;
@@ -944,6 +1003,68 @@ mod tests {
         assert_eq!(a.root().unwrap().events, 1_020);
         // Only the ~20 differing sub-buckets move (about 4 events each), not 1,000.
         assert!(moved < 200, "{moved} events moved");
+    }
+
+    /// A sub-bucket too large for one message once went cut to its first events in
+    /// store order, the same ones every round: the rest never crossed (the known limit
+    /// of one level of splitting). It now goes as a window in hash space that moves from
+    /// round to round.
+    #[test]
+    fn a_sub_bucket_larger_than_a_message_converges_window_by_window() {
+        let a = MemStore::new();
+        let b = MemStore::new();
+        // 60 events of one bucket, all in sub-bucket 0; a holds them, b none.
+        let mut one_sub: Vec<Event> = usage_stream(9, "w", "agent-a", 256 * 90, NOW)
+            .into_iter()
+            .map(|mut e| {
+                e.time_ms = NOW;
+                e.tenant = "acme".into();
+                e
+            })
+            .filter(|e| sub_of(element_hash(&e.encode())) == 0)
+            .collect();
+        one_sub.truncate(60);
+        assert_eq!(one_sub.len(), 60);
+        a.apply(&one_sub).unwrap();
+        let limits = ReconcileLimits {
+            events_max: 10,
+            split_above: usize::MAX,
+            ..ReconcileLimits::default()
+        };
+        // Each window fits the message; over successive seeds they cover the whole
+        // sub-bucket (each, at its start, holds about 9 of the 60).
+        let bucket = Bucket::of(&one_sub[0]);
+        let mut seen = std::collections::HashSet::new();
+        for seed in 0..100 {
+            let mut room = Room::of(&limits);
+            let (sent, cut) = events_in_subs(&a, &bucket, &[0], &mut room, seed).unwrap();
+            assert!(cut, "the sub-bucket is over the room");
+            assert!(sent.len() <= 10, "{} events in one message", sent.len());
+            seen.extend(sent.into_iter().map(|e| e.request_id));
+        }
+        assert_eq!(seen.len(), 60, "windows at 100 starts");
+        // A fixed seed sends the same window every round: no convergence.
+        let stuck = MemStore::new();
+        let fixed = |s: &MemStore| {
+            let o = offer(&a, u64::MAX, &limits).unwrap();
+            let ans = answer(s, &o, &limits).unwrap();
+            let (_, events) = split_request(&a, &ans.split, &limits).unwrap();
+            s.apply(&events).unwrap();
+        };
+        for _ in 0..20 {
+            fixed(&stuck);
+        }
+        assert!(stuck.root().unwrap().events < 60);
+        // The rounds' moving seeds converge.
+        let (rounds, moved) = reconcile_in_memory(&a, &b, &limits, 200).unwrap();
+        assert_eq!(
+            a.root().unwrap(),
+            b.root().unwrap(),
+            "after {rounds} rounds"
+        );
+        assert_eq!(b.root().unwrap().events, 60);
+        assert!(rounds < 100, "{rounds} rounds, {moved} events moved");
+        eprintln!("converged in {rounds} rounds, {moved} events moved");
     }
 
     #[test]

@@ -221,7 +221,7 @@ proptest! {
             .max()
             .unwrap_or(0);
         let bytes_max = bytes_max.max(4 * largest);
-        let limits = ReconcileLimits { buckets_max, events_max, split_above, bytes_max };
+        let limits = ReconcileLimits { buckets_max, events_max, split_above, bytes_max, window_seed: 0 };
         let (rounds, _) = reconcile_in_memory(&a, &b, &limits, 100).unwrap();
         prop_assert!(rounds < 100, "did not converge");
         let union = MemStore::new();

@@ -160,6 +160,18 @@ pub(crate) fn answer_msg(ans: &reconcile::Answer) -> Msg {
 /// Most events in one push batch.
 pub const PUSH_EVENTS_MAX: usize = 50_000;
 
+/// This node's reconcile bounds for one round, with the next window seed: a sub-bucket
+/// too large for one message sends a different window of its events every round, and
+/// successive seeds spread the windows evenly (random ones left stretches unvisited for
+/// many rounds).
+fn round_limits(inner: &Inner) -> reconcile::ReconcileLimits {
+    static WINDOW_SEEDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    reconcile::ReconcileLimits {
+        window_seed: WINDOW_SEEDS.fetch_add(1, Ordering::Relaxed),
+        ..inner.cfg.reconcile
+    }
+}
+
 /// Most events one message may carry: what a receiver accepts, and what every sender
 /// keeps to (a message over it is refused whole, and the same round would be refused
 /// again each time).
@@ -285,7 +297,7 @@ async fn respond(inner: &Arc<Inner>, ch: &mut Channel<'_>) -> Result<(), Exchang
                 from_hour,
                 to_hour,
             };
-            let limits = inner.cfg.reconcile;
+            let limits = round_limits(inner);
             let ans = blocking(inner, move |s| reconcile::answer(s, &offer, &limits)).await?;
             inner
                 .stats
@@ -417,7 +429,7 @@ pub(crate) async fn sync_with(
         }
         _ => return Err(ExchangeError::Protocol("expected done or differ".into())),
     }
-    let limits = inner.cfg.reconcile;
+    let limits = round_limits(inner);
     let to = *inner.sync_to_hour.lock().expect("sync_to_hour");
     let offer = blocking(inner, move |s| reconcile::offer(s, to, &limits)).await?;
     ch.send(&Msg::Offer {
