@@ -639,6 +639,13 @@ impl Scenario {
             if !(0.0..=1.0).contains(&n.loss) {
                 return bad(&format!("{at}.loss"), "must be 0 to 1");
             }
+            if n.reorder && n.jitter_ms == 0.0 {
+                return bad(
+                    &format!("{at}.reorder"),
+                    "needs jitter_ms above 0: with a fixed latency every message takes the \
+                     same time and none can overtake another",
+                );
+            }
         }
         if !(finite_nonneg(self.clock_drift_ppm) && self.clock_drift_ppm <= 100_000.0) {
             return bad("clock_drift_ppm", "must be 0 to 100,000");
@@ -816,7 +823,7 @@ mod tests {
         let text = format!(
             "{}\n[network]\nlatency_ms = 3.0\nloss = 0.01\n\n\
              [[link]]\nagents = [1, 2]\nlatency_ms = 50.0\n\n\
-             [[link]]\nagents = [2]\nlatency_ms = 80.0\njitter_ms = 0.0\nreorder = true\n",
+             [[link]]\nagents = [2]\nlatency_ms = 80.0\njitter_ms = 5.0\nreorder = true\n",
             include_str!("../scenarios/steady.toml")
         );
         let s = Scenario::from_toml("x", &text).unwrap();
@@ -829,7 +836,7 @@ mod tests {
         );
         assert_eq!(
             (l[2].latency_ms, l[2].jitter_ms, l[2].loss),
-            (80.0, 0.0, 0.01)
+            (80.0, 5.0, 0.01)
         );
         assert!(l[2].reorder && !l[1].reorder);
         assert_eq!(l[3], s.network);
@@ -844,6 +851,7 @@ mod tests {
             ("agents = [0]\nlatency_ms = -1.0", "link.latency_ms"),
             ("agents = [0]\njitter_ms = nan", "link.jitter_ms"),
             ("agents = [0]\nloss = 1.5", "link.loss"),
+            ("agents = [0]\njitter_ms = 0.0\nreorder = true", "link.reorder"),
             ("agents = [0]\nlatency = 5.0", "unknown field `latency`"),
         ] {
             let text = format!("{base}\n[[link]]\n{link}\n");
