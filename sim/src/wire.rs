@@ -80,12 +80,21 @@ pub fn hello_bytes(h: &Hello) -> u64 {
         .iter()
         .map(|s| delimited(delimited(key_body(&s.key)) + delimited(held_body(&s.grant))))
         .sum();
+    // RuleShape { rule = 1; fixed64 shape = 2 }.
+    let shapes: u64 = h
+        .rule_shapes
+        .iter()
+        .map(|(rule, shape)| delimited(string(rule) + if *shape == 0 { 0 } else { 9 }))
+        .sum();
     let body = uint(2) // protocol_version = PROTOCOL_VERSION_2
         + string(&h.agent)
         + uint(h.incarnation)
         + uint(u64::from(h.weight))
         + uint(h.agent_time_ns)
-        + held;
+        + held
+        + uint(h.report_interval_ms)
+        + uint(u64::from(h.grants_by_handle))
+        + shapes;
     GRPC_PREFIX_BYTES + delimited(body)
 }
 
@@ -233,6 +242,25 @@ mod tests {
         // Report = 08 ac 02 (agent_time_ns 300: 3 bytes) 12 16 <keyreport> (24 bytes)
         //        = 27 bytes; AgentMessage = 12 1b <report> = 29 bytes; plus gRPC's 5.
         assert_eq!(report_bytes(&r), 29 + GRPC_PREFIX_BYTES);
+    }
+
+    #[test]
+    fn a_hello_is_sized_as_protobuf_would_encode_it() {
+        let h = Hello {
+            agent: "gw-0".into(),
+            incarnation: 1,
+            agent_time_ns: 300,
+            weight: 1,
+            report_interval_ms: 250,
+            held: Vec::new(),
+            grants_by_handle: true,
+            rule_shapes: vec![("rpm".into(), 7)],
+        };
+        // Hello = 08 02 (version) 12 04 "gw-0" 18 01 20 01 28 ac 02 40 fa 01 (report
+        // interval) 48 01 (grants by handle) 52 0e [0a 03 "rpm" 11 <8 bytes>] = 36
+        // bytes; AgentMessage = 0a 24 <hello> = 38; plus gRPC's 5. (Until the
+        // twenty-ninth session the last three fields went uncounted.)
+        assert_eq!(hello_bytes(&h), 38 + GRPC_PREFIX_BYTES);
     }
 
     #[test]
