@@ -851,7 +851,10 @@ mod tests {
             ("agents = [0]\nlatency_ms = -1.0", "link.latency_ms"),
             ("agents = [0]\njitter_ms = nan", "link.jitter_ms"),
             ("agents = [0]\nloss = 1.5", "link.loss"),
-            ("agents = [0]\njitter_ms = 0.0\nreorder = true", "link.reorder"),
+            (
+                "agents = [0]\njitter_ms = 0.0\nreorder = true",
+                "link.reorder",
+            ),
             ("agents = [0]\nlatency = 5.0", "unknown field `latency`"),
         ] {
             let text = format!("{base}\n[[link]]\n{link}\n");

@@ -747,6 +747,26 @@ pub struct Progress {
 const TWO_THREADS_MIN_PAIRS: usize = 100_000;
 
 /// Threads a run of `sc` uses unless told ([`Sim::set_threads`]).
+/// Per gateway, when the fault schedule has it down (`[from, to)` in engine time from
+/// `t0`): crashed until it restarts, or not yet joined.
+fn down_times(sc: &Scenario, t0: u64) -> Vec<Vec<(u64, u64)>> {
+    let s_ns = |s: f64| t0 + (s * SEC as f64) as u64;
+    let mut down = vec![Vec::new(); sc.gateways];
+    for f in &sc.faults {
+        let span = match f.kind {
+            FaultKind::AgentCrash => (s_ns(f.at_s), s_ns(f.at_s + f.for_s)),
+            FaultKind::AgentJoin => (0, s_ns(f.at_s)),
+            _ => continue,
+        };
+        for &i in &f.agents {
+            if let Some(d) = down.get_mut(i) {
+                d.push(span);
+            }
+        }
+    }
+    down
+}
+
 fn default_threads(sc: &Scenario) -> usize {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     if cores >= 2 && sc.gateways.saturating_mul(sc.keys) >= TWO_THREADS_MIN_PAIRS {
@@ -974,7 +994,13 @@ impl Sim {
             side: Some(Box::new(side)),
             shards,
             shared,
-            workload: Some(Box::new(Workload::new(rng.fork(3), zipf_cdf, t0, end))),
+            workload: Some(Box::new(Workload::new(
+                rng.fork(3),
+                zipf_cdf,
+                t0,
+                end,
+                down_times(sc, t0),
+            ))),
             globals: Queue::default(),
             threads: default_threads(sc),
             keys,
@@ -1898,6 +1924,27 @@ mod tests {
         let mut sc = Scenario::load(name).unwrap();
         sc.duration_s = 3.0;
         sc
+    }
+
+    /// Review, twenty-eighth session: a request the workload sent to a gateway that was
+    /// down (crashed, or not yet joined) vanished, so `churn`, stated as 1.2 R, offered
+    /// 0.6 R until its late gateways joined. A load balancer sends it to one that is up.
+    #[test]
+    fn a_down_gateway_s_requests_go_to_one_that_is_up() {
+        let sc = small("churn"); // 3 s, gateways 4-7 join at 3 s: half are down
+        let r = run(&sc, 1).unwrap();
+        let stated = sc.workload.load * sc.limit.rate_per_s as f64 * sc.duration_s;
+        for k in &r.worst_keys {
+            let ratio = k.offered as f64 / stated;
+            assert!(
+                (0.9..1.1).contains(&ratio),
+                "{}: offered {ratio:.2} of the stated load",
+                k.key
+            );
+        }
+        // Nothing redirected while every gateway is up: `steady` draws as before.
+        let down = down_times(&Scenario::load("steady").unwrap(), 0);
+        assert!(down.iter().all(Vec::is_empty));
     }
 
     /// Review, twenty-fifth session: the run's deepest deficit was compared with the

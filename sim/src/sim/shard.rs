@@ -123,8 +123,9 @@ impl Shard {
 
     /// A request the workload sent to gateway `i` for key `k` (input, reserved output,
     /// actual output; its cost is input plus actual output): admitted or not by the
-    /// gateway's engine, and offered to the checker. A dead gateway gets no traffic
-    /// (its clients went elsewhere).
+    /// gateway's engine, and offered to the checker. The workload sends nothing to a
+    /// gateway the fault schedule has down (its requests go to one that is up); one
+    /// found down all the same (every gateway down at once) drops the request.
     fn request(&mut self, sh: &Shared, i: u32, k: u32, (input, reserved, output): (u64, u64, u64)) {
         let w = &sh.sc.workload;
         let cost = input + output;

@@ -19,11 +19,22 @@ pub(super) struct Workload {
     /// Requests drawn, in order, for the shards: (time, event).
     pub(super) out: Vec<(u64, Ev)>,
     pub(super) events: u64,
+    /// Per gateway, the times it is down by the fault schedule (`[from, to)`: crashed,
+    /// or not yet joined): its requests go to a gateway that is up, as a load balancer
+    /// sends them.
+    down: Vec<Vec<(u64, u64)>>,
 }
 
 impl Workload {
-    pub(super) fn new(rng: Rng, zipf_cdf: Vec<f64>, t0: u64, end: u64) -> Workload {
+    pub(super) fn new(
+        rng: Rng,
+        zipf_cdf: Vec<f64>,
+        t0: u64,
+        end: u64,
+        down: Vec<Vec<(u64, u64)>>,
+    ) -> Workload {
         Workload {
+            down,
             queue: Queue::default(),
             now: 0,
             rng,
@@ -146,10 +157,38 @@ impl Workload {
         }
     }
 
+    /// Whether gateway `i` is down at `t` by the fault schedule.
+    fn is_down(&self, i: usize, t: u64) -> bool {
+        self.down
+            .get(i)
+            .is_some_and(|d| d.iter().any(|&(from, to)| (from..to).contains(&t)))
+    }
+
+    /// `i`, or if it is down now, a gateway that is up, drawn uniformly (a load
+    /// balancer's choice); `i` itself if every one is down. Draws nothing while `i` is
+    /// up, so a run without crashes or joins replays as it always did.
+    fn route(&mut self, i: usize) -> usize {
+        if !self.is_down(i, self.now) {
+            return i;
+        }
+        let up = (0..self.down.len())
+            .filter(|&j| !self.is_down(j, self.now))
+            .count();
+        if up == 0 {
+            return i;
+        }
+        let nth = self.rng.below(up as u64) as usize;
+        (0..self.down.len())
+            .filter(|&j| !self.is_down(j, self.now))
+            .nth(nth)
+            .unwrap_or(i)
+    }
+
     /// A request arrives on key `k`: picks its gateway and draws its costs, for the
     /// gateway's shard.
     fn arrival(&mut self, sh: &Shared, k: u32) {
         let i = self.pick_agent(sh, k);
+        let i = self.route(i);
         let w = &sh.sc.workload;
         // (input, reserved output, actual output); the cost is input + actual output.
         let costs = if w.llm {
