@@ -119,6 +119,12 @@ struct ServeArgs {
     /// (RESOURCE_EXHAUSTED, the agent retries with backoff).
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=65_536))]
     pending_hellos_max: u64,
+    /// Open TCP connections to the stream port at most (a standby's redirect included);
+    /// one more is closed at accept and counted (`connections_refused` in /v1/status),
+    /// and its agent retries with backoff. Keep it under the process's file-descriptor
+    /// limit (`ulimit -n`), with room for the admin endpoint and etcd.
+    #[arg(long, default_value_t = 16_384, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    connections_max: u64,
     /// etcd endpoint for leader election (e.g. http://127.0.0.1:2379). Replicas
     /// campaign; the leader's term is its leader key's revision; the others answer
     /// agents with a redirect to it; a leader that cannot renew its etcd lease for
@@ -212,6 +218,7 @@ fn serve(args: ServeArgs) -> Result<()> {
     cfg.rules_path = args.config.clone();
     cfg.input_bytes_max = args.input_bytes_max as usize;
     cfg.pending_hellos_max = args.pending_hellos_max as usize;
+    cfg.connections_max = args.connections_max as usize;
     cfg.tls = stream_tls(&args)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -302,6 +309,7 @@ fn serve_elected(args: ServeArgs, mut rules: Config, seen: Option<Vec<u8>>) -> R
             listener,
             std::sync::Arc::clone(&election),
             stream_tls(&args)?,
+            args.connections_max as usize,
             sb_rx,
         ));
         let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
@@ -347,6 +355,7 @@ fn serve_elected(args: ServeArgs, mut rules: Config, seen: Option<Vec<u8>>) -> R
         cfg.rules_path = args.config.clone();
         cfg.input_bytes_max = args.input_bytes_max as usize;
         cfg.pending_hellos_max = args.pending_hellos_max as usize;
+    cfg.connections_max = args.connections_max as usize;
         cfg.tls = stream_tls(&args)?;
         let (tx, rx) = tokio::sync::watch::channel(false);
         let (bound, handle) = shell::start_with_handle(&rules, cfg, rx).await?;

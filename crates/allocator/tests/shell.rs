@@ -660,12 +660,73 @@ async fn a_stream_past_the_pending_hello_bound_is_refused_and_one_is_served_once
     assert_eq!(v["input"]["bytes_max"], 256u64 << 20, "{v}");
 }
 
+/// The stream port's connections were bounded only by the process's file descriptors:
+/// clients that connect and never speak could use them all. Past `--connections-max` a
+/// connection is closed at accept, counted, and an agent's is served once a place frees.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_past_the_cap_is_closed_at_once_and_an_agent_is_served_once_one_closes() {
+    use tokio::io::AsyncReadExt;
+    let a = std::sync::Arc::new(Allocator::start(&["--term", "5", "--connections-max", "2"]));
+    let status = |a: std::sync::Arc<common::Allocator>| async move {
+        tokio::task::spawn_blocking(move || a.get_json("/v1/status"))
+            .await
+            .unwrap()
+    };
+    // Two connections that never speak hold both places.
+    let mut idle = Vec::new();
+    for _ in 0..2 {
+        idle.push(tokio::net::TcpStream::connect(a.grpc).await.unwrap());
+    }
+    let t0 = std::time::Instant::now();
+    while status(a.clone()).await["input"]["connections_open"] != 2 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "both are counted open"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // A third is closed at once: its client reads end-of-stream.
+    let mut third = tokio::net::TcpStream::connect(a.grpc).await.unwrap();
+    let mut byte = [0u8; 1];
+    let n = tokio::time::timeout(Duration::from_secs(5), third.read(&mut byte))
+        .await
+        .expect("closed at accept, not left waiting");
+    assert!(matches!(n, Ok(0) | Err(_)), "{n:?}");
+    let s = status(a.clone()).await;
+    assert!(
+        s["counters"]["connections_refused"].as_u64().unwrap() >= 1,
+        "{s}"
+    );
+    assert_eq!(s["input"]["connections_max"], 2);
+    // The idle ones go: an agent's hello is answered.
+    drop(idle);
+    let t0 = std::time::Instant::now();
+    loop {
+        let (_tx, r) = open(a.grpc, hello("node-a", pb::PROTOCOL_VERSION, 1)).await;
+        if let Ok(mut inbound) = r {
+            let first = tokio::time::timeout(Duration::from_secs(5), inbound.message())
+                .await
+                .expect("an answer")
+                .expect("a message");
+            assert!(first.is_some(), "the hello is answered");
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "served once places free"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 #[test]
 fn input_bounds_out_of_range_are_refused_at_start_with_the_flag_named() {
     for (flag, value) in [
         ("--input-bytes-max", "1000"),
         ("--input-bytes-max", "4294967296"),
         ("--pending-hellos-max", "0"),
+        ("--connections-max", "0"),
+        ("--connections-max", "1000001"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_bursar-allocator"))
             .args([

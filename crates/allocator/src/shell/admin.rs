@@ -135,6 +135,7 @@ fn status_json(s: &Snapshot) -> Value {
             "revocations_dropped": c.revocations_dropped,
             "agents_evicted": s.agents_evicted,
             "streams_refused": s.gate.streams_refused,
+            "connections_refused": s.gate.connections_refused,
             "input_bytes_waits": s.gate.input_bytes_waits,
         },
         "input": {
@@ -142,6 +143,8 @@ fn status_json(s: &Snapshot) -> Value {
             "bytes_queued": s.gate.input_bytes_queued,
             "pending_hellos_max": s.gate.pending_hellos_max,
             "pending_hellos": s.gate.pending_hellos,
+            "connections_max": s.gate.connections_max,
+            "connections_open": s.gate.connections_open,
         },
         "last_error": s.last_error,
         "config": {

@@ -259,9 +259,10 @@ pub async fn serve_standby(
     listener: TcpListener,
     election: Arc<Election>,
     tls: Option<tonic::transport::ServerTlsConfig>,
+    connections_max: usize,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    let incoming = Arc::new(super::conns::ConnectionCap::new(connections_max)).incoming(listener);
     let mut server = tonic::transport::Server::builder();
     if let Some(tls) = tls {
         match server.tls_config(tls) {

@@ -37,6 +37,7 @@ pub struct Gate {
     pending_max: usize,
     streams_refused: AtomicU64,
     bytes_waits: AtomicU64,
+    connections: Arc<super::conns::ConnectionCap>,
 }
 
 /// What [`Gate`] shows the admin endpoint.
@@ -55,12 +56,19 @@ pub struct GateStatus {
     pub pending_hellos: u64,
     /// Streams refused because that many were waiting already.
     pub streams_refused: u64,
+    /// Open TCP connections to the stream port allowed at once.
+    pub connections_max: u64,
+    /// Open now.
+    pub connections_open: u64,
+    /// Connections closed at accept because that many were open.
+    pub connections_refused: u64,
 }
 
 impl Gate {
-    /// A gate with a budget of `bytes_max` bytes (at most `u32::MAX`) and at most
-    /// `pending_max` streams waiting for their hello's answer (both at least 1).
-    pub fn new(bytes_max: usize, pending_max: usize) -> Gate {
+    /// A gate with a budget of `bytes_max` bytes (at most `u32::MAX`), at most
+    /// `pending_max` streams waiting for their hello's answer and `connections_max`
+    /// connections open (each at least 1).
+    pub fn new(bytes_max: usize, pending_max: usize, connections_max: usize) -> Gate {
         let bytes_max = bytes_max.clamp(1, u32::MAX as usize) as u32;
         let pending_max = pending_max.clamp(1, Semaphore::MAX_PERMITS);
         Gate {
@@ -70,7 +78,13 @@ impl Gate {
             pending_max,
             streams_refused: AtomicU64::new(0),
             bytes_waits: AtomicU64::new(0),
+            connections: Arc::new(super::conns::ConnectionCap::new(connections_max)),
         }
+    }
+
+    /// The cap on the stream port's connections.
+    pub fn connections(&self) -> &Arc<super::conns::ConnectionCap> {
+        &self.connections
     }
 
     /// Its counters now.
@@ -87,6 +101,9 @@ impl Gate {
                 .saturating_sub(self.pending.available_permits())
                 as u64,
             streams_refused: self.streams_refused.load(Ordering::Relaxed),
+            connections_max: self.connections.max(),
+            connections_open: self.connections.open(),
+            connections_refused: self.connections.refused(),
         }
     }
 
@@ -530,7 +547,7 @@ mod tests {
     async fn queued_input_stays_within_the_byte_budget_and_every_report_arrives_in_order() {
         const BUDGET: usize = 8 * 1024;
         const REPORTS: u64 = 200;
-        let gate = Arc::new(Gate::new(BUDGET, 4));
+        let gate = Arc::new(Gate::new(BUDGET, 4, 64));
         let (tx, mut rx) = mpsc::channel(10_000);
         let svc = Service::new(tx, Duration::from_secs(5), 16, Arc::clone(&gate)).into_server();
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

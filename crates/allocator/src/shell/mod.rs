@@ -49,6 +49,7 @@
 //! redirect, though agents follow one.
 
 pub mod admin;
+pub mod conns;
 pub mod driver;
 pub mod election;
 pub mod grpc;
@@ -86,6 +87,9 @@ pub struct ShellConfig {
     /// Streams waiting for their hello's answer, at most; one more is refused at once.
     /// Default 256.
     pub pending_hellos_max: usize,
+    /// Open TCP connections to the stream port, at most; one more is closed at accept
+    /// ([`conns::ConnectionCap`]). Default 16,384.
+    pub connections_max: usize,
     /// Concurrent HTTP/2 streams per connection (an agent opens one). Default 16.
     pub streams_per_connection_max: u32,
     /// Time an agent has to send its hello after opening a stream. Default 5 s.
@@ -135,6 +139,7 @@ impl ShellConfig {
             agent_queue_max: 64,
             input_bytes_max: 256 << 20,
             pending_hellos_max: 256,
+            connections_max: conns::CONNECTIONS_MAX_DEFAULT,
             streams_per_connection_max: 16,
             hello_timeout: Duration::from_secs(5),
             admin_max_keys: 1_000,
@@ -386,6 +391,7 @@ pub async fn start_with_handle(
         ("admin_max_keys", cfg.admin_max_keys),
         ("input_bytes_max", cfg.input_bytes_max),
         ("pending_hellos_max", cfg.pending_hellos_max),
+        ("connections_max", cfg.connections_max),
         (
             "streams_per_connection_max",
             cfg.streams_per_connection_max as usize,
@@ -401,7 +407,11 @@ pub async fn start_with_handle(
             max: u32::MAX as u64,
         });
     }
-    let gate = Arc::new(grpc::Gate::new(cfg.input_bytes_max, cfg.pending_hellos_max));
+    let gate = Arc::new(grpc::Gate::new(
+        cfg.input_bytes_max,
+        cfg.pending_hellos_max,
+        cfg.connections_max,
+    ));
     let clock = ShellClock::new();
     let core = Allocator::new(rules, cfg.allocator.clone(), cfg.term, clock.now_ns())?;
     let grpc_l = TcpListener::bind(cfg.grpc)
@@ -440,18 +450,9 @@ pub async fn start_with_handle(
         Arc::clone(&gate),
     );
     tokio::spawn(driver.run(rx, shutdown.clone()));
+    let incoming = Arc::clone(gate.connections()).incoming(grpc_l);
     let svc = grpc::Service::new(tx.clone(), cfg.hello_timeout, cfg.agent_queue_max, gate);
     let mut sd = shutdown.clone();
-    // TCP_NODELAY: a small grant must not wait on Nagle's algorithm and the agent's
-    // delayed ACK (~40 ms).
-    let incoming = tokio_stream::StreamExt::map(
-        tokio_stream::wrappers::TcpListenerStream::new(grpc_l),
-        |conn| {
-            conn.inspect(|s| {
-                let _ = s.set_nodelay(true);
-            })
-        },
-    );
     let streams_per_connection = cfg.streams_per_connection_max;
     let mut server = tonic::transport::Server::builder();
     if let Some(tls) = cfg.tls.clone() {
