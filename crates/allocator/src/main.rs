@@ -125,6 +125,12 @@ struct ServeArgs {
     /// limit (`ulimit -n`), with room for the admin endpoint and etcd.
     #[arg(long, default_value_t = 16_384, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     connections_max: u64,
+    /// Milliseconds a new connection to the stream port (a standby's redirect
+    /// included) has to open its stream; one that opens none in time, whether it sent
+    /// nothing or only the HTTP/2 preface or a TLS handshake, is closed and counted
+    /// (`connections_silent` in /v1/status). An agent opens its stream at once.
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(100..=600_000))]
+    first_stream_timeout_ms: u64,
     /// etcd endpoint for leader election (e.g. http://127.0.0.1:2379). Replicas
     /// campaign; the leader's term is its leader key's revision; the others answer
     /// agents with a redirect to it; a leader that cannot renew its etcd lease for
@@ -219,6 +225,7 @@ fn serve(args: ServeArgs) -> Result<()> {
     cfg.input_bytes_max = args.input_bytes_max as usize;
     cfg.pending_hellos_max = args.pending_hellos_max as usize;
     cfg.connections_max = args.connections_max as usize;
+    cfg.first_stream_timeout = std::time::Duration::from_millis(args.first_stream_timeout_ms);
     cfg.tls = stream_tls(&args)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -310,6 +317,7 @@ fn serve_elected(args: ServeArgs, mut rules: Config, seen: Option<Vec<u8>>) -> R
             std::sync::Arc::clone(&election),
             stream_tls(&args)?,
             args.connections_max as usize,
+            std::time::Duration::from_millis(args.first_stream_timeout_ms),
             sb_rx,
         ));
         let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
@@ -356,6 +364,7 @@ fn serve_elected(args: ServeArgs, mut rules: Config, seen: Option<Vec<u8>>) -> R
         cfg.input_bytes_max = args.input_bytes_max as usize;
         cfg.pending_hellos_max = args.pending_hellos_max as usize;
     cfg.connections_max = args.connections_max as usize;
+    cfg.first_stream_timeout = std::time::Duration::from_millis(args.first_stream_timeout_ms);
         cfg.tls = stream_tls(&args)?;
         let (tx, rx) = tokio::sync::watch::channel(false);
         let (bound, handle) = shell::start_with_handle(&rules, cfg, rx).await?;

@@ -719,6 +719,67 @@ async fn a_connection_past_the_cap_is_closed_at_once_and_an_agent_is_served_once
     }
 }
 
+/// `--connections-max` alone let clients that connect and never open a stream hold
+/// their places for ever. Now a connection that opens no stream within
+/// `--first-stream-timeout-ms` is closed and counted, whether it sent nothing or only
+/// the HTTP/2 preface; an agent's stream keeps its connection past the deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_opens_no_stream_in_time_is_closed_and_an_agent_s_stays() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let a = std::sync::Arc::new(Allocator::start(&[
+        "--term",
+        "5",
+        "--first-stream-timeout-ms",
+        "300",
+    ]));
+    let status = |a: std::sync::Arc<common::Allocator>| async move {
+        tokio::task::spawn_blocking(move || a.get_json("/v1/status"))
+            .await
+            .unwrap()
+    };
+    let (_tx, r) = open(a.grpc, hello("node-a", pb::PROTOCOL_VERSION, 1)).await;
+    let mut inbound = r.expect("the stream opens");
+    let first = inbound.message().await.unwrap().expect("welcomed");
+    assert!(
+        matches!(first.msg, Some(pb::allocator_message::Msg::Welcome(_))),
+        "{first:?}"
+    );
+    let mut nothing = tokio::net::TcpStream::connect(a.grpc).await.unwrap();
+    let mut preface = tokio::net::TcpStream::connect(a.grpc).await.unwrap();
+    preface
+        .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        .await
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    // Each gets the server's SETTINGS (sent at accept), then its end.
+    for (what, conn) in [
+        ("nothing", &mut nothing),
+        ("only the preface", &mut preface),
+    ] {
+        let mut buf = [0u8; 256];
+        loop {
+            match tokio::time::timeout(Duration::from_secs(5), conn.read(&mut buf))
+                .await
+                .unwrap_or_else(|_| panic!("a connection with {what} is closed at its deadline"))
+            {
+                Ok(0) | Err(_) => break,
+                Ok(_) => continue,
+            }
+        }
+    }
+    assert!(t0.elapsed() < Duration::from_secs(5));
+    // The agent's stream, older than the deadline, is still served.
+    let alive = tokio::time::timeout(Duration::from_millis(500), inbound.message()).await;
+    assert!(
+        matches!(alive, Err(_) | Ok(Ok(Some(_)))),
+        "the agent's stream must stay open: {alive:?}"
+    );
+    let s = status(a.clone()).await;
+    assert_eq!(s["counters"]["connections_silent"], 2, "{s}");
+    assert_eq!(s["connected"], 1, "{s}");
+    assert_eq!(s["input"]["connections_open"], 1, "{s}");
+}
+
 #[test]
 fn input_bounds_out_of_range_are_refused_at_start_with_the_flag_named() {
     for (flag, value) in [
@@ -727,6 +788,8 @@ fn input_bounds_out_of_range_are_refused_at_start_with_the_flag_named() {
         ("--pending-hellos-max", "0"),
         ("--connections-max", "0"),
         ("--connections-max", "1000001"),
+        ("--first-stream-timeout-ms", "99"),
+        ("--first-stream-timeout-ms", "600001"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_bursar-allocator"))
             .args([

@@ -44,8 +44,8 @@ fn leaf(dir: &Path, issuer: &Issuer<'static, KeyPair>, name: &str, san: &str) {
 }
 
 /// The allocator with its certificate from `dir`, requiring agents' certificates
-/// from the fleet CA.
-fn start_allocator(dir: &Path) -> Allocator {
+/// from the fleet CA, and `extra` flags.
+fn start_allocator(dir: &Path, extra: &[&str]) -> Allocator {
     let mut args: Vec<OsString> = [
         "--term",
         "3",
@@ -56,6 +56,7 @@ fn start_allocator(dir: &Path) -> Allocator {
     ]
     .map(OsString::from)
     .into();
+    args.extend(extra.iter().map(OsString::from));
     for (flag, file) in [
         ("--tls-cert", "allocator.pem"),
         ("--tls-key", "allocator.key"),
@@ -127,7 +128,7 @@ fn certs() -> tempfile::TempDir {
 #[tokio::test]
 async fn only_agents_with_a_certificate_from_the_fleet_ca_get_in() {
     let dir = certs();
-    let a = start_allocator(dir.path());
+    let a = start_allocator(dir.path(), &[]);
     let grpc = a.grpc;
     // The fleet's certificate: welcomed.
     let m = try_agent(
@@ -176,10 +177,13 @@ async fn only_agents_with_a_certificate_from_the_fleet_ca_get_in() {
     assert_eq!(s["counters"]["hellos"], 1, "{s}");
 }
 
+/// Also: under TLS the agent's stream marks its connection (tonic wraps the connection
+/// info), so a first-stream timeout shorter than the test keeps the agent connected on
+/// its first stream, while a connection that never speaks is closed and counted.
 #[test]
 fn a_real_agent_connects_over_mutual_tls() {
     let dir = certs();
-    let a = start_allocator(dir.path());
+    let a = start_allocator(dir.path(), &["--first-stream-timeout-ms", "300"]);
     let _agent = Proc(
         Command::new(sibling_bin("bursar-agent"))
             .arg("--config")
@@ -214,4 +218,28 @@ fn a_real_agent_connects_over_mutual_tls() {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
+    let mut silent = std::net::TcpStream::connect(a.grpc).unwrap();
+    silent
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let t1 = Instant::now();
+    let mut byte = [0u8; 1];
+    let n = std::io::Read::read(&mut silent, &mut byte);
+    assert!(
+        matches!(n, Ok(0))
+            || n.as_ref()
+                .is_err_and(|e| e.kind() != std::io::ErrorKind::WouldBlock),
+        "{n:?}"
+    );
+    assert!(
+        t1.elapsed() < Duration::from_secs(5),
+        "closed at its deadline"
+    );
+    let s = a.get_json("/v1/status");
+    assert_eq!(s["counters"]["connections_silent"], 1, "{s}");
+    assert_eq!(
+        s["counters"]["hellos"], 1,
+        "the agent kept its first stream: {s}"
+    );
+    assert_eq!(s["connected"], 1, "{s}");
 }

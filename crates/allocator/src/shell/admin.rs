@@ -136,6 +136,7 @@ fn status_json(s: &Snapshot) -> Value {
             "agents_evicted": s.agents_evicted,
             "streams_refused": s.gate.streams_refused,
             "connections_refused": s.gate.connections_refused,
+            "connections_silent": s.gate.connections_silent,
             "input_bytes_waits": s.gate.input_bytes_waits,
         },
         "input": {

@@ -233,8 +233,9 @@ impl pb::allocator_server::Allocator for Standby {
 
     async fn sync(
         &self,
-        _request: Request<Streaming<pb::AgentMessage>>,
+        request: Request<Streaming<pb::AgentMessage>>,
     ) -> Result<Response<Self::SyncStream>, Status> {
+        super::conns::mark_stream_opened(&request);
         let leader = self
             .election
             .leader()
@@ -260,9 +261,14 @@ pub async fn serve_standby(
     election: Arc<Election>,
     tls: Option<tonic::transport::ServerTlsConfig>,
     connections_max: usize,
+    first_stream_timeout: std::time::Duration,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let incoming = Arc::new(super::conns::ConnectionCap::new(connections_max)).incoming(listener);
+    let incoming = Arc::new(super::conns::ConnectionCap::new(
+        connections_max,
+        first_stream_timeout,
+    ))
+    .incoming(listener);
     let mut server = tonic::transport::Server::builder();
     if let Some(tls) = tls {
         match server.tls_config(tls) {

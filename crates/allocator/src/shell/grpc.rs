@@ -62,13 +62,22 @@ pub struct GateStatus {
     pub connections_open: u64,
     /// Connections closed at accept because that many were open.
     pub connections_refused: u64,
+    /// Connections closed because they opened no stream within the first-stream
+    /// timeout.
+    pub connections_silent: u64,
 }
 
 impl Gate {
     /// A gate with a budget of `bytes_max` bytes (at most `u32::MAX`), at most
     /// `pending_max` streams waiting for their hello's answer and `connections_max`
-    /// connections open (each at least 1).
-    pub fn new(bytes_max: usize, pending_max: usize, connections_max: usize) -> Gate {
+    /// connections open (each at least 1), each closed unless it opens a stream within
+    /// `first_stream_timeout`.
+    pub fn new(
+        bytes_max: usize,
+        pending_max: usize,
+        connections_max: usize,
+        first_stream_timeout: Duration,
+    ) -> Gate {
         let bytes_max = bytes_max.clamp(1, u32::MAX as usize) as u32;
         let pending_max = pending_max.clamp(1, Semaphore::MAX_PERMITS);
         Gate {
@@ -78,7 +87,10 @@ impl Gate {
             pending_max,
             streams_refused: AtomicU64::new(0),
             bytes_waits: AtomicU64::new(0),
-            connections: Arc::new(super::conns::ConnectionCap::new(connections_max)),
+            connections: Arc::new(super::conns::ConnectionCap::new(
+                connections_max,
+                first_stream_timeout,
+            )),
         }
     }
 
@@ -104,6 +116,7 @@ impl Gate {
             connections_max: self.connections.max(),
             connections_open: self.connections.open(),
             connections_refused: self.connections.refused(),
+            connections_silent: self.connections.silent(),
         }
     }
 
@@ -360,6 +373,7 @@ impl pb::allocator_server::Allocator for Service {
         &self,
         request: Request<Streaming<pb::AgentMessage>>,
     ) -> Result<Response<Self::SyncStream>, Status> {
+        super::conns::mark_stream_opened(&request);
         // Held until the hello is answered (or the stream ends before).
         let Ok(_pending) = Arc::clone(&self.gate.pending).try_acquire_owned() else {
             self.gate.streams_refused.fetch_add(1, Ordering::Relaxed);
@@ -547,7 +561,7 @@ mod tests {
     async fn queued_input_stays_within_the_byte_budget_and_every_report_arrives_in_order() {
         const BUDGET: usize = 8 * 1024;
         const REPORTS: u64 = 200;
-        let gate = Arc::new(Gate::new(BUDGET, 4, 64));
+        let gate = Arc::new(Gate::new(BUDGET, 4, 64, Duration::from_secs(10)));
         let (tx, mut rx) = mpsc::channel(10_000);
         let svc = Service::new(tx, Duration::from_secs(5), 16, Arc::clone(&gate)).into_server();
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -90,6 +90,9 @@ pub struct ShellConfig {
     /// Open TCP connections to the stream port, at most; one more is closed at accept
     /// ([`conns::ConnectionCap`]). Default 16,384.
     pub connections_max: usize,
+    /// Time a new connection has to open a stream before it is closed (and counted
+    /// as silent, [`conns`]). Default 10 s.
+    pub first_stream_timeout: Duration,
     /// Concurrent HTTP/2 streams per connection (an agent opens one). Default 16.
     pub streams_per_connection_max: u32,
     /// Time an agent has to send its hello after opening a stream. Default 5 s.
@@ -140,6 +143,7 @@ impl ShellConfig {
             input_bytes_max: 256 << 20,
             pending_hellos_max: 256,
             connections_max: conns::CONNECTIONS_MAX_DEFAULT,
+            first_stream_timeout: conns::FIRST_STREAM_TIMEOUT_DEFAULT,
             streams_per_connection_max: 16,
             hello_timeout: Duration::from_secs(5),
             admin_max_keys: 1_000,
@@ -411,6 +415,7 @@ pub async fn start_with_handle(
         cfg.input_bytes_max,
         cfg.pending_hellos_max,
         cfg.connections_max,
+        cfg.first_stream_timeout,
     ));
     let clock = ShellClock::new();
     let core = Allocator::new(rules, cfg.allocator.clone(), cfg.term, clock.now_ns())?;
