@@ -1381,7 +1381,8 @@ impl Sim {
                     let now = self.now;
                     let a = self.agent_mut(i);
                     if a.engine.is_some() && (a.sync.is_up() || a.sync.is_opening()) {
-                        let wait = a.sync.lost(a.rng.next_u64());
+                        let at = a.clock(now);
+                        let wait = a.sync.lost(at, a.rng.next_u64());
                         let inc = a.incarnation;
                         self.counters.streams_lost += 1;
                         self.push(now + wait, Ev::Hello(i as u32, inc));

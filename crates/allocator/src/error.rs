@@ -97,9 +97,9 @@ pub enum AllocError {
         /// This report's.
         now: u64,
     },
-    /// Demand beyond any rule's reach: more than `bursar_agent::MAX_COST` units in one
-    /// report, counters starting in the agent's future, or in-flight counts above the
-    /// bound (peer bug).
+    /// Demand no agent can report: counters starting in the agent's future, or
+    /// in-flight counts above `bursar_agent::MAX_COST` (peer bug). (Counts that grew by
+    /// more than `MAX_COST` in one report are read as `MAX_COST`, not refused.)
     #[error("key {key}: absurd demand ({reason})")]
     AbsurdDemand {
         /// The key.

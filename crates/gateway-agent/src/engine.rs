@@ -2679,7 +2679,10 @@ impl Engine {
                         }
                     };
                 if slot.charge(now, cost) {
-                    self.count(&slot.admitted, id, cost);
+                    // As demand, at most the rule's whole capacity a request, as at
+                    // admission: a charge may be up to `MAX_COST`, and a few such made
+                    // one report line carry more than the allocator reads.
+                    self.count(&slot.admitted, id, rule.demand(cost));
                     charged += 1;
                     break;
                 }

@@ -472,12 +472,19 @@ impl<K: Ord + Clone> SyncTracks<K> {
         }
     }
 
-    /// A new stream: every key is new to it, and the last stream's handles mean
-    /// nothing to it.
+    /// A new stream: every key is new to it, counted from its last line on the old
+    /// stream, and the last stream's handles mean nothing to it.
     pub fn new_stream(&mut self) {
         self.dirty.clear();
         self.by_handle.clear();
         for (k, t) in self.tracks.iter_mut() {
+            // Counted from the last line the old stream was sent: the new one's
+            // allocator (a new leader, or this one without the entry) would read the
+            // key's counters since it was first read as one sample, hours of past
+            // demand as if current (and for a key busy for days, more units than a
+            // line may carry). An allocator that kept the entry reads the same: its
+            // base was that line.
+            t.rebase();
             t.sent = None;
             t.handle = 0;
             t.active = false;

@@ -130,14 +130,16 @@ pub struct SyncSession<K> {
     stream: Stream,
     /// Streams opened so far (a driver's timeout names the stream it was armed for).
     opened: u64,
-    /// The stream that ended last (or the current one) got as far as a welcome: the
-    /// next reconnect starts the backoff again.
-    welcomed: bool,
+    /// When the current stream was welcomed (the session's clock), if it was: a stream
+    /// that stays up for `backoff_max_ns` starts the backoff again when it ends.
+    welcomed_at: Option<u64>,
     /// The delay the next reconnect waits (jittered over its upper half).
     backoff_ns: u64,
     /// The engine's key count at the last poll that read it.
     key_count: usize,
     last_ts: u64,
+    /// The welcome's lease, in ns (0: it did not say).
+    lease_ns: u64,
 }
 
 impl<K: Ord + Clone> SyncSession<K> {
@@ -149,10 +151,11 @@ impl<K: Ord + Clone> SyncSession<K> {
             cfg,
             stream: Stream::Down,
             opened: 0,
-            welcomed: false,
+            welcomed_at: None,
             backoff_ns: cfg.backoff_min_ns,
             key_count: 0,
             last_ts: 0,
+            lease_ns: 0,
         }
     }
 
@@ -222,7 +225,7 @@ impl<K: Ord + Clone> SyncSession<K> {
 
     /// The welcome arrived: the allocator's lease (`lease_ms`, 0 if it did not say)
     /// and its bound on lines per message. Reports everything at once: a full report.
-    /// Resets the reconnect backoff.
+    /// The reconnect backoff starts again if this stream stays up ([`SyncSession::lost`]).
     #[allow(clippy::too_many_arguments)]
     pub fn welcome<L>(
         &mut self,
@@ -236,15 +239,14 @@ impl<K: Ord + Clone> SyncSession<K> {
     ) -> Vec<Outgoing<L, K>> {
         // The allocator forgets an entry after a lease without a sample: lines of keys
         // unnamed for half of one count from when they were last named.
+        self.lease_ns = lease_ms.saturating_mul(1_000_000);
         if lease_ms > 0 {
-            self.tracks
-                .set_rebase_after(lease_ms.saturating_mul(1_000_000) / 2);
+            self.tracks.set_rebase_after(self.lease_ns / 2);
         }
         self.stream = Stream::Up {
             max_keys: max_keys.clamp(1, MAX_KEYS_PER_MESSAGE),
         };
-        self.welcomed = true;
-        self.backoff_ns = self.cfg.backoff_min_ns;
+        self.welcomed_at = Some(now);
         self.tracks.refresh(engine, now, buf, key_of);
         self.key_count = engine.key_count();
         self.reports(now, true, false, line)
@@ -332,6 +334,10 @@ impl<K: Ord + Clone> SyncSession<K> {
         keys: Vec<K>,
         handles: &[u64],
     ) -> Granted<L, K> {
+        let mut updates = updates;
+        for u in &mut updates {
+            u.lease_expires_at_ns = self.lease_cap(u.lease_expires_at_ns);
+        }
         let outcomes = self.tracks.apply(engine, now, updates, keys, handles);
         let mut acks = Vec::new();
         let (mut applied, mut refused) = (0, Vec::new());
@@ -361,7 +367,21 @@ impl<K: Ord + Clone> SyncSession<K> {
         now: u64,
         x: SliceExtension,
     ) -> Result<usize, SliceError> {
+        let mut x = x;
+        x.lease_expires_at_ns = self.lease_cap(x.lease_expires_at_ns);
         engine.extend_slices(now, x)
+    }
+
+    /// Invariant 3 on this side: a lease runs from a report this client sent (its
+    /// stamp, echoed) for the welcome's lease, so none ends after the latest stamp
+    /// plus the lease. A later end (an allocator's bug: its own clock, or `u64::MAX`)
+    /// would keep a grant past the allocator's reclaim and never apply the posture; it
+    /// is cut to that. Before a welcome that named a lease, as sent.
+    fn lease_cap(&self, lease_expires_at_ns: u64) -> u64 {
+        if self.lease_ns == 0 {
+            return lease_expires_at_ns;
+        }
+        lease_expires_at_ns.min(self.last_ts.saturating_add(self.lease_ns))
     }
 
     /// A revocation: the grants on `keys` (rule, `*` values) of term `epoch` up to
@@ -429,14 +449,18 @@ impl<K: Ord + Clone> SyncSession<K> {
         self.stream = Stream::Down;
     }
 
-    /// The stream broke, or one could not be opened: returns how long to wait before
-    /// the next attempt, from `draw` (any random number: the wait is jittered over
-    /// the upper half of the backoff). The backoff doubles with each failure up to
-    /// `backoff_max_ns`, and starts again from `backoff_min_ns` after a stream that got
-    /// as far as a welcome.
-    pub fn lost(&mut self, draw: u64) -> u64 {
+    /// The stream broke at `now`, or one could not be opened: returns how long to wait
+    /// before the next attempt, from `draw` (any random number: the wait is jittered
+    /// over the upper half of the backoff). The backoff doubles with each failure up
+    /// to `backoff_max_ns`, and starts again from `backoff_min_ns` after a stream that
+    /// was welcomed and stayed up for `backoff_max_ns`. (Until the thirtieth session a
+    /// welcome alone started it again: an allocator that welcomed each stream and then
+    /// dropped it had the whole fleet reconnecting every 50-100 ms.)
+    pub fn lost(&mut self, now: u64, draw: u64) -> u64 {
         self.stream = Stream::Down;
-        if std::mem::take(&mut self.welcomed) {
+        if let Some(at) = self.welcomed_at.take()
+            && now.saturating_sub(at) >= self.cfg.backoff_max_ns
+        {
             self.backoff_ns = self.cfg.backoff_min_ns;
         }
         let half = self.backoff_ns / 2;

@@ -2054,6 +2054,29 @@ fn one_request_counts_as_demand_at_most_a_whole_limit() {
     let stats = s.stats();
     assert_eq!(stats[0].rejected, 64 * 50);
     s.check_invariants(0).unwrap();
+    // A charge after the fact (usage beyond a reservation, Envoy's hits_addend) is
+    // debited whole but counts as demand at most a whole limit too: two of 2^39 + 1
+    // made one report line carry more than the allocator reads (thirtieth session).
+    let c = engine(
+        r#"
+        [[rule]]
+        name = "itps"
+        match = { org = "*" }
+        dimension = "input_tokens"
+        rate = 100
+        per = "second"
+        "#,
+    );
+    for i in 0..2 {
+        let n = c
+            .charge(0, &req(&format!("d{i}"), x, tokens((1 << 39) + 1, Some(0))))
+            .unwrap();
+        assert_eq!(n, 1, "charged");
+    }
+    demand.clear();
+    c.key_demand(&mut demand);
+    assert_eq!(demand[0].counters.admitted(), 2 * 100);
+    c.check_invariants(0).unwrap();
 }
 
 #[test]

@@ -58,7 +58,9 @@ impl pb::allocator_server::Allocator for Scripted {
                     config_version: String::new(),
                     max_keys_per_message: 100,
                     max_message_bytes: pb::MAX_MESSAGE_BYTES as u32,
-                    lease_ms: 10_000,
+                    // Longer than any lease the tests grant (from the hello, up to
+                    // 90 s): the client cuts a lease past its latest stamp plus this.
+                    lease_ms: 120_000,
                 })),
             }))
             .await

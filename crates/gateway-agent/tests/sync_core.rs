@@ -159,10 +159,50 @@ fn a_key_unnamed_for_half_a_lease_counts_from_when_it_was_last_named() {
     touch(&e, 5 * SEC / 2, "r6", &[("org", "a")]);
     t.refresh(&e, 11 * SEC / 4, &mut buf, key_of);
     assert_eq!(counted(&mut t, false), [(a.clone(), 3, SEC, 0)]);
-    // A new stream names every key from where its counters started, as always.
+    // A new stream names every key counting from its last line on the old stream
+    // (thirtieth session; before, from where its counters started).
     t.new_stream();
+    touch(&e, 3 * SEC, "r7", &[("org", "a")]);
     t.refresh(&e, 3 * SEC, &mut buf, key_of);
-    assert_eq!(counted(&mut t, false), [(a, 3, SEC, 0)]);
+    assert_eq!(counted(&mut t, false), [(a, 1, 11 * SEC / 4, 0)]);
+}
+
+/// A key named in every report never rebased, so the first line to a new stream (a
+/// new leader, which holds no entry for it) carried everything since the key was first
+/// read: an hour of past demand read as one current sample, and for a key busy for
+/// days more units than the allocator reads from a line. It counts from its last line
+/// on the old stream now.
+#[test]
+fn a_new_stream_s_first_line_counts_from_the_old_stream_s_last() {
+    let e = engine(RULES);
+    let mut buf = Vec::new();
+    let mut t: SyncTracks<String> = SyncTracks::new(0);
+    t.set_rebase_after(SEC);
+    let a = "org-rps/a".to_string();
+    // Busy for a minute, named every 250 ms: cumulative from 0 throughout.
+    let mut sent = 0;
+    for i in 0..240u64 {
+        let now = i * SEC / 4;
+        touch(&e, now, &format!("r{i}"), &[("org", "a")]);
+        t.refresh(&e, now, &mut buf, key_of);
+        sent += 1;
+        assert_eq!(counted(&mut t, false), [(a.clone(), sent, 0, 0)]);
+    }
+    let last = 239 * SEC / 4;
+    // The stream breaks; a new one opens a little later with two more admitted.
+    t.new_stream();
+    touch(&e, 60 * SEC, "x1", &[("org", "a")]);
+    touch(&e, 60 * SEC, "x2", &[("org", "a")]);
+    t.refresh(&e, 60 * SEC, &mut buf, key_of);
+    assert_eq!(
+        counted(&mut t, false),
+        [(a.clone(), 2, last, 0)],
+        "the new stream's first line covers only what came after the old one's last"
+    );
+    // And cumulative from there on the new stream.
+    touch(&e, 60 * SEC + SEC / 4, "x3", &[("org", "a")]);
+    t.refresh(&e, 60 * SEC + SEC / 4, &mut buf, key_of);
+    assert_eq!(counted(&mut t, false), [(a, 3, last, 0)]);
 }
 
 #[test]

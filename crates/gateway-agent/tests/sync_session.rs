@@ -99,6 +99,69 @@ fn the_welcome_reports_everything_at_once_in_messages_of_its_bound() {
     assert!(st[0] >= SEC && st[1] > st[0], "stamps increase: {st:?}");
 }
 
+/// Invariant 3 on the agent's side: a grant's lease runs from a stamp this client sent,
+/// for the welcome's lease, so one that ends later (an allocator's bug) is cut to the
+/// latest stamp plus the lease; it was applied as sent, and kept the grant past the
+/// allocator's reclaim. The same for a lease extension.
+#[test]
+fn a_lease_past_the_latest_stamp_plus_the_welcome_s_lease_is_cut_to_it() {
+    let e = engine(bursar_agent::testing::ALLOCATED_SYNC);
+    touch(&e, 0, "r1", "a");
+    let (mut s, out) = welcomed(&e, SEC, 100);
+    let last = *stamps(&out).last().unwrap();
+    let grant = |seq: u64, lease_end: u64| SliceUpdate {
+        rule: "org-rps".into(),
+        values: vec!["a".into()],
+        rate: 100,
+        burst: 10,
+        epoch: 1,
+        seq,
+        lease_expires_at_ns: lease_end,
+        fleet_size: 1,
+        transfer_tokens: 0,
+    };
+    let lease_of = |e: &Engine| {
+        let mut buf = Vec::new();
+        e.key_demand(&mut buf);
+        buf[0].slice.as_ref().unwrap().lease_expires_at_ns
+    };
+    let g = s.grants::<String>(
+        &e,
+        SEC,
+        vec![grant(1, last + 60 * SEC)],
+        vec!["org-rps/a".into()],
+        &[7],
+    );
+    assert_eq!(g.applied, 1);
+    assert_eq!(
+        lease_of(&e),
+        last + 10 * SEC,
+        "cut to the stamp plus the lease"
+    );
+    // Within the bound: as sent.
+    s.grants::<String>(
+        &e,
+        SEC,
+        vec![grant(2, last + 4 * SEC)],
+        vec!["org-rps/a".into()],
+        &[7],
+    );
+    assert_eq!(lease_of(&e), last + 4 * SEC);
+    let n = s
+        .extension(
+            &e,
+            SEC,
+            bursar_agent::engine::SliceExtension {
+                epoch: 1,
+                through_seq: 2,
+                lease_expires_at_ns: u64::MAX - 1,
+            },
+        )
+        .unwrap();
+    assert_eq!(n, 1);
+    assert_eq!(lease_of(&e), last + 10 * SEC, "an extension is cut too");
+}
+
 #[test]
 fn nothing_is_reported_before_the_welcome_and_an_empty_tick_still_renews_leases() {
     let e = engine(bursar_agent::testing::ALLOCATED_SYNC);
@@ -169,7 +232,7 @@ fn every_nth_report_is_full_and_names_holders() {
 }
 
 #[test]
-fn the_backoff_doubles_to_its_cap_and_starts_again_after_a_welcome() {
+fn the_backoff_doubles_to_its_cap_and_starts_again_after_a_stream_that_stayed_up() {
     let e = engine(bursar_agent::testing::ALLOCATED_SYNC);
     let c = cfg();
     let mut s: SyncSession<String> = SyncSession::new(0, c);
@@ -178,7 +241,7 @@ fn the_backoff_doubles_to_its_cap_and_starts_again_after_a_welcome() {
     let mut waits = Vec::new();
     for _ in 0..9 {
         s.open(&e, 0, &mut buf, key_of);
-        waits.push(s.lost(0));
+        waits.push(s.lost(0, 0));
     }
     let half = c.backoff_min_ns / 2;
     assert_eq!(
@@ -194,16 +257,22 @@ fn the_backoff_doubles_to_its_cap_and_starts_again_after_a_welcome() {
         ]
     );
     assert_eq!(waits[8], c.backoff_max_ns / 2, "capped");
-    let w = s.lost(u64::MAX - 1);
+    let w = s.lost(0, u64::MAX - 1);
     assert!(w >= c.backoff_max_ns / 2 && w < c.backoff_max_ns, "{w}");
-    // A stream that got as far as a welcome: the next wait starts from the minimum.
+    // A stream welcomed and dropped at once (an allocator that welcomes and then
+    // fails): the backoff stays at its cap, no reconnect storm.
     s.open(&e, 0, &mut buf, key_of);
-    s.welcome(&e, 0, 10_000, 100, &mut buf, key_of, line);
-    let w = s.lost(0);
+    s.welcome(&e, SEC, 10_000, 100, &mut buf, key_of, line);
+    assert_eq!(s.lost(SEC + 10 * MS, 0), c.backoff_max_ns / 2);
+    // A stream that stayed up for the backoff's cap: the next wait starts from the
+    // minimum.
+    s.open(&e, 2 * SEC, &mut buf, key_of);
+    s.welcome(&e, 2 * SEC, 10_000, 100, &mut buf, key_of, line);
+    let w = s.lost(2 * SEC + c.backoff_max_ns, 0);
     assert_eq!(w, half);
     assert!(!s.is_up());
     // A failure after that doubles it again.
-    assert_eq!(s.lost(0), 2 * half);
+    assert_eq!(s.lost(2 * SEC + c.backoff_max_ns, 0), 2 * half);
 }
 
 #[test]
@@ -406,7 +475,7 @@ proptest::proptest! {
                     }
                 }
                 Op::Lost(draw) => {
-                    let w = s.lost(draw);
+                    let w = s.lost(now, draw);
                     prop_assert!(w >= c.backoff_min_ns / 2 && w < c.backoff_max_ns, "wait {w}");
                     prop_assert!(!s.is_up() && !s.is_opening());
                     Vec::new()

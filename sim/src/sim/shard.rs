@@ -454,7 +454,7 @@ impl Shard {
     fn reconnect(&mut self, sh: &Shared, i: u32) {
         let a = &mut self.agents[(i as usize) / SHARDS];
         let stream = a.sync.streams_opened();
-        let wait = a.sync.lost(a.rng.next_u64());
+        let wait = a.sync.lost(a.clock(self.now), a.rng.next_u64());
         let (inc, agent) = (a.incarnation, a.name.clone());
         self.counters.streams_lost += 1;
         self.push(self.now + wait, Ev::Hello(i, inc));

@@ -365,7 +365,7 @@ impl Client {
                         // A redirect to itself (a restarted leader whose old election
                         // key lives on for a TTL) or a chain of them: back off as for a
                         // lost stream, so a failover is not a fleet-wide reconnect storm.
-                        let wait = Duration::from_nanos(self.session.lost(draw()));
+                        let wait = Duration::from_nanos(self.session.lost(self.now_ns(), draw()));
                         eprintln!(
                             "bursar-agent: allocator {target} redirects to {leader} again; \
                              following in {} ms",
@@ -386,7 +386,7 @@ impl Client {
                     // go back to the configured address, which redirects to whoever
                     // leads now.
                     target = self.cfg.allocator.clone();
-                    let wait = Duration::from_nanos(self.session.lost(draw()));
+                    let wait = Duration::from_nanos(self.session.lost(self.now_ns(), draw()));
                     eprintln!(
                         "bursar-agent: allocator {target}: {why}; reconnecting in {} ms",
                         wait.as_millis()
