@@ -167,6 +167,19 @@ fn digests_scans_and_conflicts_match_the_reference_model(s: impl Store) {
         None,
         "conformance: digests_at_most below the count"
     );
+    // The newest ones before an hour, whole hours (reconciliation's offer): as the
+    // model's, which cuts the whole list.
+    let list = all(&s);
+    let mid = list[list.len() / 2].0.hour;
+    for to_hour in [u64::MAX, mid + 1, mid, list[0].0.hour, 0] {
+        for max in [0, 1, 2, 3, n / 2, n - 1, n, n + 5] {
+            assert_eq!(
+                s.newest_digests(to_hour, max).expect("newest"),
+                reference.newest_digests(to_hour, max).expect("newest"),
+                "conformance: newest_digests before hour {to_hour}, at most {max}"
+            );
+        }
+    }
     let some = all(&s)[3].0.clone();
     assert_eq!(
         s.digests(some.hour, some.hour + 1, Some(&some.tenant))

@@ -41,6 +41,9 @@ pub fn next_at(path: &Path, wall_ms: u64) -> Result<u64, CounterError> {
         source,
     };
     let last = match std::fs::read_to_string(path) {
+        // Emptied (nothing but white space): as lost, the clock is the floor (the
+        // module docs). It refused the start before.
+        Ok(s) if s.trim().is_empty() => 0,
         Ok(s) => s
             .trim()
             .parse::<u64>()
@@ -104,6 +107,12 @@ mod tests {
             "the clock ahead: the clock"
         );
         assert_eq!(std::fs::read_to_string(&p).unwrap(), "5000\n");
+        std::fs::write(&p, " \n").unwrap();
+        assert_eq!(
+            next_at(&p, 7_000).unwrap(),
+            7_000,
+            "an emptied file: the clock"
+        );
         std::fs::write(&p, "garbage\n").unwrap();
         let e = next_at(&p, 1).unwrap_err();
         assert!(e.to_string().contains("not a number"), "{e}");

@@ -138,11 +138,21 @@ impl Digest {
         json!({
             "events": self.events,
             "corrections": self.corrections,
-            "input_tokens": self.input_tokens,
-            "cached_input_tokens": self.cached_input_tokens,
-            "output_tokens": self.output_tokens,
+            "input_tokens": exact_json(self.input_tokens),
+            "cached_input_tokens": exact_json(self.cached_input_tokens),
+            "output_tokens": exact_json(self.output_tokens),
             "hash": self.hash_hex(),
         })
+    }
+}
+
+/// A sum as JSON, exactly: a number up to `u64::MAX`, a decimal string above (serde_json
+/// holds no larger integer: `json!` of such a `u128` panicked, and every node that
+/// held the sums lost its `/v1/digest` and `/v1/usage`).
+pub fn exact_json(n: u128) -> Value {
+    match u64::try_from(n) {
+        Ok(n) => Value::from(n),
+        Err(_) => Value::String(n.to_string()),
     }
 }
 
@@ -230,5 +240,29 @@ mod tests {
         };
         assert_eq!(Digest::from_bytes(&d.to_bytes()), Some(d));
         assert_eq!(Digest::from_bytes(&[0u8; 3]), None);
+    }
+
+    /// Sums past `u64::MAX` (2^24 events of 2^40 tokens) panicked in `to_json`; they
+    /// are written exactly, as decimal strings, and smaller ones stay numbers.
+    #[test]
+    fn sums_past_u64_are_written_exactly_as_strings() {
+        let d = Digest {
+            input_tokens: u128::from(u64::MAX) + 1,
+            output_tokens: u128::from(u64::MAX),
+            ..Default::default()
+        };
+        let v = d.to_json();
+        assert_eq!(v["input_tokens"], "18446744073709551616");
+        assert_eq!(v["output_tokens"], u64::MAX);
+        let t = crate::totals::Totals {
+            cached_input_tokens: u128::MAX,
+            ..Default::default()
+        };
+        let v = t.to_json();
+        assert_eq!(
+            v["cached_input_tokens"],
+            "340282366920938463463374607431768211455"
+        );
+        assert_eq!(v["input_tokens"], 0);
     }
 }

@@ -385,14 +385,7 @@ pub fn offer(
     to_hour: u64,
     limits: &ReconcileLimits,
 ) -> Result<Offer, StoreError> {
-    let all = store.digests(0, to_hour, None)?;
-    let (buckets, from_hour) = if all.len() > limits.buckets_max.max(1) {
-        let from = all[all.len() - limits.buckets_max.max(1)].0.hour;
-        let start = all.partition_point(|(b, _)| b.hour < from);
-        (all[start..].to_vec(), from)
-    } else {
-        (all, 0)
-    };
+    let (buckets, from_hour) = store.newest_digests(to_hour, limits.buckets_max)?;
     Ok(Offer {
         root: store.root()?,
         buckets,

@@ -793,6 +793,45 @@ impl ReadView for redb::ReadTransaction {
         }
         Ok(Some(out))
     }
+
+    fn newest_digests(
+        &self,
+        to_hour: u64,
+        max: usize,
+    ) -> Result<(Vec<(Bucket, Digest)>, u64), StoreError> {
+        let max = max.max(1);
+        let mut out = Vec::new();
+        let t = self.open_table(DIGESTS).map_err(backend)?;
+        // Backwards from the newest hour; once `max` are read, the rest of that hour.
+        let mut from = None;
+        for row in t.range(..(to_hour, "")).map_err(backend)?.rev() {
+            let (k, v) = row.map_err(backend)?;
+            let (hour, ten) = k.value();
+            if from.is_some_and(|f| hour < f) {
+                // Older buckets remain: there are more than `max`.
+                out.reverse();
+                return Ok((out, from.unwrap_or(0)));
+            }
+            let d = digest_of(&format!("({hour}, {ten:?})"), v.value())?;
+            out.push((
+                Bucket {
+                    hour,
+                    tenant: ten.to_string(),
+                },
+                d,
+            ));
+            if out.len() == max {
+                from = Some(hour);
+            }
+        }
+        out.reverse();
+        let from = if out.len() > max {
+            from.unwrap_or(0)
+        } else {
+            0
+        };
+        Ok((out, from))
+    }
 }
 
 impl Store for RedbStore {

@@ -108,6 +108,18 @@ pub trait Store: Send + Sync {
         out
     }
 
+    /// As [`ReadView::newest_digests`].
+    #[allow(clippy::type_complexity)]
+    fn newest_digests(
+        &self,
+        to_hour: u64,
+        max: usize,
+    ) -> Result<(Vec<(Bucket, Digest)>, u64), StoreError> {
+        let mut out = Ok((Vec::new(), 0));
+        self.read_view(&mut |v| out = v.newest_digests(to_hour, max))?;
+        out
+    }
+
     /// The root digest (the sum of every bucket's).
     fn root(&self) -> Result<Digest, StoreError>;
 
@@ -169,6 +181,29 @@ pub trait ReadView {
     ) -> Result<Option<Vec<(Bucket, Digest)>>, StoreError> {
         let all = self.digests(from_hour, to_hour, tenant)?;
         Ok((all.len() <= max).then_some(all))
+    }
+
+    /// The newest bucket digests before `to_hour`, in (hour, tenant) order, and the
+    /// hour they start at: all of them from hour 0 when there are at most `max` (at
+    /// least 1); else whole hours from the hour of the `max`-th newest, so at most
+    /// `max` plus the other tenants of that hour. (Reconciliation's offer: it was every
+    /// digest of the store, read and copied each round, and then cut.) The default
+    /// reads them all (fine for a store in memory); a store on disk reads backwards and
+    /// stops past the hour.
+    #[allow(clippy::type_complexity)]
+    fn newest_digests(
+        &self,
+        to_hour: u64,
+        max: usize,
+    ) -> Result<(Vec<(Bucket, Digest)>, u64), StoreError> {
+        let max = max.max(1);
+        let all = self.digests(0, to_hour, None)?;
+        if all.len() <= max {
+            return Ok((all, 0));
+        }
+        let from = all[all.len() - max].0.hour;
+        let start = all.partition_point(|(b, _)| b.hour < from);
+        Ok((all[start..].to_vec(), from))
     }
 }
 

@@ -46,9 +46,9 @@ impl Totals {
     pub fn to_json(&self) -> Value {
         json!({
             "requests": self.requests,
-            "input_tokens": self.input_tokens,
-            "cached_input_tokens": self.cached_input_tokens,
-            "output_tokens": self.output_tokens,
+            "input_tokens": crate::digest::exact_json(self.input_tokens),
+            "cached_input_tokens": crate::digest::exact_json(self.cached_input_tokens),
+            "output_tokens": crate::digest::exact_json(self.output_tokens),
         })
     }
 }
