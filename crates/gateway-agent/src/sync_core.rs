@@ -583,6 +583,25 @@ impl<K: Ord + Clone> SyncTracks<K> {
         }
     }
 
+    /// The last report's lines may not have reached the allocator (a message of it was
+    /// dropped at a full queue): every key it named is named again in the next report,
+    /// as if new to the stream. Its counters are cumulative, so a line that did arrive
+    /// and is sent again says nothing new. Without this a new key whose first line was
+    /// dropped went unnamed until its counts moved, and a rebase later took the dropped
+    /// line's values as the allocator's base, losing their demand.
+    pub fn unsend_last_report(&mut self) {
+        let now = self.last_poll_ns;
+        for (k, t) in self.tracks.iter_mut() {
+            if t.sent.is_some() && t.named_at == now {
+                t.sent = None;
+                if !t.dirty {
+                    t.dirty = true;
+                    self.dirty.push(k.clone());
+                }
+            }
+        }
+    }
+
     /// One track's line of a report read at `now`, if it has one; marks it sent.
     ///
     /// What full reports are for: an unchanged line is the allocator's sample of a key

@@ -310,6 +310,13 @@ impl<K: Ord + Clone> SyncSession<K> {
         out
     }
 
+    /// A report message from the last call was not sent (the driver's queue was
+    /// full): its keys are named again in the next report
+    /// ([`SyncTracks::unsend_last_report`]).
+    pub fn report_dropped(&mut self) {
+        self.tracks.unsend_last_report();
+    }
+
     /// Concurrency shrinks waiting for in-flight work to drain (a driver that does
     /// not tick keeps polling while there are any).
     pub fn draining(&self) -> usize {

@@ -710,3 +710,30 @@ fn a_grant_that_names_no_key_finds_it_by_the_handle_an_earlier_grant_gave() {
     t.new_stream();
     assert_eq!(t.key_of_handle(43), None);
 }
+
+/// A report message dropped at the client's full queue was counted as sent: a new
+/// key whose first line it held went unnamed until its counts moved. Its keys are
+/// named again in the next report now, new-key polls included.
+#[test]
+fn the_keys_of_a_dropped_report_are_named_again_in_the_next() {
+    let e = engine(RULES);
+    let mut buf = Vec::new();
+    let mut t: SyncTracks<String> = SyncTracks::new(0);
+    let (a, b) = ("org-rps/a".to_string(), "org-rps/b".to_string());
+    touch(&e, 0, "r1", &[("org", "a")]);
+    t.refresh(&e, 0, &mut buf, key_of);
+    assert_eq!(counted(&mut t, false), [(a.clone(), 1, 0, 0)]);
+    // Delivered. Then `b` is new, its report is made and dropped.
+    touch(&e, SEC / 4, "r2", &[("org", "b")]);
+    t.refresh(&e, SEC / 4, &mut buf, key_of);
+    assert_eq!(counted(&mut t, false), [(b.clone(), 1, 0, 0)]);
+    t.unsend_last_report();
+    // The next new-key poll names `b` again (and not `a`, delivered before).
+    t.refresh(&e, SEC / 2, &mut buf, key_of);
+    let mut only_new = Vec::new();
+    t.report(false, true, |l| only_new.push(l.key.clone()));
+    assert_eq!(only_new, [b]);
+    // Then nothing changed: nothing to say.
+    t.refresh(&e, 3 * SEC / 4, &mut buf, key_of);
+    assert!(counted(&mut t, false).is_empty());
+}

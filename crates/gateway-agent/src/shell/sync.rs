@@ -437,11 +437,13 @@ impl Client {
 
     /// Sends what the session asks for, in order; false if the stream closed.
     fn send_all(
-        &self,
+        &mut self,
         tx: &mpsc::Sender<pb::AgentMessage>,
         out: Vec<Outgoing<pb::KeyReport, TrackedKey>>,
     ) -> bool {
+        let mut report_dropped = false;
         for m in encode(out) {
+            let is_report = matches!(&m.msg, Some(pb::agent_message::Msg::Report(_)));
             let counter = match &m.msg {
                 Some(pb::agent_message::Msg::Ack(a)) => {
                     (&self.status.acks_sent, a.slices.len() as u64)
@@ -455,9 +457,15 @@ impl Client {
                 }
                 Err(mpsc::error::TrySendError::Full(_)) => {
                     self.status.dropped.fetch_add(1, Ordering::Relaxed);
+                    report_dropped |= is_report;
                 }
                 Err(mpsc::error::TrySendError::Closed(_)) => return false,
             }
+        }
+        if report_dropped {
+            // Its keys go again in the next report. (A dropped ack needs nothing: the
+            // next full report's held line tells the allocator the same.)
+            self.session.report_dropped();
         }
         true
     }
