@@ -723,3 +723,73 @@ fn requests_that_cost_their_rules_nothing_are_still_recorded() {
     ob.close();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// An answer the proxy cannot read (over --proxy-max-response-bytes) is charged the
+/// output its rules reserved. With a total-token rule and no output-token rule that
+/// fell back to the client's uncapped `max_tokens`, and for several choices without
+/// one to 2^40 tokens: the tenant was locked out by the debt and billed for them.
+#[test]
+fn an_unreadable_answer_under_a_total_token_rule_is_charged_the_capped_reservation() {
+    use bursar_agent::shell::outbox::{Outbox, OutboxConfig};
+    let seen = Seen::default();
+    let dir = std::env::temp_dir().join(format!("bursar-proxy-total-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let hash = bursar_agent::shell::proxy::key_hash_hex(KEY);
+    let rules = format!(
+        "[[rule]]\nname = \"org-tpm\"\nmatch = {{ org = \"*\" }}\ndimension = \"total_tokens\"\n\
+         rate = 1\nper = \"hour\"\nburst = 2400\nmax_output_tokens_cap = 800\n\n\
+         [[api_key]]\nsha256 = \"{hash}\"\ndescriptors = {{ org = \"acme\" }}\n"
+    );
+    let (agent, proxy) = start_rules(
+        &seen,
+        &rules,
+        &[
+            "--proxy-max-response-bytes",
+            "1024",
+            "--outbox-dir",
+            dir.to_str().unwrap(),
+            "--ledger",
+            "http://127.0.0.1:9",
+            "--agent-id",
+            "proxy-agent",
+        ],
+    );
+    for body in [
+        json!({"model": "huge", "n": 2, "messages": []}),
+        json!({"model": "huge", "max_tokens": 1_000_000, "messages": []}),
+    ] {
+        let r = chat_call(proxy, body);
+        assert_eq!(r.status, 502, "{}", r.body);
+    }
+    // The tenant is not locked out.
+    let r = chat_call(
+        proxy,
+        json!({"model": "gpt-4o", "max_tokens": 10, "messages": []}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    // What is left (~780 of 2,400) does not hold another 800: a 429 whose OpenAI error
+    // type says a token limit tripped.
+    let r = chat_call(
+        proxy,
+        json!({"model": "gpt-4o", "max_tokens": 1000, "messages": []}),
+    );
+    assert_eq!(r.status, 429, "{}", r.body);
+    let v: Value = serde_json::from_str(&r.body).unwrap();
+    assert_eq!(v["error"]["type"], "tokens", "{}", r.body);
+    assert_eq!(v["error"]["code"], "rate_limit_exceeded");
+    assert_eq!(agent.leases_drained(), 0);
+    drop(agent);
+    let ob = Outbox::open(OutboxConfig::new(dir.clone(), 1)).expect("reopen the outbox");
+    let events = ob.read_after(0, 10).expect("read");
+    let bodies: Vec<String> = events
+        .iter()
+        .map(|(_, e)| format!("{:?}", e.body))
+        .collect();
+    assert_eq!(bodies.len(), 3, "{bodies:?}");
+    for b in &bodies[..2] {
+        assert!(b.contains("UpstreamError"), "{b}");
+        assert!(b.contains("output_tokens: 800 "), "the rule's cap: {b}");
+    }
+    ob.close();
+    let _ = std::fs::remove_dir_all(&dir);
+}

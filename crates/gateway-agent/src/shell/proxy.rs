@@ -594,6 +594,8 @@ async fn handle(State(p): State<Arc<Proxy>>, req: Request, kind: Kind) -> Respon
             }
         }
     }
+    // What the client asked for, for a charge no rule's reservation bounds (below).
+    let asked_out = max_out.map_or(0, |m| m.saturating_mul(choices).min(MAX_COST));
     let max_out = match (max_out, choices) {
         (m, 1) => m,
         (Some(m), c) => Some(m.saturating_mul(c).min(MAX_COST)),
@@ -678,7 +680,14 @@ async fn handle(State(p): State<Arc<Proxy>>, req: Request, kind: Kind) -> Respon
     let hs = headers::for_decision(&p.agent.engine, &d);
     if let Decision::Rejected(r) = &d {
         p.agent.counters.rejected.fetch_add(1, Ordering::Relaxed);
-        let rule = p.agent.engine.rules().rules()[r.rule].name.clone();
+        let rules = p.agent.engine.rules();
+        let tripped = &rules.rules()[r.rule];
+        let rule = tripped.name.clone();
+        // OpenAI's 429s say which kind of limit: "tokens" for a token limit.
+        let limit_type = match tripped.dimension {
+            Dimension::InputTokens | Dimension::OutputTokens | Dimension::TotalTokens => "tokens",
+            Dimension::Requests | Dimension::Concurrency => "requests",
+        };
         let no_budget = headers::no_budget(&d);
         let resp = match r.reason {
             RejectReason::NeverFits { cost, burst } => openai_error(
@@ -701,7 +710,7 @@ async fn handle(State(p): State<Arc<Proxy>>, req: Request, kind: Kind) -> Respon
                 } else {
                     openai_error(
                         StatusCode::TOO_MANY_REQUESTS,
-                        "requests",
+                        limit_type,
                         "rate_limit_exceeded",
                         &format!("rate limit {rule} reached; retry in {retry}"),
                     )
@@ -716,13 +725,22 @@ async fn handle(State(p): State<Arc<Proxy>>, req: Request, kind: Kind) -> Respon
         return with_headers(resp, &hs);
     }
     p.agent.counters.admitted.fetch_add(1, Ordering::Relaxed);
+    // The output the rules reserved: an output-token limit's cost, or a total-token
+    // limit's past the input. Only when no rule counts output, what the client asked
+    // for (0 without `max_tokens`). Before, a total-token rule alone fell back to the
+    // uncapped `max_tokens`, and without one to `MAX_COST` for several choices: an
+    // answer the proxy could not read charged 2^40 output tokens (the tenant locked
+    // out by debt, and billed for them).
     let reserved_output = d
         .limits()
         .iter()
-        .filter(|l| l.dimension == Dimension::OutputTokens)
-        .map(|l| l.cost)
+        .filter_map(|l| match l.dimension {
+            Dimension::OutputTokens => Some(l.cost),
+            Dimension::TotalTokens => Some(l.cost.saturating_sub(input)),
+            _ => None,
+        })
         .max()
-        .unwrap_or(max_out.unwrap_or(0));
+        .unwrap_or(asked_out);
     let ttl_ms = p.agent.engine.config().lease_ttl_ms;
     let mut settle = Settle {
         agent: Arc::clone(&p.agent),
