@@ -107,17 +107,22 @@ struct ServeArgs {
     /// Upstream base URL for the proxy, plain HTTP, e.g. http://127.0.0.1:8000.
     #[arg(long, requires = "proxy_listen")]
     proxy_upstream: Option<String>,
-    /// Time the proxy allows a client to send its request body (408 after).
-    #[arg(long, default_value_t = 30_000)]
+    /// Time the proxy allows a client to send its request body (408 after; 1 ms to 1
+    /// day).
+    #[arg(long, default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(1..=86_400_000))]
     proxy_body_timeout_ms: u64,
-    /// Time the proxy allows the upstream to answer with its response head (504 after).
-    #[arg(long, default_value_t = 60_000)]
+    /// Time the proxy allows the upstream to answer with its response head (504 after,
+    /// and the reservation comes back; 1 ms to 1 day). An upstream sends a
+    /// non-streamed answer's head only once the whole answer is generated: raise this
+    /// for models that take longer (reasoning models), or have clients stream.
+    #[arg(long, default_value_t = 60_000, value_parser = clap::value_parser!(u64).range(1..=86_400_000))]
     proxy_upstream_timeout_ms: u64,
     /// Longest silence the proxy allows the upstream once it has answered, between two
     /// chunks of its body (a stream's tokens included); then the request is settled as
-    /// broken off (504, or the stream ends with an error) and its reservation comes
-    /// back. Raise it for models that think for minutes before a non-streamed body.
-    #[arg(long, default_value_t = 120_000)]
+    /// broken off: 504, charged the output reserved, or for a stream an error at its
+    /// end, charged what was generated (1 ms to 1 day). Raise it for models that pause
+    /// for minutes within a stream (reasoning before the first token).
+    #[arg(long, default_value_t = 120_000, value_parser = clap::value_parser!(u64).range(1..=86_400_000))]
     proxy_idle_timeout_ms: u64,
     /// Largest non-streamed upstream response the proxy reads (streams pass through
     /// unbounded). A larger one is answered 502 and charged its prompt estimate and

@@ -793,3 +793,22 @@ fn an_unreadable_answer_under_a_total_token_rule_is_charged_the_capped_reservati
     ob.close();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A timeout of 0 was accepted, and `--proxy-idle-timeout-ms 0` cut every stream
+/// that was not ready at once: each is refused at start with the flag named.
+#[test]
+fn proxy_timeouts_of_zero_are_refused_with_the_flag_named() {
+    for flag in [
+        "--proxy-body-timeout-ms",
+        "--proxy-upstream-timeout-ms",
+        "--proxy-idle-timeout-ms",
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_bursar-agent"))
+            .args(["--http", "127.0.0.1:0", flag, "0"])
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{flag} 0 must be refused");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(flag), "{flag}: {err}");
+    }
+}
