@@ -265,6 +265,10 @@ fn serve(args: ServeArgs) -> Result<()> {
                     reload(&handle, "SIGHUP").await;
                 }
                 _ = watch.changed() => reload(&handle, "the rules file changed").await,
+                _ = handle.core_stopped() => {
+                    eprintln!("bursar-allocator: the core task stopped; exiting");
+                    std::process::exit(1);
+                }
             }
         }
         eprintln!("bursar-allocator: shutting down");
@@ -397,6 +401,10 @@ fn serve_elected(args: ServeArgs, mut rules: Config, seen: Option<Vec<u8>>) -> R
                     reload(&handle, "SIGHUP").await;
                 }
                 _ = watch.changed() => reload(&handle, "the rules file changed").await,
+                _ = handle.core_stopped() => {
+                    eprintln!("bursar-allocator: the core task stopped; exiting");
+                    std::process::exit(1);
+                }
             }
         }
         eprintln!("bursar-allocator: shutting down");

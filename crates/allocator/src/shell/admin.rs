@@ -51,11 +51,24 @@ impl Admin {
 /// The admin router.
 pub fn router(admin: Arc<Admin>) -> Router {
     Router::new()
-        .route("/healthz", get(|| async { "ok" }))
+        .route("/healthz", get(healthz))
         .route("/v1/keys", get(keys))
         .route("/v1/status", get(status))
         .route("/v1/admin/reload", post(reload))
         .with_state(admin)
+}
+
+/// 200 while the core task runs; 503 once it stopped (a panic in it).
+async fn healthz(State(admin): State<Arc<Admin>>) -> Response {
+    if admin.inputs.is_closed() {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the core task has stopped\n",
+        )
+            .into_response()
+    } else {
+        "ok".into_response()
+    }
 }
 
 fn json_response(v: Value) -> Response {

@@ -280,7 +280,7 @@ impl Driver {
             e,
             AllocError::StaleReport { .. } | AllocError::StaleTerm { .. }
         ) {
-            let msg = format!("{what} from {agent:?}: {e}");
+            let msg = bounded_note(&format!("{what} from {agent:?}: {e}"));
             eprintln!("bursar-allocator: {msg}");
             self.last_error = Some(msg);
         }
@@ -600,7 +600,13 @@ impl Driver {
                 // `Disconnect` finds no route after this, and a hello whose handler was
                 // cancelled started no reader at all), or it would count the agent
                 // connected, and grow its grants, for up to a lease.
-                self.routes.remove(&agent);
+                // Its reports still queued are read no further either: one handled
+                // after this marked the agent connected again, and its `Disconnect`
+                // then found no route, so the core never heard it go (the id never
+                // evicted, a restart refused as a duplicate, grants sent nowhere).
+                if let Some(r) = self.routes.remove(&agent) {
+                    self.conns.remove(&r.conn);
+                }
                 let now = self.clock.now_ns();
                 let _ = self.core.handle_disconnect(now, &agent);
             } else if dropped {
@@ -666,9 +672,105 @@ pub fn grant_to_pb(g: &GrantRef<'_>) -> pb::Grant {
     }
 }
 
+/// Longest refusal note logged and kept as `last_error`, in bytes.
+const NOTE_MAX: usize = 1024;
+
+/// `msg` cut to [`NOTE_MAX`] bytes (at a character boundary) with the length it had:
+/// a refusal names what the agent sent (its id, key names), up to 4 MiB, and
+/// in its debug form up to five times that, written to stderr from the core task for
+/// every such message.
+fn bounded_note(msg: &str) -> String {
+    if msg.len() <= NOTE_MAX {
+        return msg.to_string();
+    }
+    let mut end = NOTE_MAX;
+    while !msg.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}... ({} bytes in all)", &msg[..end], msg.len())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A grant that found its agent's stream closed removed the route but left the
+    /// stream readable: a report of it handled after that marked the agent connected
+    /// again, and its Disconnect then found no route, so the core never heard it go (a
+    /// restart was refused as a duplicate for `agent_silence_ms`). The stream is read
+    /// no further now.
+    #[test]
+    fn a_stream_found_closed_by_a_grant_is_read_no_further() {
+        use crate::testing::{hello, key, line, report, warm_allocator};
+        let clock = crate::shell::ShellClock {
+            start: std::time::Instant::now() - std::time::Duration::from_secs(100),
+        };
+        let now = clock.now_ns();
+        let gate = Arc::new(Gate::new(1 << 20, 4, 4, std::time::Duration::from_secs(10)));
+        let mut d = Driver::new(warm_allocator(1, now), clock, "v".into(), 100, None, gate);
+        let (tx, rx) = mpsc::channel(64);
+        let (reply, _answer) = oneshot::channel();
+        d.handle(Input::Hello {
+            conn: 1,
+            hello: hello("a", 1, now),
+            tx,
+            reply,
+            charge: Charge::NONE,
+        });
+        assert_eq!(d.counters.hellos, 1);
+        drop(rx);
+        let rep = |t: u64, n: u64| Input::Report {
+            conn: 1,
+            report: report("a", 1, t, vec![line(key("rps", "x"), 0, n, None)]),
+            charge: Charge::NONE,
+        };
+        d.handle(rep(now + 1, 5));
+        let t0 = std::time::Instant::now();
+        while d.core.pending_grants() == 0 {
+            assert!(t0.elapsed().as_secs() < 5, "no grant");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+            d.core.handle_timeout(d.clock.now_ns());
+        }
+        d.route();
+        assert!(
+            d.counters.grants_dropped > 0,
+            "the grant found the stream closed"
+        );
+        // A report of that stream still queued, then its Disconnect.
+        d.handle(rep(now + 2, 9));
+        d.handle(Input::Disconnect {
+            conn: 1,
+            agent: "a".into(),
+        });
+        // The agent is gone to the core: its restart (a new incarnation) is welcomed.
+        let (tx2, _rx2) = mpsc::channel(64);
+        let (reply2, answer2) = oneshot::channel();
+        d.handle(Input::Hello {
+            conn: 2,
+            hello: hello("a", 2, d.clock.now_ns()),
+            tx: tx2,
+            reply: reply2,
+            charge: Charge::NONE,
+        });
+        let r = answer2.blocking_recv().unwrap();
+        assert!(r.is_ok(), "{r:?}");
+    }
+
+    /// A refusal's note named the agent's id in debug form: a 4 MiB id of control
+    /// bytes wrote ~20 MiB to stderr from the core task per hello, and kept it as
+    /// `last_error`. Notes are cut to 1 KiB, at a character boundary.
+    #[test]
+    fn a_refusal_note_is_cut_to_a_kib() {
+        let id = "\u{1}é".repeat(2 << 20);
+        let note = bounded_note(&format!("hello from {id:?}: invalid agent id"));
+        assert!(note.len() <= NOTE_MAX + 40, "{}", note.len());
+        assert!(
+            note.ends_with("bytes in all)"),
+            "{}",
+            &note[note.len() - 40..]
+        );
+        assert_eq!(bounded_note("short"), "short");
+    }
 
     fn named(values: usize) -> pb::Grant {
         pb::Grant {

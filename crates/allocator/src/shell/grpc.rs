@@ -493,8 +493,10 @@ impl pb::allocator_server::Allocator for Service {
                         }
                     }
                     Err(status) => {
+                        // Without waiting: a peer that does not read would hold this
+                        // reader, its stream and its Disconnect for ever.
                         if let Some(tx) = weak.upgrade() {
-                            let _ = tx.send(Err(status)).await;
+                            let _ = tx.try_send(Err(status));
                         }
                         break;
                     }

@@ -257,6 +257,14 @@ impl Handle {
     pub async fn reload(&self) -> Option<Result<driver::Reloaded, String>> {
         reload_via(&self.inputs, self.rules_path.as_deref()).await
     }
+
+    /// Resolves once the core task has stopped: after a shutdown, or a panic in it.
+    /// The binary exits then, unless it is shutting down: a process whose core died
+    /// kept serving (every hello refused, `/healthz` fine, and in etcd mode its
+    /// leadership renewed, so no standby took over).
+    pub async fn core_stopped(&self) {
+        self.inputs.closed().await
+    }
 }
 
 /// Reads, parses and validates the rules file at `path` for a reload. Errors name the
@@ -508,6 +516,47 @@ mod tests {
         let p = std::env::temp_dir().join(format!("bursar-reload-{}-{name}", std::process::id()));
         std::fs::write(&p, text).unwrap();
         p
+    }
+
+    /// The status line of `GET path` on `addr`.
+    async fn get_status(addr: SocketAddr, path: &str) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+        c.write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await
+        .unwrap();
+        let mut out = String::new();
+        c.read_to_string(&mut out).await.unwrap();
+        out.lines().next().unwrap_or("").to_string()
+    }
+
+    /// A core task that died (a panic: its input receiver goes with it) left the
+    /// process serving with `/healthz` fine, and the binary never noticed. The handle
+    /// now resolves `core_stopped` (the binary exits on it) and `/healthz` is 503.
+    #[tokio::test]
+    async fn a_core_that_stopped_is_seen_by_the_handle_and_healthz() {
+        let (tx, rx) = mpsc::channel::<driver::Input>(4);
+        let handle = Handle {
+            inputs: tx.clone(),
+            rules_path: None,
+        };
+        let app = admin::router(Arc::new(admin::Admin::new(tx, None)));
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(l, app).await });
+        assert!(get_status(addr, "/healthz").await.contains("200"));
+        let core = tokio::spawn(async move {
+            let _inputs = rx;
+            panic!("a bug in the core");
+        });
+        assert!(core.await.unwrap_err().is_panic());
+        tokio::time::timeout(Duration::from_secs(5), handle.core_stopped())
+            .await
+            .expect("the handle sees the core stop");
+        let st = get_status(addr, "/healthz").await;
+        assert!(st.contains("503"), "{st}");
     }
 
     #[test]
