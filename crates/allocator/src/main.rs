@@ -389,7 +389,10 @@ fn serve_elected(args: ServeArgs, mut rules: Config, seen: Option<Vec<u8>>) -> R
         let ttl_s = args.election_ttl_s;
         tokio::spawn(async move {
             let _ = lost.wait_for(|l| *l).await;
-            eprintln!("bursar-allocator: etcd lease not renewed for {ttl_s} s: stepping down");
+            eprintln!(
+                "bursar-allocator: leadership lost (the etcd lease not renewed within {ttl_s} s, \
+                 or etcd names another leader): stepping down"
+            );
             std::process::exit(1);
         });
         loop {

@@ -203,3 +203,60 @@ async fn a_standby_redirects_takes_over_with_a_higher_term_and_a_cut_off_leader_
     };
     assert_eq!(status.code(), Some(1), "stepping down exits 1");
 }
+
+/// The leader trusted only its lease: with its leader key resigned (or deleted by an
+/// operator) while the lease lived, the standby won with a higher term and both
+/// granted. The leader now asks etcd who leads every third of a TTL and steps down
+/// (exit 1) once it is not named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_whose_key_is_gone_steps_down_while_its_lease_lives() {
+    use bursar_proto::etcd::v3electionpb::{
+        LeaderKey, LeaderRequest, ResignRequest, election_client::ElectionClient,
+    };
+    let etcd = Etcd::start();
+    let mut a = replica(&etcd.url);
+    let a_lead = a.line("bursar-allocator listening:", Duration::from_secs(20));
+    let a_term: u64 = field(&a_lead, "term=").parse().unwrap();
+    let b = replica(&etcd.url);
+    b.line("bursar-allocator standby:", Duration::from_secs(20));
+    let mut c = ElectionClient::connect(etcd.url.clone()).await.unwrap();
+    let name = b"bursar/allocator".to_vec();
+    let kv = c
+        .leader(LeaderRequest { name: name.clone() })
+        .await
+        .expect("a leader")
+        .into_inner()
+        .kv
+        .expect("its key");
+    c.resign(ResignRequest {
+        leader: Some(LeaderKey {
+            name,
+            key: kv.key,
+            rev: kv.create_revision,
+            lease: kv.lease,
+        }),
+    })
+    .await
+    .expect("resigned");
+    let resigned = Instant::now();
+    // B wins at once (A's lease still lives); A must step down within a TTL.
+    let b_lead = b.line("bursar-allocator listening:", Duration::from_secs(15));
+    let b_term: u64 = field(&b_lead, "term=").parse().unwrap();
+    assert!(b_term > a_term, "{a_term} then {b_term}");
+    let end = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(s) = a.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            Instant::now() < end,
+            "the old leader must step down once etcd names another"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(status.code(), Some(1));
+    eprintln!(
+        "the old leader stepped down {:?} after its key was resigned (TTL 2 s)",
+        resigned.elapsed()
+    );
+}

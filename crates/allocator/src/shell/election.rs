@@ -62,7 +62,9 @@ pub struct Election {
 pub struct Leadership {
     /// The term: the leader key's revision.
     pub term: u64,
-    /// Turns true when the lease could not be renewed for a whole TTL.
+    /// Turns true when the lease could not be renewed for two thirds of a TTL, or
+    /// etcd names another leader (the leader key was deleted or resigned while the
+    /// lease lived, and another replica won).
     pub lost: watch::Receiver<bool>,
 }
 
@@ -130,12 +132,13 @@ impl Election {
             .into_inner()
             .id;
         let (lost_tx, lost) = watch::channel(false);
+        let lost_tx = Arc::new(lost_tx);
         tokio::spawn(keep_alive(
             leases,
             lease,
             Duration::from_secs(self.ttl_s as u64),
             granted,
-            lost_tx,
+            Arc::clone(&lost_tx),
         ));
         let mut c = ElectionClient::new(self.channel.clone());
         let won = c
@@ -150,7 +153,16 @@ impl Election {
                 status,
             })?
             .into_inner();
-        let rev = won.leader.map_or(0, |l| l.rev);
+        let rev = won.leader.as_ref().map_or(0, |l| l.rev);
+        if let Some(key) = won.leader.map(|l| l.key) {
+            tokio::spawn(watch_leader(
+                ElectionClient::new(self.channel.clone()),
+                self.name.clone(),
+                key,
+                Duration::from_secs(self.ttl_s as u64) / 3,
+                lost_tx,
+            ));
+        }
         Ok(Leadership {
             term: u64::try_from(rev).unwrap_or(0).max(1),
             lost,
@@ -173,7 +185,7 @@ async fn keep_alive(
     lease: i64,
     ttl: Duration,
     granted: Instant,
-    lost: watch::Sender<bool>,
+    lost: Arc<watch::Sender<bool>>,
 ) {
     let every = ttl / 3;
     let safe = ttl - ttl / 3;
@@ -217,6 +229,36 @@ async fn keep_alive(
         }
     }
     let _ = lost.send(true);
+}
+
+/// Asks etcd who leads every `every` (a third of the TTL); signals `lost` once it names
+/// a leader key other than `ours`, or none. The lease alone kept a leader whose key
+/// was deleted or resigned (an operator's `etcdctl del`) serving while another replica
+/// won with a higher term: two leaders granting the whole limit to different agents.
+/// A failed call signals nothing: an unreachable etcd is the lease keeper's to judge.
+async fn watch_leader(
+    mut c: ElectionClient<Channel>,
+    name: Vec<u8>,
+    ours: Vec<u8>,
+    every: Duration,
+    lost: Arc<watch::Sender<bool>>,
+) {
+    loop {
+        tokio::time::sleep(every).await;
+        if *lost.borrow() {
+            return;
+        }
+        let call = c.leader(LeaderRequest { name: name.clone() });
+        let leader = match tokio::time::timeout(every, call).await {
+            Ok(Ok(r)) => r.into_inner().kv.map(|kv| kv.key),
+            Ok(Err(s)) if s.message().contains("no leader") => None,
+            _ => continue,
+        };
+        if leader.as_deref() != Some(ours.as_slice()) {
+            let _ = lost.send(true);
+            return;
+        }
+    }
 }
 
 /// What a replica that is not the leader serves on the agents' port: every stream is
