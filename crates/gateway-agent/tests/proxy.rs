@@ -157,6 +157,32 @@ async fn chat(seen: Seen, body: Bytes) -> Response {
         }
         return json_response(out).into_response();
     }
+    // split-stream: three tokens and a usage chunk (50 output tokens), every event
+    // cut across several 5-byte chunks.
+    if model == "split-stream" {
+        let mut body = String::new();
+        for _ in 0..3 {
+            let d = json!({"choices": [{"index": 0, "delta": {"content": "tok "}}]});
+            body.push_str(&format!("data: {d}\n\n"));
+        }
+        let u = json!({"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 50, "total_tokens": 62}});
+        body.push_str(&format!("data: {u}\n\ndata: [DONE]\n\n"));
+        let pieces: Vec<Result<Bytes, std::io::Error>> = body
+            .into_bytes()
+            .chunks(5)
+            .map(|c| Ok(Bytes::copy_from_slice(c)))
+            .collect();
+        return Response::builder()
+            .header("content-type", "text/event-stream")
+            .body(Body::from_stream(futures_util::StreamExt::then(
+                futures_util::stream::iter(pieces),
+                |p| async move {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                    p
+                },
+            )))
+            .unwrap();
+    }
     // slow-stream: 100 chunks 100 ms apart; long-stream: 20 (two seconds).
     let slow = model == "slow-stream" || model == "long-stream";
     let usage = include_usage && model != "no-usage";
@@ -277,6 +303,39 @@ fn a_stream_passes_through_and_is_settled_from_its_final_usage_chunk() {
     );
     let left = remaining_tokens(&r);
     assert!((697..=700).contains(&left), "{left}");
+    assert_eq!(agent.leases_drained(), 0);
+}
+
+/// SSE events cut across chunks (5 bytes each, 1 ms apart, so that they reach the
+/// proxy apart) are read whole: the usage chunk's 50 output tokens are what is charged.
+#[test]
+fn a_stream_whose_events_are_cut_across_chunks_is_settled_from_its_usage() {
+    let seen = Seen::default();
+    // A slow refill: the cut stream takes a few hundred ms.
+    let hash = bursar_agent::shell::proxy::key_hash_hex(KEY);
+    let rules = format!(
+        "[[rule]]\nname = \"org-otpm\"\nmatch = {{ org = \"*\" }}\ndimension = \"output_tokens\"\n\
+         rate = 600\nper = \"hour\"\nburst = 1000\nmax_output_tokens_default = 300\n\n\
+         [[api_key]]\nsha256 = \"{hash}\"\ndescriptors = {{ org = \"acme\" }}\n"
+    );
+    let (agent, proxy) = start_rules(&seen, &rules, &[]);
+    let r = chat_call(
+        proxy,
+        json!({"model": "split-stream", "stream": true, "max_tokens": 400,
+               "messages": [{"role": "user", "content": "hi"}]}),
+    );
+    // (The body comes in HTTP chunks as small as the upstream's: this client does not
+    // undo the chunked framing, so the events are not matched here.)
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(agent.leases_drained(), 0);
+    // 50 output tokens used: the next reservation (default 300) leaves ~650 (text
+    // counting would have charged ~6, a lost usage chunk 0).
+    let r = chat_call(
+        proxy,
+        json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}),
+    );
+    let left = remaining_tokens(&r);
+    assert!((650..=651).contains(&left), "{left}");
     assert_eq!(agent.leases_drained(), 0);
 }
 
