@@ -183,6 +183,37 @@ async fn chat(seen: Seen, body: Bytes) -> Response {
             )))
             .unwrap();
     }
+    // json-anyway: a stream asked for, a whole JSON answer given, with its usage.
+    if model == "json-anyway" {
+        return json_response(json!({
+            "id": "c-1", "object": "chat.completion", "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "tok tok tok"}}],
+            "usage": {"prompt_tokens": 12, "completion_tokens": 40, "total_tokens": 52}
+        }))
+        .into_response();
+    }
+    // early-usage-cut: a usage chunk that counts the prompt alone, three tokens, then
+    // the upstream breaks off.
+    if model == "early-usage-cut" {
+        let u = json!({"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 0, "total_tokens": 12}});
+        let mut events: Vec<Result<Bytes, std::io::Error>> =
+            vec![Ok(Bytes::from(format!("data: {u}\n\n")))];
+        for _ in 0..3 {
+            let d = json!({"choices": [{"index": 0, "delta": {"content": "tok "}}]});
+            events.push(Ok(Bytes::from(format!("data: {d}\n\n"))));
+        }
+        events.push(Err(std::io::Error::other("the upstream broke off")));
+        return Response::builder()
+            .header("content-type", "text/event-stream")
+            .body(Body::from_stream(futures_util::StreamExt::then(
+                futures_util::stream::iter(events),
+                |e| async move {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    e
+                },
+            )))
+            .unwrap();
+    }
     // slow-stream: 100 chunks 100 ms apart; long-stream: 20 (two seconds).
     let slow = model == "slow-stream" || model == "long-stream";
     let usage = include_usage && model != "no-usage";
@@ -303,6 +334,69 @@ fn a_stream_passes_through_and_is_settled_from_its_final_usage_chunk() {
     );
     let left = remaining_tokens(&r);
     assert!((697..=700).contains(&left), "{left}");
+    assert_eq!(agent.leases_drained(), 0);
+}
+
+/// An upstream that ignores `stream: true` and answers with one JSON body: its usage
+/// (40 output tokens) is charged, not 0 (the SSE tap found no events in it).
+#[test]
+fn a_whole_json_answer_to_a_stream_request_is_settled_from_its_usage() {
+    let seen = Seen::default();
+    let hash = bursar_agent::shell::proxy::key_hash_hex(KEY);
+    let rules = format!(
+        "[[rule]]\nname = \"org-otpm\"\nmatch = {{ org = \"*\" }}\ndimension = \"output_tokens\"\n\
+         rate = 600\nper = \"hour\"\nburst = 1000\nmax_output_tokens_default = 300\n\n\
+         [[api_key]]\nsha256 = \"{hash}\"\ndescriptors = {{ org = \"acme\" }}\n"
+    );
+    let (agent, proxy) = start_rules(&seen, &rules, &[]);
+    let r = chat_call(
+        proxy,
+        json!({"model": "json-anyway", "stream": true, "max_tokens": 400,
+               "messages": [{"role": "user", "content": "hi"}]}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(
+        r.body.contains("chat.completion"),
+        "passed through: {}",
+        r.body
+    );
+    assert_eq!(agent.leases_drained(), 0);
+    let r = chat_call(
+        proxy,
+        json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}),
+    );
+    let left = remaining_tokens(&r);
+    assert!((660..=661).contains(&left), "1000 - 40 - 300: {left}");
+    assert_eq!(agent.leases_drained(), 0);
+}
+
+/// A stream cut short after an early usage chunk (the prompt alone, 0 output) was
+/// settled at 0 output tokens though three were streamed: the text streamed is now the
+/// floor of what a stream that did not end is charged.
+#[test]
+fn a_stream_cut_after_an_early_usage_chunk_is_charged_the_text_streamed() {
+    let seen = Seen::default();
+    let hash = bursar_agent::shell::proxy::key_hash_hex(KEY);
+    let rules = format!(
+        "[[rule]]\nname = \"org-otpm\"\nmatch = {{ org = \"*\" }}\ndimension = \"output_tokens\"\n\
+         rate = 600\nper = \"hour\"\nburst = 1000\nmax_output_tokens_default = 300\n\n\
+         [[api_key]]\nsha256 = \"{hash}\"\ndescriptors = {{ org = \"acme\" }}\n"
+    );
+    let (agent, proxy) = start_rules(&seen, &rules, &[]);
+    let _ = chat_call(
+        proxy,
+        json!({"model": "early-usage-cut", "stream": true, "max_tokens": 400,
+               "messages": [{"role": "user", "content": "hi"}]}),
+    );
+    assert_eq!(agent.leases_drained(), 0);
+    // "tok tok tok " is 12 bytes, estimated at 2 bytes a token for an unknown model:
+    // 6 tokens; the next reservation (default 300) leaves ~694 (0 charged: 700).
+    let r = chat_call(
+        proxy,
+        json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}),
+    );
+    let left = remaining_tokens(&r);
+    assert!((694..=695).contains(&left), "{left}");
     assert_eq!(agent.leases_drained(), 0);
 }
 

@@ -379,11 +379,21 @@ impl Settle {
             return;
         }
         self.done = true;
-        let usage = self.usage.unwrap_or_else(|| Usage {
-            input_tokens: self.input,
-            cached_input_tokens: 0,
-            output_tokens: count_tokens(&self.model, &self.text),
-        });
+        let usage = match self.usage {
+            // Cut short (the client gone, the upstream broken off) after a usage chunk:
+            // that chunk may have counted less than was streamed (an early one counts
+            // the prompt alone), so the text streamed is the floor of the output.
+            Some(mut u) if status != CompletionStatus::Ok && !self.text.is_empty() => {
+                u.output_tokens = u.output_tokens.max(count_tokens(&self.model, &self.text));
+                u
+            }
+            Some(u) => u,
+            None => Usage {
+                input_tokens: self.input,
+                cached_input_tokens: 0,
+                output_tokens: count_tokens(&self.model, &self.text),
+            },
+        };
         let _ = self
             .agent
             .engine
@@ -849,7 +859,11 @@ async fn handle(State(p): State<Arc<Proxy>>, req: Request, kind: Kind) -> Respon
         let r = (status, [("content-type", content_type)], text).into_response();
         return with_headers(r, &hs);
     }
-    if !stream {
+    // An upstream that ignores `stream: true` and answers with a whole JSON body is
+    // read as one (its usage counts): through the SSE tap it found no events and was
+    // settled at 0 output.
+    let answered_whole = stream && content_type.starts_with("application/json");
+    if !stream || answered_whole {
         let mut buf = Vec::new();
         let mut s = upstream.bytes_stream();
         let idle = p.cfg.upstream_idle_timeout;
