@@ -183,6 +183,31 @@ async fn chat(seen: Seen, body: Bytes) -> Response {
             )))
             .unwrap();
     }
+    // flood-stream: 32 MiB of SSE comment lines at once (more than the sockets and
+    // the proxy buffer), then a token every 100 ms for 3 s, then [DONE].
+    if model == "flood-stream" {
+        let comment = Bytes::from(format!(": {}\n", "x".repeat((1 << 20) - 3)));
+        let flood = futures_util::stream::iter((0..32).map(move |_| Ok(comment.clone())));
+        let trickle = futures_util::stream::unfold(0u32, |i| async move {
+            if i > 30 {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let d = if i == 30 {
+                "data: [DONE]\n\n".to_string()
+            } else {
+                let d = json!({"choices": [{"index": 0, "delta": {"content": "tok "}}]});
+                format!("data: {d}\n\n")
+            };
+            Some((Ok::<_, std::io::Error>(Bytes::from(d)), i + 1))
+        });
+        return Response::builder()
+            .header("content-type", "text/event-stream")
+            .body(Body::from_stream(futures_util::StreamExt::chain(
+                flood, trickle,
+            )))
+            .unwrap();
+    }
     // json-anyway: a stream asked for, a whole JSON answer given, with its usage.
     if model == "json-anyway" {
         return json_response(json!({
@@ -800,6 +825,48 @@ fn a_stream_longer_than_the_lease_ttl_keeps_its_lease() {
     let r = reader.join().expect("reader");
     assert_eq!(r.status, 200);
     assert!(r.body.contains("[DONE]"));
+    assert_eq!(agent.leases_drained(), 0);
+}
+
+/// A client that stops reading a stream: its body is not polled, and the lease was
+/// extended only from the body's polls, so it expired after the TTL while the upstream
+/// connection stayed open (its concurrency slot and reservation given back). A task
+/// now keeps it while the request is in flight; the client gone, it is settled.
+#[test]
+fn a_client_that_stops_reading_a_stream_keeps_its_lease_until_it_goes() {
+    use std::io::{Read, Write};
+    let seen = Seen::default();
+    let rules = format!("[engine]\nlease_ttl_ms = 600\n{}", rules());
+    let (agent, proxy) = start_rules(&seen, &rules, &[]);
+    let body = json!({"model": "flood-stream", "stream": true, "max_tokens": 500, "messages": []})
+        .to_string();
+    let mut c = std::net::TcpStream::connect(proxy).unwrap();
+    write!(
+        c,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut head = [0u8; 4096];
+    let n = c.read(&mut head).unwrap();
+    assert!(String::from_utf8_lossy(&head[..n]).starts_with("HTTP/1.1 200"));
+    // Reads nothing more for 2 s, over three TTLs.
+    for _ in 0..8 {
+        std::thread::sleep(Duration::from_millis(250));
+        assert_eq!(
+            agent.leases_in_flight(),
+            1,
+            "the lease expired while in flight"
+        );
+    }
+    // Gone: settled (as the client gone), nothing left in flight.
+    drop(c);
+    let t0 = std::time::Instant::now();
+    while agent.leases_in_flight() != 0 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "not settled");
+        std::thread::sleep(Duration::from_millis(50));
+    }
     assert_eq!(agent.leases_drained(), 0);
 }
 

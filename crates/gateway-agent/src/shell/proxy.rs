@@ -364,6 +364,9 @@ struct Settle {
     keep_every: Duration,
     /// Engine time of the last extension (or the admission).
     kept_at_ns: u64,
+    /// Held while this request is in flight: a stream's keeper task
+    /// ([`Settle::keep_while_alive`]) holds it weakly.
+    alive: Arc<()>,
 }
 
 /// Generated text kept for counting when the upstream reports no usage.
@@ -425,6 +428,36 @@ impl Settle {
             // Not live (expired or settled): nothing to keep.
             let _ = self.agent.engine.extend(now, &self.id, None);
         }
+    }
+}
+
+impl Settle {
+    /// Extends the lease every third of the TTL from a task of its own, for as long
+    /// as this guard lives and the lease is live. A stream's body is polled only when
+    /// its client reads: one that stopped reading let the lease expire, giving back
+    /// its concurrency slot and reservation while the upstream connection stayed open
+    /// (a tenant past its `max_in_flight` by opening streams and not reading them).
+    fn keep_while_alive(&self) {
+        let alive = Arc::downgrade(&self.alive);
+        let agent = Arc::clone(&self.agent);
+        let id = self.id.clone();
+        let every = self.keep_every;
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                if alive.upgrade().is_none() {
+                    return;
+                }
+                if agent
+                    .engine
+                    .extend(agent.clock.now_ns(), &id, None)
+                    .is_err()
+                {
+                    // Settled or expired: nothing to keep.
+                    return;
+                }
+            }
+        });
     }
 }
 
@@ -779,6 +812,7 @@ async fn handle(State(p): State<Arc<Proxy>>, req: Request, kind: Kind) -> Respon
         done: false,
         keep_every: Duration::from_millis((ttl_ms / 3).max(1)),
         kept_at_ns: now,
+        alive: Arc::new(()),
     };
 
     // Forward.
@@ -919,6 +953,7 @@ async fn handle(State(p): State<Arc<Proxy>>, req: Request, kind: Kind) -> Respon
     // Stream: pass each chunk through as it arrives; the tap reads usage and text on
     // the way; the settle guard completes at the end, or on drop if the client goes.
     let tap = SseTap { buf: Vec::new() };
+    settle.keep_while_alive();
     let idle = p.cfg.upstream_idle_timeout;
     let body_stream = futures_util::stream::unfold(
         (upstream.bytes_stream(), settle, tap, false),
