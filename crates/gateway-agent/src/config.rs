@@ -558,11 +558,22 @@ fn parse_api_keys(value: Value) -> Result<Vec<ApiKey>, ConfigError> {
                 "is required, e.g. { org = \"acme\" }".into(),
             ));
         };
-        if d.is_empty() || d.len() > MAX_DESCRIPTORS {
+        // The proxy adds the request's `model` unless the key names one: room for it,
+        // or every request with the key was a 400 blaming the client.
+        let room = if d.contains_key("model") {
+            MAX_DESCRIPTORS
+        } else {
+            MAX_DESCRIPTORS - 1
+        };
+        if d.is_empty() || d.len() > room {
             return Err(err(
                 i,
                 "descriptors",
-                format!("1 to {MAX_DESCRIPTORS} entries"),
+                format!(
+                    "1 to {room} entries (the proxy adds the request's `model` to a key's \
+                     descriptors that do not name one, and a request has at most \
+                     {MAX_DESCRIPTORS})"
+                ),
             ));
         }
         let mut descriptors = Vec::with_capacity(d.len());
@@ -1044,6 +1055,34 @@ mod tests {
         ] {
             assert_ne!(base, shape(other), "{other}");
         }
+    }
+
+    /// An api key's descriptors leave room for the `model` the proxy adds: 16 without
+    /// one made every request with the key a 400 blaming the client.
+    #[test]
+    fn an_api_key_s_descriptors_leave_room_for_the_model() {
+        let key = |entries: Vec<String>| {
+            format!(
+                "[[rule]]\nname = \"r\"\nmatch = {{ org = \"*\" }}\ndimension = \"requests\"\n\
+                 rate = 10\nper = \"second\"\n\n[[api_key]]\nsha256 = \"{}\"\n\
+                 descriptors = {{ {} }}\n",
+                "ab".repeat(32),
+                entries.join(", ")
+            )
+        };
+        let d = |n: usize| (0..n).map(|i| format!("k{i} = \"v\"")).collect::<Vec<_>>();
+        assert!(Config::from_toml(&key(d(15))).is_ok());
+        let e = Config::from_toml(&key(d(16))).unwrap_err().to_string();
+        assert!(
+            e.contains("descriptors") && e.contains("1 to 15 entries"),
+            "{e}"
+        );
+        let mut with_model = d(15);
+        with_model.push("model = \"gpt-4o\"".into());
+        assert!(
+            Config::from_toml(&key(with_model)).is_ok(),
+            "16 naming the model"
+        );
     }
 
     fn err(text: &str) -> String {

@@ -80,11 +80,11 @@ pub fn go_duration(ns: u64) -> String {
     if ns == 0 {
         return "0s".into();
     }
-    if ns < 1_000_000_000 {
-        let ms = ns.div_ceil(1_000_000);
-        return format!("{ms}ms");
-    }
+    // Whole milliseconds, rounded up: 999.5 ms is `1s`, not `1000ms`.
     let total_ms = ns.div_ceil(1_000_000);
+    if total_ms < 1000 {
+        return format!("{total_ms}ms");
+    }
     let (h, rem) = (total_ms / 3_600_000, total_ms % 3_600_000);
     let (m, rem) = (rem / 60_000, rem % 60_000);
     let (s, ms) = (rem / 1000, rem % 1000);
@@ -123,6 +123,8 @@ mod tests {
     fn durations_print_as_go_does() {
         assert_eq!(go_duration(0), "0s");
         assert_eq!(go_duration(20_000_000), "20ms");
+        assert_eq!(go_duration(999_000_001), "1s", "rounded up to a second");
+        assert_eq!(go_duration(999_000_000), "999ms");
         assert_eq!(go_duration(1_000_000_000), "1s");
         assert_eq!(go_duration(1_500_000_000), "1.5s");
         assert_eq!(go_duration(360_000_000_000), "6m0s");
