@@ -2466,6 +2466,23 @@ impl Engine {
         }
     }
 
+    /// [`Engine::decide_hits`]'s checks of `descriptors` alone, charging nothing: a
+    /// caller deciding several (Envoy's RLS) checks them all first, so that a bad one
+    /// refuses the call before any is charged.
+    pub fn validate_descriptors(
+        &self,
+        domain: Option<&str>,
+        descriptors: &[(&str, &str)],
+    ) -> Result<(), AdmitError> {
+        validate_request(&AdmitRequest {
+            request_id: "check",
+            domain,
+            descriptors,
+            cost: Cost::ONE_REQUEST,
+            ttl_ms: None,
+        })
+    }
+
     /// Decides one Envoy RLS descriptor: a single number of `hits` and no lease (Envoy
     /// never completes). Per matched rule: `requests` rules take `hits` all-or-nothing
     /// (0: a check); token rules are checked when `hits` is 0 (Envoy's AI gateway asks

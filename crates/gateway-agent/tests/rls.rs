@@ -187,7 +187,45 @@ async fn malformed_requests_are_invalid_argument() {
     .unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument);
     assert!(e.message().contains("empty"), "{}", e.message());
+    // An absurd hits_addend was an error, on which Envoy fails open by default: it is
+    // OVER_LIMIT where a rule matches (as Envoy's own service answers), charging
+    // nothing, and OK where none does.
     let absurd = descriptor(&[("remote_address", "10.0.0.9")], Some(u64::MAX));
-    let e = call(&mut client, "edge", vec![absurd]).await.unwrap_err();
+    let r = call(&mut client, "edge", vec![absurd]).await.unwrap();
+    assert_eq!(r.overall_code, Code::OverLimit as i32);
+    let unmatched = descriptor(&[("path", "/x")], Some(u64::MAX));
+    let r = call(&mut client, "edge", vec![unmatched]).await.unwrap();
+    assert_eq!(r.overall_code, Code::Ok as i32);
+    let ok = descriptor(&[("remote_address", "10.0.0.9")], None);
+    let r = call(&mut client, "edge", vec![ok]).await.unwrap();
+    assert_eq!(
+        r.overall_code,
+        Code::Ok as i32,
+        "the absurd one charged nothing"
+    );
+}
+
+/// A bad descriptor after good ones refused the call with the good ones already
+/// charged (and Envoy, failing open, let the request through). Every descriptor is
+/// checked first now: the call is refused and nothing is charged.
+#[tokio::test]
+async fn a_bad_descriptor_refuses_the_call_before_any_is_charged() {
+    let agent = Agent::start(RULES);
+    let mut client = RateLimitServiceClient::connect(format!("http://{}", agent.grpc))
+        .await
+        .expect("connect");
+    let good = || descriptor(&[("remote_address", "10.0.0.5")], None);
+    let bad = descriptor(&[("remote_address", "")], None);
+    let e = call(&mut client, "edge", vec![good(), good(), bad])
+        .await
+        .unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    assert!(e.message().contains("descriptor 2"), "{}", e.message());
+    // The limit's whole burst (2) is still there.
+    for _ in 0..2 {
+        let r = call(&mut client, "edge", vec![good()]).await.unwrap();
+        assert_eq!(r.overall_code, Code::Ok as i32);
+    }
+    let r = call(&mut client, "edge", vec![good()]).await.unwrap();
+    assert_eq!(r.overall_code, Code::OverLimit as i32);
 }

@@ -95,6 +95,9 @@ impl RateLimitService for Rls {
         let mut overall_was_ok = true;
         let mut statuses = Vec::with_capacity(req.descriptors.len());
         let mut response_headers = Vec::new();
+        // Every descriptor is checked before any is charged: a bad one after good ones
+        // refused the call with their budget spent, and Envoy, failing open by
+        // default, then let the request through.
         for (i, desc) in req.descriptors.iter().enumerate() {
             if desc.entries.len() > MAX_DESCRIPTORS {
                 return Err(Status::invalid_argument(format!(
@@ -107,7 +110,26 @@ impl RateLimitService for Rls {
                 .iter()
                 .map(|e| (e.key.as_str(), e.value.as_str()))
                 .collect();
-            let hits = desc.hits_addend.unwrap_or(request_hits);
+            if let Err(e) = engine.validate_descriptors(domain, &entries) {
+                self.state.counters.errors.fetch_add(1, Ordering::Relaxed);
+                return Err(Status::invalid_argument(format!(
+                    "descriptor {i}: {e} (nothing was charged)"
+                )));
+            }
+        }
+        for desc in req.descriptors.iter() {
+            let entries: Vec<(&str, &str)> = desc
+                .entries
+                .iter()
+                .map(|e| (e.key.as_str(), e.value.as_str()))
+                .collect();
+            // An absurd `hits_addend` (Envoy may take it from the request) is the most
+            // any limit can hold, which no rule's burst fits: OVER_LIMIT where a rule
+            // matches, as Envoy's own service answers, not an error Envoy fails open on.
+            let hits = desc
+                .hits_addend
+                .unwrap_or(request_hits)
+                .min(crate::MAX_COST);
             let decision = match engine.decide_hits(now, domain, &entries, hits) {
                 Ok(d) => d,
                 Err(AdmitError::NoMatchingRule) => {
@@ -122,8 +144,9 @@ impl RateLimitService for Rls {
                     | AdmitError::CostTooLarge { .. }
                     | AdmitError::InvalidTtl { .. }),
                 ) => {
+                    // Checked above; kept for a check the engine may add.
                     self.state.counters.errors.fetch_add(1, Ordering::Relaxed);
-                    return Err(Status::invalid_argument(format!("descriptor {i}: {e}")));
+                    return Err(Status::invalid_argument(e.to_string()));
                 }
                 Err(e) => {
                     self.state.counters.errors.fetch_add(1, Ordering::Relaxed);
@@ -182,7 +205,11 @@ impl RateLimitService for Rls {
             };
             statuses.push(status);
             let wanted = match self.headers {
-                RlsHeaders::Always => code == Code::OverLimit || response_headers.is_empty(),
+                // The first OVER_LIMIT descriptor's, as `OverLimit` sends (later ones
+                // overwrote them), else the first descriptor's.
+                RlsHeaders::Always => {
+                    (code == Code::OverLimit && overall_was_ok) || response_headers.is_empty()
+                }
                 RlsHeaders::OverLimit => code == Code::OverLimit && overall_was_ok,
                 RlsHeaders::Never => false,
             };
