@@ -2998,7 +2998,34 @@ impl Engine {
     /// slots, refunding nothing, recording each), applies the partition posture to
     /// slices whose lease ended, evicts keys at rest for `key_idle_ms`, and publishes.
     pub fn maintain(&self, now: u64) -> MaintainReport {
-        let mut report = MaintainReport::default();
+        let mut report = MaintainReport {
+            leases_expired: self.expire_leases(now, now),
+            ..MaintainReport::default()
+        };
+        let mut slow = self.slow();
+        report.slices_expired = self.expire_slices_locked(&mut slow, now);
+        if now >= slow.next_idle_scan_ns {
+            let idle_ns = self.cfg.key_idle_ms * MS;
+            slow.next_idle_scan_ns = now.saturating_add((idle_ns / 16).max(1));
+            report.keys_evicted = self.evict_locked(&mut slow, now, idle_ns, usize::MAX);
+        }
+        // A publish copies the table: only when something changed.
+        if !slow.pending.is_empty() || report.keys_evicted > 0 || report.slices_expired > 0 {
+            self.publish_locked(&mut slow, now);
+        }
+        report
+    }
+
+    /// Expires every live lease now, recording each as `expired` (as [`Engine::maintain`]
+    /// does at a lease's TTL), and returns how many: for a shutdown, after which no completion can
+    /// reach them (the engine's state goes with the process). Before, a restart ended
+    /// the leases in flight with no usage record at all.
+    pub fn expire_all_leases(&self, now: u64) -> usize {
+        self.expire_leases(now, u64::MAX)
+    }
+
+    /// Expires the leases whose expiry is at or before `until`, at time `now`.
+    fn expire_leases(&self, now: u64, until: u64) -> usize {
         let mut expired = Vec::new();
         {
             // Expired leases keep their keys' names (a late completion may come after
@@ -3006,12 +3033,14 @@ impl Engine {
             // everywhere.
             let slow = self.slow();
             let table = self.table.load();
-            self.leases
-                .expire(now, self.cfg.tombstone_ttl_ms * MS, &mut expired, |l| {
-                    name_by_hashes(&slow, &table, l)
-                });
+            self.leases.expire(
+                now,
+                until,
+                self.cfg.tombstone_ttl_ms * MS,
+                &mut expired,
+                |l| name_by_hashes(&slow, &table, l),
+            );
         }
-        report.leases_expired = expired.len();
         let table = self.table.load();
         for (id, lease) in &expired {
             let found = self.found(&table, lease);
@@ -3036,20 +3065,7 @@ impl Engine {
             }
             self.record(id.as_str(), Outcome::Expired, None, now, lease, &found);
         }
-        drop(table);
-
-        let mut slow = self.slow();
-        report.slices_expired = self.expire_slices_locked(&mut slow, now);
-        if now >= slow.next_idle_scan_ns {
-            let idle_ns = self.cfg.key_idle_ms * MS;
-            slow.next_idle_scan_ns = now.saturating_add((idle_ns / 16).max(1));
-            report.keys_evicted = self.evict_locked(&mut slow, now, idle_ns, usize::MAX);
-        }
-        // A publish copies the table: only when something changed.
-        if !slow.pending.is_empty() || report.keys_evicted > 0 || report.slices_expired > 0 {
-            self.publish_locked(&mut slow, now);
-        }
-        report
+        expired.len()
     }
 
     /// Puts every slice whose lease ended (by `now`, extension included) on its rule's

@@ -718,6 +718,7 @@ impl LeaseTable {
     pub(crate) fn expire(
         &self,
         now: u64,
+        until: u64,
         tomb_ttl_ns: u64,
         out: &mut Vec<(InlineId, Lease)>,
         name_of: impl Fn(&LeaseLimit) -> Option<Arc<LimitKey>>,
@@ -726,7 +727,7 @@ impl LeaseTable {
             let mut shard = shard.lock().unwrap_or_else(|e| e.into_inner());
             let shard = &mut *shard;
             for i in 0..shard.slab.len() {
-                if !shard.slab[i].live || shard.slab[i].expires_at_ns > now {
+                if !shard.slab[i].live || shard.slab[i].expires_at_ns > until {
                     continue;
                 }
                 let h = shard.slab_keys[i];

@@ -458,6 +458,16 @@ fn serve(args: ServeArgs) -> Result<()> {
         eprintln!("bursar-agent: shutting down");
         let _ = tx.send(true);
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        // No completion can reach the leases still in flight once the process ends:
+        // each is recorded as expired (its reservation charged) before the outbox's
+        // last commit, or a restart lost their usage without a trace.
+        let n = state.engine.expire_all_leases(state.clock.now_ns());
+        if n > 0 {
+            eprintln!(
+                "bursar-agent: {n} leases in flight at shutdown recorded as expired \
+                 (their declared input counted, no output)"
+            );
+        }
         anyhow::Ok(())
     });
     // Commit whatever the last completions queued before the process ends.

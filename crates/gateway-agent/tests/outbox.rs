@@ -1223,3 +1223,61 @@ fn a_round_robin_balancer_over_two_nodes_still_gets_every_event_delivered() {
     println!("round-robin balancer: {n} POSTs for 100 events");
     assert!(n < 1_000, "{n} POSTs: the forwarder spun");
 }
+
+/// A graceful shutdown (SIGTERM, a redeploy) ended the leases in flight with no usage
+/// record at all: after the restart their completions are unknown, and nothing of them
+/// reached a ledger. Each is recorded as expired (its reservation charged) before the
+/// outbox's last commit now.
+#[test]
+fn a_lease_in_flight_at_shutdown_is_recorded_as_expired() {
+    use bursar_agent::shell::outbox::{Outbox, OutboxConfig};
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let outbox = tempdir("shutdown");
+    let mut agent = AgentProc::start(&outbox, &[format!("http://{dead}")], &[]);
+    let r = try_request(
+        agent.http,
+        "POST",
+        "/v1/admit",
+        json!({"request_id": "in-flight", "descriptors": {"org": "acme", "model": "m1"},
+               "cost": {"requests": 1, "input_tokens": 100, "output_tokens": 5}})
+        .to_string()
+        .as_bytes(),
+    )
+    .expect("answer");
+    assert_eq!(r.status, 200, "{}", r.body);
+    let mut child = agent.child.take().expect("running");
+    let term = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("kill -TERM");
+    assert!(term.success());
+    let t0 = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "no exit after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status:?}");
+    let ob = Outbox::open(OutboxConfig::new(outbox.to_path_buf(), 1)).expect("reopen");
+    let events = ob.read_after(0, 10).expect("read");
+    let ours: Vec<String> = events
+        .iter()
+        .filter(|(_, e)| e.request_id == "in-flight")
+        .map(|(_, e)| format!("{:?}", e.body))
+        .collect();
+    assert_eq!(ours.len(), 1, "{events:?}");
+    assert!(
+        ours[0].contains("Expired") && ours[0].contains("input_tokens: 100"),
+        "{}",
+        ours[0]
+    );
+    ob.close();
+}
