@@ -171,13 +171,38 @@ fn digests_scans_and_conflicts_match_the_reference_model(s: impl Store) {
     // model's, which cuts the whole list.
     let list = all(&s);
     let mid = list[list.len() / 2].0.hour;
-    for to_hour in [u64::MAX, mid + 1, mid, list[0].0.hour, 0] {
+    let inside = list[list.len() / 3].0.clone();
+    let ends = [
+        crate::digest::Bucket {
+            hour: u64::MAX,
+            tenant: String::new(),
+        },
+        crate::digest::Bucket {
+            hour: mid + 1,
+            tenant: String::new(),
+        },
+        crate::digest::Bucket {
+            hour: mid,
+            tenant: String::new(),
+        },
+        inside,
+        list[0].0.clone(),
+        crate::digest::Bucket::default(),
+    ];
+    let entry = crate::reconcile::offer_entry_bytes(&list[0].0);
+    for to in &ends {
         for max in [0, 1, 2, 3, n / 2, n - 1, n, n + 5] {
-            assert_eq!(
-                s.newest_digests(to_hour, max).expect("newest"),
-                reference.newest_digests(to_hour, max).expect("newest"),
-                "conformance: newest_digests before hour {to_hour}, at most {max}"
-            );
+            for bytes_max in [0, entry, 3 * entry, 10 * entry, usize::MAX] {
+                let got = s.newest_digests(to, max, bytes_max).expect("newest");
+                assert_eq!(
+                    got,
+                    reference
+                        .newest_digests(to, max, bytes_max)
+                        .expect("newest"),
+                    "conformance: newest_digests before {to:?}, at most {max}, {bytes_max} bytes"
+                );
+                assert!(got.0.iter().all(|(b, _)| b < to && *b >= got.1));
+            }
         }
     }
     let some = all(&s)[3].0.clone();

@@ -17,7 +17,7 @@ use serde_json::{Value, json};
 use crate::event::{Body, Event, hex};
 
 /// A (tenant, hour) bucket: `hour` is `time_ms / HOUR_MS`.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Bucket {
     /// Hours since the unix epoch.
     pub hour: u64,

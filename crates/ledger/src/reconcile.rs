@@ -65,6 +65,13 @@ pub struct ReconcileLimits {
     /// and a frame over the bound failed the same way every round. A differing bucket
     /// whose events would not fit is compared by sub-digests.
     pub bytes_max: usize,
+    /// Most bytes of bucket digests in one offer (each counted by
+    /// [`offer_entry_bytes`]), beside `buckets_max`. Default 16 MiB. A count alone
+    /// was no bound: an offer of whole hours could hold 300,000 tenants of one busy
+    /// hour (35 MB), or 100,000 buckets of 250-byte tenant names, over the 32 MiB frame,
+    /// and every node's offer was refused every round: anti-entropy stopped for good.
+    /// An offer now ends at any bucket, within an hour too.
+    pub offer_bytes_max: usize,
     /// Which window of a sub-bucket too large for one message is sent: the sub-bucket's
     /// hash space is cut into windows that fit the room (with a tenth to spare), and
     /// this picks one (modulo their number). The cluster draws a new one for every
@@ -81,6 +88,7 @@ impl Default for ReconcileLimits {
             events_max: 50_000,
             split_above: 1_024,
             bytes_max: 12 << 20,
+            offer_bytes_max: 16 << 20,
             window_seed: 0,
         }
     }
@@ -138,12 +146,34 @@ impl Room {
 pub struct Offer {
     /// The initiator's root.
     pub root: Digest,
-    /// Its bucket digests in `from_hour..to_hour`, in (hour, tenant) order.
+    /// Its bucket digests in the range, in (hour, tenant) order.
     pub buckets: Vec<(Bucket, Digest)>,
-    /// The range the offer covers, hours `from_hour..to_hour`.
+    /// The range the offer covers starts at bucket (`from_hour`, `from_tenant`),
+    /// inclusive (an empty tenant: the hour's start)...
     pub from_hour: u64,
-    /// End of the range (exclusive).
+    /// ...and its tenant.
+    pub from_tenant: String,
+    /// It ends at bucket (`to_hour`, `to_tenant`), exclusive (an empty tenant: the
+    /// hour's start; `u64::MAX`: past every bucket)...
     pub to_hour: u64,
+    /// ...and its tenant.
+    pub to_tenant: String,
+}
+
+impl Offer {
+    /// The range's ends as buckets: from (inclusive), to (exclusive).
+    pub fn range(&self) -> (Bucket, Bucket) {
+        (
+            Bucket {
+                hour: self.from_hour,
+                tenant: self.from_tenant.clone(),
+            },
+            Bucket {
+                hour: self.to_hour,
+                tenant: self.to_tenant.clone(),
+            },
+        )
+    }
 }
 
 /// Step 2: the responder's events in differing buckets, and what it wants.
@@ -376,22 +406,46 @@ pub fn differing_buckets(local: &[(Bucket, Digest)], remote: &[(Bucket, Digest)]
     out
 }
 
-/// Step 1: the initiator's offer of its buckets before hour `to_hour`: all of them,
-/// or, past `buckets_max`, the newest ones (whole hours: at most `buckets_max` plus
-/// the tenants of one hour). The offer's range starts at the oldest hour offered, so
-/// the responder does not take older buckets for missing; the next range ends there.
+/// Step 1: the initiator's offer of its buckets before `to` (an hour and a tenant,
+/// exclusive; an empty tenant is the hour's start): all of them, or, past
+/// `buckets_max` or `offer_bytes_max`, the newest ones. The offer's range starts at the
+/// oldest bucket offered, so the responder does not take older buckets for missing;
+/// the next range ends there ([`next_to`]).
 pub fn offer(
     store: &dyn Store,
-    to_hour: u64,
+    to: &RangeEnd,
     limits: &ReconcileLimits,
 ) -> Result<Offer, StoreError> {
-    let (buckets, from_hour) = store.newest_digests(to_hour, limits.buckets_max)?;
+    let (buckets, from) = store.newest_digests(
+        &Bucket {
+            hour: to.0,
+            tenant: to.1.clone(),
+        },
+        limits.buckets_max,
+        limits.offer_bytes_max,
+    )?;
     Ok(Offer {
         root: store.root()?,
         buckets,
-        from_hour,
-        to_hour,
+        from_hour: from.hour,
+        from_tenant: from.tenant,
+        to_hour: to.0,
+        to_tenant: to.1.clone(),
     })
+}
+
+/// Where an offer's range ends, exclusive: (hour, tenant), the tenant empty for the
+/// hour's start; `(u64::MAX, "")` for the newest.
+pub type RangeEnd = (u64, String);
+
+/// Where the first range ends: past every bucket.
+pub fn newest_end() -> RangeEnd {
+    (u64::MAX, String::new())
+}
+
+/// What an offer's bucket digest takes on the wire, generously.
+pub fn offer_entry_bytes(b: &Bucket) -> usize {
+    wire_bytes(b) + 96
 }
 
 /// The events of `buckets` in `store`, within `limits`' events and bytes, whole
@@ -446,7 +500,7 @@ pub fn answer(
     offer: &Offer,
     limits: &ReconcileLimits,
 ) -> Result<Answer, StoreError> {
-    let local = store.digests(offer.from_hour, offer.to_hour, None)?;
+    let local = offered_range(store, offer)?;
     let count = |list: &[(Bucket, Digest)], b: &Bucket| {
         list.binary_search_by(|(x, _)| x.cmp(b))
             .map(|i| list[i].1.events)
@@ -526,6 +580,20 @@ pub fn answer(
     })
 }
 
+/// This side's digests in `offer`'s range: its end hours read whole, cut at the
+/// range's tenants.
+fn offered_range(store: &dyn Store, offer: &Offer) -> Result<Vec<(Bucket, Digest)>, StoreError> {
+    let to_hours = if offer.to_tenant.is_empty() {
+        offer.to_hour
+    } else {
+        offer.to_hour.saturating_add(1)
+    };
+    let mut local = store.digests(offer.from_hour, to_hours, None)?;
+    let (from, to) = offer.range();
+    local.retain(|(b, _)| *b >= from && *b < to);
+    Ok(local)
+}
+
 /// Most bytes an answer's lists of wanted and split buckets take (their sub-digests
 /// included), so that with `events_max` events the answer stays inside a cluster
 /// frame: 1,500 split buckets (after a partition through a busy hour) were 34 MB of
@@ -578,13 +646,13 @@ pub fn winners(
 /// the older ranges of a node with more than `buckets_max` buckets under steady
 /// ingest: the newest range differs between some pair almost every round. New events
 /// travel by push meanwhile, and the newest range comes round again.)
-pub fn next_to_hour(offer: &Offer, nothing_differs: bool, cut_short: bool) -> u64 {
+pub fn next_to(offer: &Offer, nothing_differs: bool, cut_short: bool) -> RangeEnd {
     if !nothing_differs && cut_short {
-        offer.to_hour
-    } else if offer.from_hour == 0 {
-        u64::MAX
+        (offer.to_hour, offer.to_tenant.clone())
+    } else if offer.from_hour == 0 && offer.from_tenant.is_empty() {
+        newest_end()
     } else {
-        offer.from_hour
+        (offer.from_hour, offer.from_tenant.clone())
     }
 }
 
@@ -599,7 +667,7 @@ pub fn reconcile_in_memory(
     rounds_max: usize,
 ) -> Result<(usize, u64), StoreError> {
     let mut moved = 0u64;
-    let mut to = u64::MAX;
+    let mut to = newest_end();
     for round in 0..rounds_max {
         if a.root()? == b.root()? {
             return Ok((round, moved));
@@ -610,7 +678,7 @@ pub fn reconcile_in_memory(
             window_seed: limits.window_seed.wrapping_add(round as u64),
             ..*limits
         };
-        let o = offer(a, to, limits)?;
+        let o = offer(a, &to, limits)?;
         let ans = answer(b, &o, limits)?;
         // Serve before applying the answer, so `b` does not get its own events back.
         let (mut events, serve_cut) = serve(a, &ans.want, limits)?;
@@ -630,7 +698,7 @@ pub fn reconcile_in_memory(
         b.apply(&last)?;
         moved += (ans.events.len() + events.len() + back.len() + last.len()) as u64;
         let nothing_differs = ans.want.is_empty() && ans.split.is_empty();
-        to = next_to_hour(&o, nothing_differs, ans.truncated || serve_cut);
+        to = next_to(&o, nothing_differs, ans.truncated || serve_cut);
     }
     Ok((rounds_max, moved))
 }
@@ -677,7 +745,7 @@ mod tests {
             split_above: 1,
             ..ReconcileLimits::default()
         };
-        let o = offer(&a, u64::MAX, &limits).unwrap();
+        let o = offer(&a, &newest_end(), &limits).unwrap();
         let ans = answer(&b, &o, &limits).unwrap();
         assert!(ans.truncated, "the lists were cut");
         assert!(
@@ -799,7 +867,7 @@ mod tests {
         let events = usage_stream(1, "s", "agent-a", 200, NOW);
         a.apply(&events).unwrap();
         b.apply(&events).unwrap();
-        let o = offer(&a, u64::MAX, &ReconcileLimits::default()).unwrap();
+        let o = offer(&a, &newest_end(), &ReconcileLimits::default()).unwrap();
         let ans = answer(&b, &o, &ReconcileLimits::default()).unwrap();
         assert!(ans.want.is_empty() && ans.events.is_empty());
     }
@@ -844,7 +912,7 @@ mod tests {
             buckets_max: 20,
             ..ReconcileLimits::default()
         };
-        let mut to = u64::MAX;
+        let mut to = newest_end();
         let mut repaired = None;
         for round in 0..100 {
             // Steady ingest: a new event on a in the newest hour before every round.
@@ -852,14 +920,14 @@ mod tests {
                 crate::testing::usage(&format!("new-{round}"), "acme", "gpt-4o", NOW, 1, 0, 1);
             e.origin = "agent-a".into();
             a.apply(&[e]).unwrap();
-            let o = offer(&a, to, &limits).unwrap();
+            let o = offer(&a, &to, &limits).unwrap();
             let ans = answer(&b, &o, &limits).unwrap();
             let (events, serve_cut) = serve(&a, &ans.want, &limits).unwrap();
             assert!(ans.split.is_empty());
             a.apply(&ans.events).unwrap();
             b.apply(&events).unwrap();
             let nothing_differs = ans.want.is_empty() && ans.split.is_empty();
-            to = next_to_hour(&o, nothing_differs, ans.truncated || serve_cut);
+            to = next_to(&o, nothing_differs, ans.truncated || serve_cut);
             if b.event("late-1").unwrap().is_some() {
                 repaired = Some(round);
                 break;
@@ -902,6 +970,7 @@ mod tests {
             split_above: usize::MAX,
             bytes_max: 48 << 10,
             window_seed: 0,
+            ..ReconcileLimits::default()
         };
         let bytes = |v: &[Event]| v.iter().map(event_wire_bytes).sum::<usize>();
         let within = |v: &[Event]| bytes(v) <= limits.bytes_max || v.len() == 1;
@@ -909,7 +978,7 @@ mod tests {
             bytes(&big) > 4 * limits.bytes_max,
             "400 events are several times the bound: the count alone does not hold"
         );
-        let mut to = u64::MAX;
+        let mut to = newest_end();
         let mut converged = false;
         let mut split_seen = false;
         for _ in 0..400 {
@@ -917,7 +986,7 @@ mod tests {
                 converged = true;
                 break;
             }
-            let o = offer(&a, to, &limits).unwrap();
+            let o = offer(&a, &to, &limits).unwrap();
             let ans = answer(&b, &o, &limits).unwrap();
             assert!(within(&ans.events), "answer {} bytes", bytes(&ans.events));
             split_seen |= !ans.split.is_empty();
@@ -950,11 +1019,7 @@ mod tests {
             b.apply(&events).unwrap();
             a.apply(&back).unwrap();
             if ans.want.is_empty() && ans.split.is_empty() {
-                to = if o.from_hour == 0 {
-                    u64::MAX
-                } else {
-                    o.from_hour
-                };
+                to = next_to(&o, true, false);
             }
         }
         assert!(converged, "did not converge");
@@ -986,7 +1051,7 @@ mod tests {
             split_above: usize::MAX,
             ..ReconcileLimits::default()
         };
-        let o = offer(&a, u64::MAX, &limits).unwrap();
+        let o = offer(&a, &newest_end(), &limits).unwrap();
         let ans = answer(&b, &o, &limits).unwrap();
         assert_eq!(ans.split.len(), 1, "the big bucket is split, not sent");
         assert!(ans.events.is_empty());
@@ -1039,7 +1104,7 @@ mod tests {
         // A fixed seed sends the same window every round: no convergence.
         let stuck = MemStore::new();
         let fixed = |s: &MemStore| {
-            let o = offer(&a, u64::MAX, &limits).unwrap();
+            let o = offer(&a, &newest_end(), &limits).unwrap();
             let ans = answer(s, &o, &limits).unwrap();
             let (_, events) = split_request(&a, &ans.split, &limits).unwrap();
             s.apply(&events).unwrap();
@@ -1073,5 +1138,66 @@ mod tests {
         let local = vec![(b(1), d(1)), (b(2), d(2)), (b(4), d(4))];
         let remote = vec![(b(2), d(2)), (b(3), d(3)), (b(4), d(5))];
         assert_eq!(differing_buckets(&local, &remote), vec![b(1), b(3), b(4)]);
+    }
+
+    /// An offer held whole hours, bounded by count alone: one busy hour of 300,000
+    /// tenants (or 100,000 buckets of long tenant names) made it larger than the
+    /// 32 MiB frame, and anti-entropy stopped for good. Offers are bounded by bytes
+    /// and end at any bucket, within an hour too; such an hour converges range by
+    /// range. (Scaled down: 2,000 tenants of 200-byte names in one hour, offers of
+    /// at most 64 KiB.)
+    #[test]
+    fn one_hour_of_many_tenants_is_offered_in_ranges_that_fit_and_converges() {
+        use crate::cluster::frame;
+        let a = MemStore::new();
+        let b = MemStore::new();
+        let long = "t".repeat(200);
+        let events: Vec<Event> = (0..2_000)
+            .map(|i| {
+                crate::testing::usage(
+                    &format!("r{i}"),
+                    &format!("{long}-{i:05}"),
+                    "m",
+                    NOW - HOUR_MS,
+                    1,
+                    0,
+                    1,
+                )
+            })
+            .collect();
+        a.apply(&events).unwrap();
+        let limits = ReconcileLimits {
+            offer_bytes_max: 64 << 10,
+            ..ReconcileLimits::default()
+        };
+        let o = offer(&a, &newest_end(), &limits).unwrap();
+        assert!(o.buckets.len() < 2_000, "{} offered", o.buckets.len());
+        assert_eq!(
+            o.from_hour,
+            NOW / HOUR_MS - 1,
+            "the range starts inside the hour"
+        );
+        assert_eq!(o.from_tenant, o.buckets[0].0.tenant);
+        // The estimate bounds the frame: the offer's message is within its budget.
+        let msg = frame::Msg::Offer {
+            root: o.root.to_bytes().to_vec(),
+            buckets: frame::wire_digests(&o.buckets),
+            from_hour: o.from_hour,
+            from_tenant: o.from_tenant.clone(),
+            to_hour: o.to_hour,
+            to_tenant: o.to_tenant.clone(),
+        };
+        let bytes = frame::encode(&msg).len();
+        assert!(bytes <= (64 << 10) + 1024, "{bytes} bytes");
+        assert_eq!(frame::decode(&frame::encode(&msg), 1 << 20).unwrap(), msg);
+        // Range by range, every bucket reaches the other side.
+        let (rounds, moved) = reconcile_in_memory(&a, &b, &limits, 100).unwrap();
+        assert_eq!(
+            a.root().unwrap(),
+            b.root().unwrap(),
+            "after {rounds} rounds"
+        );
+        assert_eq!(moved, 2_000);
+        assert!(rounds >= 2_000 / o.buckets.len(), "{rounds} rounds");
     }
 }

@@ -796,41 +796,36 @@ impl ReadView for redb::ReadTransaction {
 
     fn newest_digests(
         &self,
-        to_hour: u64,
+        to: &Bucket,
         max: usize,
-    ) -> Result<(Vec<(Bucket, Digest)>, u64), StoreError> {
-        let max = max.max(1);
-        let mut out = Vec::new();
+        bytes_max: usize,
+    ) -> Result<(Vec<(Bucket, Digest)>, Bucket), StoreError> {
+        let mut out: Vec<(Bucket, Digest)> = Vec::new();
         let t = self.open_table(DIGESTS).map_err(backend)?;
-        // Backwards from the newest hour; once `max` are read, the rest of that hour.
-        let mut from = None;
-        for row in t.range(..(to_hour, "")).map_err(backend)?.rev() {
+        let mut taken = crate::store::NewestTaken::new(max, bytes_max);
+        // Backwards from `to`; stops at the first that does not fit.
+        for row in t
+            .range(..(to.hour, to.tenant.as_str()))
+            .map_err(backend)?
+            .rev()
+        {
             let (k, v) = row.map_err(backend)?;
             let (hour, ten) = k.value();
-            if from.is_some_and(|f| hour < f) {
-                // Older buckets remain: there are more than `max`.
+            let b = Bucket {
+                hour,
+                tenant: ten.to_string(),
+            };
+            if !taken.take(&b) {
+                // Older buckets remain: the range starts at the oldest taken.
                 out.reverse();
-                return Ok((out, from.unwrap_or(0)));
+                let from = out[0].0.clone();
+                return Ok((out, from));
             }
             let d = digest_of(&format!("({hour}, {ten:?})"), v.value())?;
-            out.push((
-                Bucket {
-                    hour,
-                    tenant: ten.to_string(),
-                },
-                d,
-            ));
-            if out.len() == max {
-                from = Some(hour);
-            }
+            out.push((b, d));
         }
         out.reverse();
-        let from = if out.len() > max {
-            from.unwrap_or(0)
-        } else {
-            0
-        };
-        Ok((out, from))
+        Ok((out, Bucket::default()))
     }
 }
 

@@ -112,11 +112,12 @@ pub trait Store: Send + Sync {
     #[allow(clippy::type_complexity)]
     fn newest_digests(
         &self,
-        to_hour: u64,
+        to: &Bucket,
         max: usize,
-    ) -> Result<(Vec<(Bucket, Digest)>, u64), StoreError> {
-        let mut out = Ok((Vec::new(), 0));
-        self.read_view(&mut |v| out = v.newest_digests(to_hour, max))?;
+        bytes_max: usize,
+    ) -> Result<(Vec<(Bucket, Digest)>, Bucket), StoreError> {
+        let mut out = Ok((Vec::new(), Bucket::default()));
+        self.read_view(&mut |v| out = v.newest_digests(to, max, bytes_max))?;
         out
     }
 
@@ -183,27 +184,66 @@ pub trait ReadView {
         Ok((all.len() <= max).then_some(all))
     }
 
-    /// The newest bucket digests before `to_hour`, in (hour, tenant) order, and the
-    /// hour they start at: all of them from hour 0 when there are at most `max` (at
-    /// least 1); else whole hours from the hour of the `max`-th newest, so at most
-    /// `max` plus the other tenants of that hour. (Reconciliation's offer: it was every
-    /// digest of the store, read and copied each round, and then cut.) The default
-    /// reads them all (fine for a store in memory); a store on disk reads backwards and
-    /// stops past the hour.
+    /// The newest bucket digests before bucket `to` (exclusive; an empty tenant is the
+    /// hour's start, hour `u64::MAX` past every bucket), in (hour, tenant) order, and
+    /// the bucket they start at: all of them, from `Bucket::default()` (hour 0, no
+    /// tenant), when they are at most `max` (at least 1) and take at most `bytes_max`
+    /// ([`crate::reconcile::offer_entry_bytes`]; at least one is given); else the
+    /// newest that fit, from the oldest of them. (Reconciliation's offer: it was every
+    /// digest of the store, read and copied each round, and then cut; then whole
+    /// hours, which one busy hour could make larger than a frame.) The default reads
+    /// them all (fine for a store in memory); a store on disk reads backwards and stops.
     #[allow(clippy::type_complexity)]
     fn newest_digests(
         &self,
-        to_hour: u64,
+        to: &Bucket,
         max: usize,
-    ) -> Result<(Vec<(Bucket, Digest)>, u64), StoreError> {
-        let max = max.max(1);
-        let all = self.digests(0, to_hour, None)?;
-        if all.len() <= max {
-            return Ok((all, 0));
-        }
-        let from = all[all.len() - max].0.hour;
-        let start = all.partition_point(|(b, _)| b.hour < from);
+        bytes_max: usize,
+    ) -> Result<(Vec<(Bucket, Digest)>, Bucket), StoreError> {
+        let mut all = self.digests(0, to.hour.saturating_add(1), None)?;
+        all.retain(|(b, _)| b < to);
+        let mut taken = NewestTaken::new(max, bytes_max);
+        let start = all
+            .iter()
+            .rposition(|(b, _)| !taken.take(b))
+            .map_or(0, |i| i + 1);
+        let from = if start == 0 {
+            Bucket::default()
+        } else {
+            all[start].0.clone()
+        };
         Ok((all[start..].to_vec(), from))
+    }
+}
+
+/// The count and bytes [`ReadView::newest_digests`] has taken, newest first.
+pub struct NewestTaken {
+    max: usize,
+    bytes_max: usize,
+    n: usize,
+    bytes: usize,
+}
+
+impl NewestTaken {
+    /// Room for `max` buckets (at least 1) and `bytes_max` bytes (at least one bucket).
+    pub fn new(max: usize, bytes_max: usize) -> NewestTaken {
+        NewestTaken {
+            max: max.max(1),
+            bytes_max,
+            n: 0,
+            bytes: 0,
+        }
+    }
+
+    /// Takes `b` if it fits (the first always does); false once one does not.
+    pub fn take(&mut self, b: &Bucket) -> bool {
+        let size = crate::reconcile::offer_entry_bytes(b);
+        if self.n > 0 && (self.n == self.max || self.bytes + size > self.bytes_max) {
+            return false;
+        }
+        self.n += 1;
+        self.bytes += size;
+        true
     }
 }
 

@@ -203,6 +203,7 @@ proptest! {
         events_max in 4usize..80,
         split_above in 0usize..100,
         bytes_max in prop_oneof![Just(usize::MAX), 1usize..20_000],
+        offer_bytes_max in prop_oneof![Just(16usize << 20), 0usize..2_000],
     ) {
         let a = MemStore::new();
         a.apply(&a_events).unwrap();
@@ -221,7 +222,15 @@ proptest! {
             .max()
             .unwrap_or(0);
         let bytes_max = bytes_max.max(4 * largest);
-        let limits = ReconcileLimits { buckets_max, events_max, split_above, bytes_max, window_seed: 0 };
+        // And a small offer_bytes_max: offers end inside an hour (one bucket at least).
+        let limits = ReconcileLimits {
+            buckets_max,
+            events_max,
+            split_above,
+            bytes_max,
+            offer_bytes_max,
+            window_seed: 0,
+        };
         let (rounds, _) = reconcile_in_memory(&a, &b, &limits, 100).unwrap();
         prop_assert!(rounds < 100, "did not converge");
         let union = MemStore::new();

@@ -286,7 +286,9 @@ async fn respond(inner: &Arc<Inner>, ch: &mut Channel<'_>) -> Result<(), Exchang
                 root,
                 buckets,
                 from_hour,
+                from_tenant,
                 to_hour,
+                to_tenant,
             } = ch.recv().await?
             else {
                 return Err(ExchangeError::Protocol("expected an offer".into()));
@@ -295,7 +297,9 @@ async fn respond(inner: &Arc<Inner>, ch: &mut Channel<'_>) -> Result<(), Exchang
                 root: frame::digest(&root)?,
                 buckets: frame::digests(buckets)?,
                 from_hour,
+                from_tenant,
                 to_hour,
+                to_tenant,
             };
             let limits = round_limits(inner);
             let ans = blocking(inner, move |s| reconcile::answer(s, &offer, &limits)).await?;
@@ -413,7 +417,7 @@ pub(crate) async fn sync_with(
     match ch.recv().await? {
         Msg::Done => {
             ch.finish().await;
-            *inner.sync_to_hour.lock().expect("sync_to_hour") = u64::MAX;
+            *inner.sync_to.lock().expect("sync_to") = reconcile::newest_end();
             return Ok(RoundReport {
                 in_sync: true,
                 ..RoundReport::default()
@@ -430,13 +434,15 @@ pub(crate) async fn sync_with(
         _ => return Err(ExchangeError::Protocol("expected done or differ".into())),
     }
     let limits = round_limits(inner);
-    let to = *inner.sync_to_hour.lock().expect("sync_to_hour");
-    let offer = blocking(inner, move |s| reconcile::offer(s, to, &limits)).await?;
+    let to = inner.sync_to.lock().expect("sync_to").clone();
+    let offer = blocking(inner, move |s| reconcile::offer(s, &to, &limits)).await?;
     ch.send(&Msg::Offer {
         root: offer.root.to_bytes().to_vec(),
         buckets: frame::wire_digests(&offer.buckets),
         from_hour: offer.from_hour,
+        from_tenant: offer.from_tenant.clone(),
         to_hour: offer.to_hour,
+        to_tenant: offer.to_tenant.clone(),
     })
     .await?;
     let Msg::Answer {
@@ -507,8 +513,8 @@ pub(crate) async fn sync_with(
     }
     ch.finish().await;
     let cut_short = truncated || serve_cut || winners_cut || last_cut;
-    *inner.sync_to_hour.lock().expect("sync_to_hour") =
-        reconcile::next_to_hour(&offer, nothing_differs, cut_short);
+    *inner.sync_to.lock().expect("sync_to") =
+        reconcile::next_to(&offer, nothing_differs, cut_short);
     let r = RoundReport {
         in_sync: false,
         busy: false,

@@ -24,7 +24,7 @@ use crate::event::{Body, Event, EventKey, Limits, Status, TokenDeltas, Tokens};
 /// The envelope's magic bytes.
 pub const MAGIC: [u8; 4] = *b"BRSL";
 /// The envelope (and message schema) version.
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 /// Envelope header length.
 pub const HEADER_BYTES: usize = 12;
 /// Default bound on a frame's payload: 32 MiB.
@@ -138,10 +138,15 @@ mod types {
             root: WireDigest,
             /// Its bucket digests.
             buckets: Vec<(WireBucket, WireDigest)>,
-            /// Covered hours, from (inclusive).
+            /// The covered range starts at bucket (hour, tenant), inclusive (an empty
+            /// tenant: the hour's start)...
             from_hour: u64,
-            /// To (exclusive).
+            /// ...
+            from_tenant: String,
+            /// ...and ends at bucket (hour, tenant), exclusive.
             to_hour: u64,
+            /// ...
+            to_tenant: String,
         },
         /// Step 2: the responder's events in differing buckets, what it wants, and
         /// sub-digests of buckets too large to send whole. `equal` when the roots match.
@@ -641,7 +646,9 @@ mod tests {
                 root: d.clone(),
                 buckets: vec![(wb.clone(), d.clone())],
                 from_hour: 0,
+                from_tenant: "acme".into(),
                 to_hour: u64::MAX,
+                to_tenant: String::new(),
             },
             Msg::Answer {
                 events: EventBatch::default(),

@@ -228,7 +228,7 @@ pub(crate) struct Inner {
     pub(crate) foca_tx: mpsc::Sender<membership::Input>,
     /// Where the next offer's range ends (hours, exclusive): newest first, then older
     /// ranges when the newest agree (see `reconcile::reconcile_in_memory`).
-    pub(crate) sync_to_hour: Mutex<u64>,
+    pub(crate) sync_to: Mutex<crate::reconcile::RangeEnd>,
     /// The seeds' current addresses (see `membership::resolve_seeds`).
     pub(crate) seed_addrs: Mutex<Vec<SocketAddr>>,
     /// Held during an anti-entropy round, as initiator or responder.
@@ -310,7 +310,7 @@ impl Cluster {
             writer: Mutex::new(Some(writer)),
             rng: Mutex::new(rng),
             foca_tx,
-            sync_to_hour: Mutex::new(u64::MAX),
+            sync_to: Mutex::new(crate::reconcile::newest_end()),
             in_round: AtomicBool::new(false),
             seed_addrs: Mutex::new(Vec::new()),
         });
