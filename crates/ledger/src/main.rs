@@ -91,6 +91,13 @@ struct Args {
     /// Largest request body, bytes.
     #[arg(long, default_value_t = ServerConfig::default().body_max_bytes)]
     body_max_bytes: usize,
+    /// Most POST /v1/events bodies read at once; one more is answered 503 (with
+    /// Retry-After) before its body is read, so bodies in memory stay bounded.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=65_536))]
+    ingest_max: u64,
+    /// Milliseconds a client has to send a POST /v1/events body (408 after).
+    #[arg(long, default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
+    body_timeout_ms: u64,
 }
 
 #[derive(Subcommand, Debug)]
@@ -154,6 +161,8 @@ fn main() -> anyhow::Result<()> {
         node_id: node_id.clone(),
         commit_events_max: args.commit_events_max,
         body_max_bytes: args.body_max_bytes,
+        ingest_max: args.ingest_max as usize,
+        body_timeout: std::time::Duration::from_millis(args.body_timeout_ms),
         ..ServerConfig::default()
     };
     cfg.validate()?;

@@ -23,7 +23,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
-use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, Query, State};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -63,6 +62,13 @@ pub struct ServerConfig {
     pub range_hours_max: u64,
     /// Most buckets listed by `/v1/digest`. Default 100,000.
     pub digest_buckets_max: usize,
+    /// Most `POST /v1/events` bodies read and parsed at once; one more is 503 (retry)
+    /// before its body is read. Default 64. Without it every request's body (16 MiB)
+    /// and parsed events were held before the queue's 503: 500 agents posting at once
+    /// held gigabytes.
+    pub ingest_max: usize,
+    /// Time a client has to send a `POST /v1/events` body (408 after). Default 30 s.
+    pub body_timeout: Duration,
 }
 
 impl Default for ServerConfig {
@@ -78,6 +84,8 @@ impl Default for ServerConfig {
             export_lines_max: 100_000,
             range_hours_max: 24 * 400,
             digest_buckets_max: 100_000,
+            ingest_max: 64,
+            body_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -103,6 +111,8 @@ impl ServerConfig {
             ("queue_max", self.queue_max),
             ("export_lines_max", self.export_lines_max),
             ("digest_buckets_max", self.digest_buckets_max),
+            ("ingest_max", self.ingest_max),
+            ("body_timeout_ms", self.body_timeout.as_millis() as usize),
         ];
         if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(ServerError::Config(format!("{name} must be > 0")));
@@ -200,6 +210,8 @@ struct AppState {
     cfg: Arc<ServerConfig>,
     metrics: Arc<Metrics>,
     writer_alive: Arc<AtomicBool>,
+    /// Permits for bodies being read and parsed ([`ServerConfig::ingest_max`]).
+    ingest: Arc<tokio::sync::Semaphore>,
 }
 
 /// Unix time in ms from the system clock (the shell's clock; the core takes time as
@@ -316,6 +328,7 @@ async fn serve_inner(
         cfg: Arc::new(cfg.clone()),
         metrics,
         writer_alive,
+        ingest: Arc::new(tokio::sync::Semaphore::new(cfg.ingest_max)),
     };
     let app = Router::new()
         .route("/v1/events", post(post_events))
@@ -438,7 +451,81 @@ fn error(status: StatusCode, msg: impl Into<String>) -> ApiError {
     }
 }
 
-async fn post_events(State(s): State<AppState>, body: Bytes) -> Response {
+/// Why a request body could not be read.
+enum BodyRead {
+    TooLarge,
+    Broken(String),
+}
+
+/// `body` whole, at most `max` bytes.
+async fn read_body(mut body: axum::body::Body, max: usize) -> Result<Vec<u8>, BodyRead> {
+    use axum::body::HttpBody;
+    let mut out = Vec::new();
+    loop {
+        let frame = std::future::poll_fn(|cx| std::pin::Pin::new(&mut body).poll_frame(cx)).await;
+        match frame {
+            None => return Ok(out),
+            Some(Err(e)) => return Err(BodyRead::Broken(e.to_string())),
+            Some(Ok(f)) => {
+                if let Ok(data) = f.into_data() {
+                    if out.len() + data.len() > max {
+                        return Err(BodyRead::TooLarge);
+                    }
+                    out.extend_from_slice(&data);
+                }
+            }
+        }
+    }
+}
+
+async fn post_events(State(s): State<AppState>, body: axum::body::Body) -> Response {
+    let busy = |msg: &str| {
+        s.metrics.rejected_busy.fetch_add(1, Ordering::Relaxed);
+        let mut r = error(StatusCode::SERVICE_UNAVAILABLE, msg).into_response();
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        r
+    };
+    // Held while the body is read and parsed, and the batch queued: the bodies in
+    // memory at once are bounded before any is read.
+    let Ok(_reading) = Arc::clone(&s.ingest).try_acquire_owned() else {
+        return busy("too many batches being received; nothing stored; retry");
+    };
+    let body = match tokio::time::timeout(s.cfg.body_timeout, read_body(body, s.cfg.body_max_bytes))
+        .await
+    {
+        Ok(Ok(b)) => b,
+        Ok(Err(BodyRead::TooLarge)) => {
+            s.metrics.rejected_invalid.fetch_add(1, Ordering::Relaxed);
+            return error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!(
+                    "the body is over {} bytes; nothing stored",
+                    s.cfg.body_max_bytes
+                ),
+            )
+            .into_response();
+        }
+        Ok(Err(BodyRead::Broken(e))) => {
+            s.metrics.rejected_invalid.fetch_add(1, Ordering::Relaxed);
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("reading the body: {e}; nothing stored"),
+            )
+            .into_response();
+        }
+        Err(_) => {
+            s.metrics.rejected_invalid.fetch_add(1, Ordering::Relaxed);
+            return error(
+                StatusCode::REQUEST_TIMEOUT,
+                format!(
+                    "the body did not arrive within {} ms; nothing stored",
+                    s.cfg.body_timeout.as_millis()
+                ),
+            )
+            .into_response();
+        }
+    };
     let reject = |status, msg: String| {
         s.metrics.rejected_invalid.fetch_add(1, Ordering::Relaxed);
         error(status, msg).into_response()

@@ -555,3 +555,47 @@ fn concurrent_clients_sending_overlapping_batches_count_each_event_once() {
     println!("{} requests in {commits} commits", THREADS * REQUESTS);
     assert!(commits >= 1 && commits <= (THREADS * REQUESTS) as u64);
 }
+
+/// Every POST body was read whole (16 MiB) and parsed before the queue's 503, with no
+/// bound on how many at once and no time limit: a few hundred agents posting together
+/// held gigabytes, and a client that sent half a body held its connection for ever.
+/// Past --ingest-max bodies being read a POST is 503 before its body is read; a body
+/// that does not arrive within --body-timeout-ms is 408; nothing is stored either way.
+#[test]
+fn ingest_is_bounded_before_bodies_are_read_and_a_stalled_body_times_out() {
+    use std::io::{Read, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let node = Node::start(
+        dir.path(),
+        &["--ingest-max", "1", "--body-timeout-ms", "1500"],
+    );
+    // A body promised and never sent holds the one place.
+    let mut stalled = std::net::TcpStream::connect(node.addr).unwrap();
+    write!(
+        stalled,
+        "POST /v1/events HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: 1000\r\n\r\n[{{"
+    )
+    .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let t = now_ms() - 1000;
+    let r = node.post_json(
+        "/v1/events",
+        &json!([usage_json("b1", "acme", "m", t, 1, 1)]),
+    );
+    assert_eq!(r.status, 503, "{}", r.text());
+    // The stalled one times out: 408, and the place is free again.
+    stalled
+        .set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
+    let mut buf = [0u8; 512];
+    let n = stalled.read(&mut buf).unwrap();
+    let head = String::from_utf8_lossy(&buf[..n]);
+    assert!(head.starts_with("HTTP/1.1 408"), "{head}");
+    let r = node.post_json(
+        "/v1/events",
+        &json!([usage_json("b1", "acme", "m", t, 1, 1)]),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["new"], json!(1));
+}
