@@ -150,9 +150,6 @@ fn main() -> anyhow::Result<()> {
             c.push_fanout = args.push_fanout;
             c.sync_interval = Duration::from_millis(args.sync_interval_ms);
             c.fault_injection = args.fault_injection;
-            c.rng_seed = node_id.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-                (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
-            });
             c.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
             Some(c)
         }

@@ -85,8 +85,17 @@ pub struct ClusterConfig {
     pub push_queue_max: usize,
     /// Accept `POST /v1/cluster/isolate` (fault injection for tests). Default off.
     pub fault_injection: bool,
-    /// Seed of this node's RNG (foca and peer choice).
+    /// Seed of this node's RNG (foca and peer choice). Default: a hash of the node id,
+    /// so that nodes differ (it was 0 for every node a library caller did not set it
+    /// for: the same foca probes and peer choices on every node).
     pub rng_seed: u64,
+}
+
+/// A node's default RNG seed: FNV-1a of its id (deterministic, distinct per node).
+pub fn node_seed(node_id: &str) -> u64 {
+    node_id.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    })
 }
 
 impl ClusterConfig {
@@ -107,7 +116,7 @@ impl ClusterConfig {
             exchange_timeout: Duration::from_secs(60),
             push_queue_max: 256,
             fault_injection: false,
-            rng_seed: 0,
+            rng_seed: node_seed(node_id),
         }
     }
 
@@ -554,5 +563,15 @@ async fn accept_loop(inner: Arc<Inner>) {
                 }
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod seed_tests {
+    /// Nodes' default seeds differ, and stay the same across restarts (FNV-1a).
+    #[test]
+    fn default_seeds_are_distinct_per_node_and_stable() {
+        assert_ne!(super::node_seed("ledger-1"), super::node_seed("ledger-2"));
+        assert_eq!(super::node_seed("a"), 0xaf63_dc4c_8601_ec8c);
     }
 }
