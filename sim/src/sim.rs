@@ -381,11 +381,24 @@ impl KeyState {
     fn verify(&mut self, now: u64, cost: u64) {
         if self.verifier.is_full(now) {
             self.base = self.allowance - self.bound_burst as f64;
+            self.tight = self.base;
+        } else {
+            // A window may start here as well, at the level the verifier holds now: the
+            // excess over `[now, t]` is `level(now) - level(t) - B`, allowed
+            // `allowance(t) - allowance(now) + burst(now)`, so a deficit at `t` is held
+            // to `allowance(t) - (allowance(now) - burst(now) + level(now) - B)`. The
+            // largest such start term since the verifier was last full is the tightest
+            // window (windows from before it are never tighter).
+            let level = (self.verifier.level - self.verifier.cap) as f64 / SEC as f64;
+            let h = self.allowance - self.bound_burst as f64 + level;
+            if h > self.tight {
+                self.tight = h;
+            }
         }
         self.verifier.debit(now, cost);
         let d = self.verifier.deficit_level();
         if d > 0.0 {
-            self.window_worst = self.window_worst.max(d + self.base);
+            self.window_worst = self.window_worst.max(d + self.tight);
         }
     }
 }
@@ -412,7 +425,13 @@ struct KeyState {
     /// was last full: the excess rate's integral, the burst in force then and every
     /// rise since). Lax by at most one sample's accrual.
     base: f64,
-    /// Since the last sample, the largest `deficit + base` at a debit (`-inf`: none):
+    /// The tightest window's start term since the verifier was last full (`base` at
+    /// that instant, then the largest `allowance - burst + level - B` at a debit since):
+    /// what a deficit is checked against. (Until the thirtieth session only `base`: a
+    /// verifier that stayed in deficit under load never was full again, and an
+    /// allowance stated long before, unused, covered a later breach.)
+    tight: f64,
+    /// Since the last sample, the largest `deficit + tight` at a debit (`-inf`: none):
     /// checked against the allowance as the sample ends.
     window_worst: f64,
     /// The largest `allowance - base` at any sample: the bound stated over a window.
@@ -905,6 +924,7 @@ impl Sim {
                     first_admit: None,
                     allowance: 0.0,
                     base: 0.0,
+                    tight: 0.0,
                     window_worst: f64::NEG_INFINITY,
                     window_bound_max: 0.0,
                     worst_excess: 0.0,
@@ -1991,6 +2011,36 @@ mod tests {
         }
         // 10 s in, R accrued; the verifier is full. R/2 over it now is far above what
         // the bound states over a window that starts now.
+        sim.keys[0].verify(sim.now + MS, b + r / 2);
+        sim.now += SAMPLE_NS;
+        sim.sample();
+        let report = sim.report();
+        assert!(report.summary.violations > 0, "{:?}", report.summary);
+    }
+
+    /// Review, thirtieth session: a window started only where the verifier was full,
+    /// and under load a verifier in deficit is never full again, so the allowance
+    /// accrued since its last full instant, unused, covered a later breach. One token
+    /// short of full, then exactly R for 10 s (the level stays at -1): B + R/2 in one
+    /// millisecond is far above what the bound states over a window starting then.
+    #[test]
+    fn a_window_starts_anywhere_not_only_where_the_verifier_was_full() {
+        let mut sc = small("steady");
+        sc.keys = 1;
+        sc.allocator.overdraft_permille = 100;
+        let mut sim = Sim::new(&sc, 1, "static").unwrap();
+        let (t0, r, b) = (sim.t0, sc.limit.rate_per_s, sc.limit.burst);
+        sim.now = t0;
+        sim.sample();
+        sim.keys[0].verify(t0, b + 1);
+        for i in 1..=1_000u64 {
+            let at = t0 + i * 10 * MS;
+            while sim.now + SAMPLE_NS <= at {
+                sim.now += SAMPLE_NS;
+                sim.sample();
+            }
+            sim.keys[0].verify(at, r / 100);
+        }
         sim.keys[0].verify(sim.now + MS, b + r / 2);
         sim.now += SAMPLE_NS;
         sim.sample();
