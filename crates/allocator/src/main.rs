@@ -362,6 +362,7 @@ fn serve_elected(args: ServeArgs, mut rules: Config, seen: Option<Vec<u8>>) -> R
         let _ = sb_tx.send(true);
         let _ = standby.await;
         let term = leadership.term;
+        let lease = leadership.lease;
         let mut cfg = ShellConfig::new(grpc, Some(args.admin), term);
         cfg.allocator = allocator_config(&args);
         cfg.rules_path = args.config.clone();
@@ -413,6 +414,12 @@ fn serve_elected(args: ServeArgs, mut rules: Config, seen: Option<Vec<u8>>) -> R
         eprintln!("bursar-allocator: shutting down");
         let _ = tx.send(true);
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        // Serving has stopped: the leader key goes now, so a standby is elected at
+        // once instead of a TTL later (it learns for a lease before it grants).
+        match election.resign(lease).await {
+            Ok(()) => eprintln!("bursar-allocator: resigned the leadership in etcd"),
+            Err(e) => eprintln!("bursar-allocator: resigning in etcd: {e}; the lease lapses instead"),
+        }
         Ok(())
     })
 }

@@ -116,11 +116,15 @@ impl Etcd {
 }
 
 fn replica(etcd: &str) -> Replica {
+    replica_ttl(etcd, "2")
+}
+
+fn replica_ttl(etcd: &str, ttl_s: &str) -> Replica {
     Replica::spawn(Command::new(env!("CARGO_BIN_EXE_bursar-allocator")).args([
         "--etcd",
         etcd,
         "--election-ttl-s",
-        "2",
+        ttl_s,
         "--grpc",
         "127.0.0.1:0",
         "--admin",
@@ -259,4 +263,33 @@ async fn a_leader_whose_key_is_gone_steps_down_while_its_lease_lives() {
         "the old leader stepped down {:?} after its key was resigned (TTL 2 s)",
         resigned.elapsed()
     );
+}
+
+/// A leader stopped gracefully (SIGTERM) left its etcd lease to lapse, so the standby
+/// waited a whole TTL to be elected. It resigns now: with a 30 s TTL the standby is
+/// elected within seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_stopped_gracefully_hands_over_without_waiting_for_its_lease() {
+    let etcd = Etcd::start();
+    let mut a = replica_ttl(&etcd.url, "30");
+    let a_lead = a.line("bursar-allocator listening:", Duration::from_secs(20));
+    let a_term: u64 = field(&a_lead, "term=").parse().unwrap();
+    let b = replica_ttl(&etcd.url, "30");
+    b.line("bursar-allocator standby:", Duration::from_secs(20));
+    let stopped = Instant::now();
+    let term = Command::new("kill")
+        .args(["-TERM", &a.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(term.success());
+    let b_lead = b.line("bursar-allocator listening:", Duration::from_secs(15));
+    let took = stopped.elapsed();
+    let b_term: u64 = field(&b_lead, "term=").parse().unwrap();
+    assert!(b_term > a_term, "{a_term} then {b_term}");
+    assert!(
+        took < Duration::from_secs(15),
+        "elected {took:?} after the leader stopped: it waited for the 30 s lease"
+    );
+    eprintln!("graceful handover: standby elected {took:?} after SIGTERM (TTL 30 s)");
+    assert_eq!(a.child.wait().unwrap().code(), Some(0));
 }
