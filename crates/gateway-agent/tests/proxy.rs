@@ -297,6 +297,18 @@ fn start_rules(seen: &Seen, rules: &str, extra: &[&str]) -> (Agent, SocketAddr) 
     (agent, proxy)
 }
 
+/// One output-token rule refilling slowly (600 an hour, burst 1,000, 300 reserved by
+/// default), so that what a request was charged still shows in the next one's
+/// remaining, and the test key for org `acme`.
+fn slow_otpm_rules() -> String {
+    let hash = bursar_agent::shell::proxy::key_hash_hex(KEY);
+    format!(
+        "[[rule]]\nname = \"org-otpm\"\nmatch = {{ org = \"*\" }}\ndimension = \"output_tokens\"\n\
+         rate = 600\nper = \"hour\"\nburst = 1000\nmax_output_tokens_default = 300\n\n\
+         [[api_key]]\nsha256 = \"{hash}\"\ndescriptors = {{ org = \"acme\" }}\n"
+    )
+}
+
 fn chat_call(proxy: SocketAddr, body: Value) -> common::Resp {
     request_with(
         proxy,
@@ -367,12 +379,7 @@ fn a_stream_passes_through_and_is_settled_from_its_final_usage_chunk() {
 #[test]
 fn a_whole_json_answer_to_a_stream_request_is_settled_from_its_usage() {
     let seen = Seen::default();
-    let hash = bursar_agent::shell::proxy::key_hash_hex(KEY);
-    let rules = format!(
-        "[[rule]]\nname = \"org-otpm\"\nmatch = {{ org = \"*\" }}\ndimension = \"output_tokens\"\n\
-         rate = 600\nper = \"hour\"\nburst = 1000\nmax_output_tokens_default = 300\n\n\
-         [[api_key]]\nsha256 = \"{hash}\"\ndescriptors = {{ org = \"acme\" }}\n"
-    );
+    let rules = slow_otpm_rules();
     let (agent, proxy) = start_rules(&seen, &rules, &[]);
     let r = chat_call(
         proxy,
@@ -401,12 +408,7 @@ fn a_whole_json_answer_to_a_stream_request_is_settled_from_its_usage() {
 #[test]
 fn a_stream_cut_after_an_early_usage_chunk_is_charged_the_text_streamed() {
     let seen = Seen::default();
-    let hash = bursar_agent::shell::proxy::key_hash_hex(KEY);
-    let rules = format!(
-        "[[rule]]\nname = \"org-otpm\"\nmatch = {{ org = \"*\" }}\ndimension = \"output_tokens\"\n\
-         rate = 600\nper = \"hour\"\nburst = 1000\nmax_output_tokens_default = 300\n\n\
-         [[api_key]]\nsha256 = \"{hash}\"\ndescriptors = {{ org = \"acme\" }}\n"
-    );
+    let rules = slow_otpm_rules();
     let (agent, proxy) = start_rules(&seen, &rules, &[]);
     let _ = chat_call(
         proxy,
@@ -431,12 +433,7 @@ fn a_stream_cut_after_an_early_usage_chunk_is_charged_the_text_streamed() {
 fn a_stream_whose_events_are_cut_across_chunks_is_settled_from_its_usage() {
     let seen = Seen::default();
     // A slow refill: the cut stream takes a few hundred ms.
-    let hash = bursar_agent::shell::proxy::key_hash_hex(KEY);
-    let rules = format!(
-        "[[rule]]\nname = \"org-otpm\"\nmatch = {{ org = \"*\" }}\ndimension = \"output_tokens\"\n\
-         rate = 600\nper = \"hour\"\nburst = 1000\nmax_output_tokens_default = 300\n\n\
-         [[api_key]]\nsha256 = \"{hash}\"\ndescriptors = {{ org = \"acme\" }}\n"
-    );
+    let rules = slow_otpm_rules();
     let (agent, proxy) = start_rules(&seen, &rules, &[]);
     let r = chat_call(
         proxy,
@@ -878,12 +875,7 @@ fn requests_that_cost_their_rules_nothing_are_still_recorded() {
     let _ = std::fs::remove_dir_all(&dir);
     // Output tokens only: an embedding reserves none of them. A slow refill, so that
     // what a request was charged still shows in the next one's remaining.
-    let hash = bursar_agent::shell::proxy::key_hash_hex(KEY);
-    let rules = format!(
-        "[[rule]]\nname = \"org-otpm\"\nmatch = {{ org = \"*\" }}\ndimension = \"output_tokens\"\n\
-         rate = 600\nper = \"hour\"\nburst = 1000\n\n\
-         [[api_key]]\nsha256 = \"{hash}\"\ndescriptors = {{ org = \"acme\" }}\n"
-    );
+    let rules = slow_otpm_rules();
     let (agent, proxy) = start_rules(
         &seen,
         &rules,

@@ -360,11 +360,7 @@ struct Settle {
     usage: Option<Usage>,
     text: String,
     done: bool,
-    /// How often the lease is extended while the upstream works (a third of the TTL).
-    keep_every: Duration,
-    /// Engine time of the last extension (or the admission).
-    kept_at_ns: u64,
-    /// Held while this request is in flight: a stream's keeper task
+    /// Held while this request is in flight: its keeper task
     /// ([`Settle::keep_while_alive`]) holds it weakly.
     alive: Arc<()>,
 }
@@ -420,28 +416,18 @@ impl Settle {
         self.finish(CompletionStatus::UpstreamError);
     }
 
-    /// Extends the lease if a third of its TTL has passed since the last extension.
-    fn keep_lease(&mut self) {
-        let now = self.agent.clock.now_ns();
-        if now.saturating_sub(self.kept_at_ns) >= self.keep_every.as_nanos() as u64 {
-            self.kept_at_ns = now;
-            // Not live (expired or settled): nothing to keep.
-            let _ = self.agent.engine.extend(now, &self.id, None);
-        }
-    }
-}
-
-impl Settle {
-    /// Extends the lease every third of the TTL from a task of its own, for as long
-    /// as this guard lives and the lease is live. A stream's body is polled only when
-    /// its client reads: one that stopped reading let the lease expire, giving back
-    /// its concurrency slot and reservation while the upstream connection stayed open
-    /// (a tenant past its `max_in_flight` by opening streams and not reading them).
-    fn keep_while_alive(&self) {
+    /// Extends the lease every third of the TTL (`every`) from a task of its own, for
+    /// as long as this guard lives and the lease is live: a generation longer than the
+    /// TTL (a long stream, a slow reasoning model) would otherwise have its lease
+    /// expire mid-flight and give back its concurrency slot while the upstream still
+    /// works. From a task, not from the request's own awaits: a stream's body is
+    /// polled only when its client reads, and one that stopped reading let the lease
+    /// expire while the upstream connection stayed open (a tenant past its
+    /// `max_in_flight` by opening streams and not reading them).
+    fn keep_while_alive(&self, every: Duration) {
         let alive = Arc::downgrade(&self.alive);
         let agent = Arc::clone(&self.agent);
         let id = self.id.clone();
-        let every = self.keep_every;
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(every).await;
@@ -458,21 +444,6 @@ impl Settle {
                 }
             }
         });
-    }
-}
-
-/// Awaits `f` while the upstream works on `settle`'s request, extending its lease every
-/// third of the TTL meanwhile: a generation longer than the TTL (a long stream, a slow
-/// reasoning model) would otherwise have its lease expire mid-flight and give back its
-/// concurrency slot while the upstream still works.
-async fn keeping_lease<F: std::future::Future>(settle: &mut Settle, f: F) -> F::Output {
-    let mut f = std::pin::pin!(f);
-    loop {
-        settle.keep_lease();
-        tokio::select! {
-            out = &mut f => return out,
-            _ = tokio::time::sleep(settle.keep_every) => {}
-        }
     }
 }
 
@@ -810,10 +781,9 @@ async fn handle(State(p): State<Arc<Proxy>>, req: Request, kind: Kind) -> Respon
         usage: None,
         text: String::new(),
         done: false,
-        keep_every: Duration::from_millis((ttl_ms / 3).max(1)),
-        kept_at_ns: now,
         alive: Arc::new(()),
     };
+    settle.keep_while_alive(Duration::from_millis((ttl_ms / 3).max(1)));
 
     // Forward.
     if stream {
@@ -851,7 +821,7 @@ async fn handle(State(p): State<Arc<Proxy>>, req: Request, kind: Kind) -> Respon
         up = up.header("authorization", a);
     }
     let sent = tokio::time::timeout(p.cfg.upstream_timeout, up.send());
-    let upstream = match keeping_lease(&mut settle, sent).await {
+    let upstream = match sent.await {
         Ok(Ok(r)) => r,
         Ok(Err(e)) => {
             settle.release();
@@ -902,7 +872,7 @@ async fn handle(State(p): State<Arc<Proxy>>, req: Request, kind: Kind) -> Respon
         let mut s = upstream.bytes_stream();
         let idle = p.cfg.upstream_idle_timeout;
         loop {
-            let next = keeping_lease(&mut settle, tokio::time::timeout(idle, s.next())).await;
+            let next = tokio::time::timeout(idle, s.next()).await;
             let chunk = match next {
                 Ok(Some(chunk)) => chunk,
                 Ok(None) => break,
@@ -953,7 +923,6 @@ async fn handle(State(p): State<Arc<Proxy>>, req: Request, kind: Kind) -> Respon
     // Stream: pass each chunk through as it arrives; the tap reads usage and text on
     // the way; the settle guard completes at the end, or on drop if the client goes.
     let tap = SseTap { buf: Vec::new() };
-    settle.keep_while_alive();
     let idle = p.cfg.upstream_idle_timeout;
     let body_stream = futures_util::stream::unfold(
         (upstream.bytes_stream(), settle, tap, false),
@@ -961,7 +930,7 @@ async fn handle(State(p): State<Arc<Proxy>>, req: Request, kind: Kind) -> Respon
             if ended {
                 return None;
             }
-            match keeping_lease(&mut settle, tokio::time::timeout(idle, s.next())).await {
+            match tokio::time::timeout(idle, s.next()).await {
                 Ok(Some(Ok(chunk))) => {
                     tap.feed(&chunk, &mut settle);
                     Some((Ok::<Bytes, std::io::Error>(chunk), (s, settle, tap, false)))
