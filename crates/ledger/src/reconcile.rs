@@ -148,32 +148,11 @@ pub struct Offer {
     pub root: Digest,
     /// Its bucket digests in the range, in (hour, tenant) order.
     pub buckets: Vec<(Bucket, Digest)>,
-    /// The range the offer covers starts at bucket (`from_hour`, `from_tenant`),
-    /// inclusive (an empty tenant: the hour's start)...
-    pub from_hour: u64,
-    /// ...and its tenant.
-    pub from_tenant: String,
-    /// It ends at bucket (`to_hour`, `to_tenant`), exclusive (an empty tenant: the
-    /// hour's start; `u64::MAX`: past every bucket)...
-    pub to_hour: u64,
-    /// ...and its tenant.
-    pub to_tenant: String,
-}
-
-impl Offer {
-    /// The range's ends as buckets: from (inclusive), to (exclusive).
-    pub fn range(&self) -> (Bucket, Bucket) {
-        (
-            Bucket {
-                hour: self.from_hour,
-                tenant: self.from_tenant.clone(),
-            },
-            Bucket {
-                hour: self.to_hour,
-                tenant: self.to_tenant.clone(),
-            },
-        )
-    }
+    /// The range the offer covers starts at this bucket, inclusive (an empty tenant:
+    /// the hour's start)...
+    pub from: Bucket,
+    /// ...and ends at this one, exclusive (hour `u64::MAX`: past every bucket).
+    pub to: Bucket,
 }
 
 /// Step 2: the responder's events in differing buckets, and what it wants.
@@ -413,34 +392,24 @@ pub fn differing_buckets(local: &[(Bucket, Digest)], remote: &[(Bucket, Digest)]
 /// the next range ends there ([`next_to`]).
 pub fn offer(
     store: &dyn Store,
-    to: &RangeEnd,
+    to: &Bucket,
     limits: &ReconcileLimits,
 ) -> Result<Offer, StoreError> {
-    let (buckets, from) = store.newest_digests(
-        &Bucket {
-            hour: to.0,
-            tenant: to.1.clone(),
-        },
-        limits.buckets_max,
-        limits.offer_bytes_max,
-    )?;
+    let (buckets, from) = store.newest_digests(to, limits.buckets_max, limits.offer_bytes_max)?;
     Ok(Offer {
         root: store.root()?,
         buckets,
-        from_hour: from.hour,
-        from_tenant: from.tenant,
-        to_hour: to.0,
-        to_tenant: to.1.clone(),
+        from,
+        to: to.clone(),
     })
 }
 
-/// Where an offer's range ends, exclusive: (hour, tenant), the tenant empty for the
-/// hour's start; `(u64::MAX, "")` for the newest.
-pub type RangeEnd = (u64, String);
-
 /// Where the first range ends: past every bucket.
-pub fn newest_end() -> RangeEnd {
-    (u64::MAX, String::new())
+pub fn newest_end() -> Bucket {
+    Bucket {
+        hour: u64::MAX,
+        tenant: String::new(),
+    }
 }
 
 /// What an offer's bucket digest takes on the wire, generously.
@@ -583,14 +552,14 @@ pub fn answer(
 /// This side's digests in `offer`'s range: its end hours read whole, cut at the
 /// range's tenants.
 fn offered_range(store: &dyn Store, offer: &Offer) -> Result<Vec<(Bucket, Digest)>, StoreError> {
-    let to_hours = if offer.to_tenant.is_empty() {
-        offer.to_hour
+    let (from, to) = (&offer.from, &offer.to);
+    let to_hours = if to.tenant.is_empty() {
+        to.hour
     } else {
-        offer.to_hour.saturating_add(1)
+        to.hour.saturating_add(1)
     };
-    let mut local = store.digests(offer.from_hour, to_hours, None)?;
-    let (from, to) = offer.range();
-    local.retain(|(b, _)| *b >= from && *b < to);
+    let mut local = store.digests(from.hour, to_hours, None)?;
+    local.retain(|(b, _)| b >= from && b < to);
     Ok(local)
 }
 
@@ -646,13 +615,13 @@ pub fn winners(
 /// the older ranges of a node with more than `buckets_max` buckets under steady
 /// ingest: the newest range differs between some pair almost every round. New events
 /// travel by push meanwhile, and the newest range comes round again.)
-pub fn next_to(offer: &Offer, nothing_differs: bool, cut_short: bool) -> RangeEnd {
+pub fn next_to(offer: &Offer, nothing_differs: bool, cut_short: bool) -> Bucket {
     if !nothing_differs && cut_short {
-        (offer.to_hour, offer.to_tenant.clone())
-    } else if offer.from_hour == 0 && offer.from_tenant.is_empty() {
+        offer.to.clone()
+    } else if offer.from == Bucket::default() {
         newest_end()
     } else {
-        (offer.from_hour, offer.from_tenant.clone())
+        offer.from.clone()
     }
 }
 
@@ -1173,20 +1142,13 @@ mod tests {
         let o = offer(&a, &newest_end(), &limits).unwrap();
         assert!(o.buckets.len() < 2_000, "{} offered", o.buckets.len());
         assert_eq!(
-            o.from_hour,
+            o.from.hour,
             NOW / HOUR_MS - 1,
             "the range starts inside the hour"
         );
-        assert_eq!(o.from_tenant, o.buckets[0].0.tenant);
+        assert_eq!(o.from, o.buckets[0].0);
         // The estimate bounds the frame: the offer's message is within its budget.
-        let msg = frame::Msg::Offer {
-            root: o.root.to_bytes().to_vec(),
-            buckets: frame::wire_digests(&o.buckets),
-            from_hour: o.from_hour,
-            from_tenant: o.from_tenant.clone(),
-            to_hour: o.to_hour,
-            to_tenant: o.to_tenant.clone(),
-        };
+        let msg = frame::offer_msg(&o);
         let bytes = frame::encode(&msg).len();
         assert!(bytes <= (64 << 10) + 1024, "{bytes} bytes");
         assert_eq!(frame::decode(&frame::encode(&msg), 1 << 20).unwrap(), msg);

@@ -296,10 +296,14 @@ async fn respond(inner: &Arc<Inner>, ch: &mut Channel<'_>) -> Result<(), Exchang
             let offer = Offer {
                 root: frame::digest(&root)?,
                 buckets: frame::digests(buckets)?,
-                from_hour,
-                from_tenant,
-                to_hour,
-                to_tenant,
+                from: Bucket {
+                    hour: from_hour,
+                    tenant: from_tenant,
+                },
+                to: Bucket {
+                    hour: to_hour,
+                    tenant: to_tenant,
+                },
             };
             let limits = round_limits(inner);
             let ans = blocking(inner, move |s| reconcile::answer(s, &offer, &limits)).await?;
@@ -436,15 +440,7 @@ pub(crate) async fn sync_with(
     let limits = round_limits(inner);
     let to = inner.sync_to.lock().expect("sync_to").clone();
     let offer = blocking(inner, move |s| reconcile::offer(s, &to, &limits)).await?;
-    ch.send(&Msg::Offer {
-        root: offer.root.to_bytes().to_vec(),
-        buckets: frame::wire_digests(&offer.buckets),
-        from_hour: offer.from_hour,
-        from_tenant: offer.from_tenant.clone(),
-        to_hour: offer.to_hour,
-        to_tenant: offer.to_tenant.clone(),
-    })
-    .await?;
+    ch.send(&frame::offer_msg(&offer)).await?;
     let Msg::Answer {
         events,
         want,

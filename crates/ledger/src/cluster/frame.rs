@@ -292,6 +292,18 @@ pub fn decode(b: &[u8], frame_max: usize) -> Result<Msg, FrameError> {
     decode_payload(h, payload)
 }
 
+/// An anti-entropy offer as its message (both sides of the exchange, and tests).
+pub fn offer_msg(o: &crate::reconcile::Offer) -> Msg {
+    Msg::Offer {
+        root: o.root.to_bytes().to_vec(),
+        buckets: wire_digests(&o.buckets),
+        from_hour: o.from.hour,
+        from_tenant: o.from.tenant.clone(),
+        to_hour: o.to.hour,
+        to_tenant: o.to.tenant.clone(),
+    }
+}
+
 /// Converts digests for the wire.
 pub fn wire_digests(list: &[(Bucket, Digest)]) -> Vec<(WireBucket, WireDigest)> {
     list.iter()

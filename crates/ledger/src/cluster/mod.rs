@@ -237,7 +237,7 @@ pub(crate) struct Inner {
     pub(crate) foca_tx: mpsc::Sender<membership::Input>,
     /// Where the next offer's range ends (hours, exclusive): newest first, then older
     /// ranges when the newest agree (see `reconcile::reconcile_in_memory`).
-    pub(crate) sync_to: Mutex<crate::reconcile::RangeEnd>,
+    pub(crate) sync_to: Mutex<crate::digest::Bucket>,
     /// The seeds' current addresses (see `membership::resolve_seeds`).
     pub(crate) seed_addrs: Mutex<Vec<SocketAddr>>,
     /// Held during an anti-entropy round, as initiator or responder.
