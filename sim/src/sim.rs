@@ -1771,10 +1771,9 @@ impl Sim {
     }
 
     /// Per key and shift: the end of the first 250 ms window (sliding by 50 ms) after
-    /// the shift in which the fleet admitted 95 % of what it settles at (its mean per
-    /// window over the last second of the phase, capped by what the ideal bucket
-    /// admitted in that window). Against the ideal alone the figure would be censored
-    /// whenever the fleet's steady utilization is below 95 % (docs/simulation.md).
+    /// the shift in which the fleet admitted at least 95 % of what the ideal global
+    /// bucket admitted over the same window, as the issue defines it; a phase that
+    /// never gets there counts whole (censored). The p95 is over every key and shift.
     fn realloc_p95_ms(&self) -> Option<f64> {
         if self.shared.sc.workload.kind != WorkloadKind::Shift {
             return None;
