@@ -379,8 +379,9 @@ impl KeyState {
     /// Debits an admission from the verifier, noting the window its deficit (if any)
     /// is measured over.
     fn verify(&mut self, now: u64, cost: u64) {
+        let allowance = self.allowance_at(now);
         if self.verifier.is_full(now) {
-            self.base = self.allowance - self.bound_burst as f64;
+            self.base = allowance - self.bound_burst as f64;
             self.tight = self.base;
         } else {
             // A window may start here as well, at the level the verifier holds now: the
@@ -390,7 +391,7 @@ impl KeyState {
             // largest such start term since the verifier was last full is the tightest
             // window (windows from before it are never tighter).
             let level = (self.verifier.level - self.verifier.cap) as f64 / SEC as f64;
-            let h = self.allowance - self.bound_burst as f64 + level;
+            let h = allowance - self.bound_burst as f64 + level;
             if h > self.tight {
                 self.tight = h;
             }
@@ -399,7 +400,17 @@ impl KeyState {
         let d = self.verifier.deficit_level();
         if d > 0.0 {
             self.window_worst = self.window_worst.max(d + self.tight);
+            // Checked against `allowance` at the next sample: the accrual up to now,
+            // at the last sample's rate, comes off here.
+            let accrued = allowance - self.allowance;
+            self.window_worst_here = self.window_worst_here.max(d + self.tight - accrued);
         }
+    }
+
+    /// The allowance at `now`, between samples: the last sample's, plus its rate since.
+    fn allowance_at(&self, now: u64) -> f64 {
+        let since = now.saturating_sub(self.sampled_at) as f64;
+        self.allowance + self.bound_rate as f64 * since / SEC as f64
     }
 }
 
@@ -419,11 +430,11 @@ struct KeyState {
     /// The stated bound accumulated so far, tokens: the excess rate's integral plus
     /// every rise of the stated burst.
     allowance: f64,
-    /// `allowance` less the burst then in force, as of the last sample before the
-    /// verifier was last full (seen at the first debit after): a deficit is allowed
-    /// `allowance - base`, what the bound states over its window (since the bucket
-    /// was last full: the excess rate's integral, the burst in force then and every
-    /// rise since). Lax by at most one sample's accrual.
+    /// `allowance` (as of that instant, see `allowance_at`) less the burst then in
+    /// force, when the verifier was last full (seen at the first debit after): a
+    /// deficit is allowed `allowance - base`, what the bound states over its window
+    /// (since the bucket was last full: the excess rate's integral, the burst in
+    /// force then and every rise since).
     base: f64,
     /// The tightest window's start term since the verifier was last full (`base` at
     /// that instant, then the largest `allowance - burst + level - B` at a debit since):
@@ -432,8 +443,16 @@ struct KeyState {
     /// allowance stated long before, unused, covered a later breach.)
     tight: f64,
     /// Since the last sample, the largest `deficit + tight` at a debit (`-inf`: none):
-    /// checked against the allowance as the sample ends.
+    /// checked against the allowance as the sample ends, when that sample raised the
+    /// stated rate or burst (the rise is credited to the whole interval).
     window_worst: f64,
+    /// The same less the allowance accrued at the last sample's rate between it and
+    /// each debit: checked against the last sample's allowance when the next sample
+    /// states no rise, so a window is allowed its own accrual, not the interval's.
+    window_worst_here: f64,
+    /// When the last sample was taken (virtual ns): `allowance` and `bound_rate` are
+    /// as of then.
+    sampled_at: u64,
     /// The largest `allowance - base` at any sample: the bound stated over a window.
     window_bound_max: f64,
     /// The most a window's deepest deficit exceeded the allowance as of the sample
@@ -950,6 +969,8 @@ impl Sim {
                     base: 0.0,
                     tight: 0.0,
                     window_worst: f64::NEG_INFINITY,
+                    window_worst_here: f64::NEG_INFINITY,
+                    sampled_at: 0,
                     window_bound_max: 0.0,
                     worst_excess: 0.0,
                     bound_rate: 0,
@@ -1548,14 +1569,26 @@ impl Sim {
             };
             // Conservative between samples: the larger rate over the whole span, and
             // every rise of the summed fallback bursts counts again.
+            let rose = rate > key.bound_rate || burst > key.bound_burst;
+            let before = key.allowance;
             key.allowance += rate.max(key.bound_rate) as f64 * span / period;
             key.allowance += burst.saturating_sub(key.bound_burst) as f64;
             key.bound_rate = rate;
             key.bound_burst = burst;
+            key.sampled_at = self.now;
             // Each deficit since the last sample against the bound over its own
-            // window (since the verifier was last full), as stated by this sample.
-            key.worst_excess = key.worst_excess.max(key.window_worst - key.allowance);
+            // window (since the verifier was last full). Where this sample states a
+            // rise, the rise may have begun anywhere in the interval: the deficit is
+            // held to the allowance as this sample ends. Otherwise the rate held
+            // throughout, and a window is allowed what accrued up to its own end.
+            let excess = if rose {
+                key.window_worst - key.allowance
+            } else {
+                key.window_worst_here - before
+            };
+            key.worst_excess = key.worst_excess.max(excess);
             key.window_worst = f64::NEG_INFINITY;
+            key.window_worst_here = f64::NEG_INFINITY;
             key.window_bound_max = key.window_bound_max.max(key.allowance - key.base);
         }
         if self.series.is_some() {
@@ -1671,8 +1704,8 @@ impl Sim {
             over_max = over_max.max(measured / b);
             let window_bound = k.window_bound_max.max(k.allowance - k.base);
             bound_max = bound_max.max(window_bound / b);
-            // The tail since the last sample, against the allowance as it ends.
-            let excess = k.worst_excess.max(k.window_worst - k.allowance);
+            // The tail since the last sample, against what accrued up to each deficit.
+            let excess = k.worst_excess.max(k.window_worst_here - k.allowance);
             if excess > 1e-6 {
                 let msg = format!(
                     "key {}: overshoot {excess:.1} tokens above the bound stated over its window \
@@ -2078,6 +2111,50 @@ mod tests {
         sim.sample();
         let report = sim.report();
         assert!(report.summary.violations > 0, "{:?}", report.summary);
+    }
+
+    /// Review, thirty-first session: a window's start took the allowance of the sample
+    /// before it and its end the allowance of the sample after it, so a window inside
+    /// one sample interval was allowed up to two intervals' accrual (100 ms of the
+    /// bound's rate; `partition-set`'s fallback rate of about R/2 made that 0.25 B). The
+    /// bound rate R here (the overdraft): from full at 49 ms, 0.05 R at 51 ms is 0.048 R
+    /// past the verifier, against 0.002 R stated over those 2 ms.
+    #[test]
+    fn a_window_between_two_samples_is_allowed_its_own_accrual_only() {
+        let mut sc = small("steady");
+        sc.keys = 1;
+        sc.allocator.overdraft_permille = 1000;
+        let mut sim = Sim::new(&sc, 1, "static").unwrap();
+        let (t0, r, b) = (sim.t0, sc.limit.rate_per_s, sc.limit.burst);
+        sim.now = t0;
+        sim.sample();
+        sim.keys[0].verify(t0 + 49 * MS, b);
+        sim.now = t0 + SAMPLE_NS;
+        sim.sample();
+        sim.keys[0].verify(t0 + 51 * MS, r / 20);
+        sim.now = t0 + 2 * SAMPLE_NS;
+        sim.sample();
+        let report = sim.report();
+        assert!(report.summary.violations > 0, "{:?}", report.summary);
+        // The same excess spread at the bound's own rate is none: 0.05 R over the
+        // 50 ms after full, R/1000 every millisecond.
+        let mut sim = Sim::new(&sc, 1, "static").unwrap();
+        sim.now = t0;
+        sim.sample();
+        sim.keys[0].verify(t0 + 49 * MS, b);
+        for i in 50..=100u64 {
+            let at = t0 + i * MS;
+            while sim.now + SAMPLE_NS <= at {
+                sim.now += SAMPLE_NS;
+                sim.sample();
+            }
+            sim.keys[0].verify(at, 2 * r / 1000 - 1);
+        }
+        sim.now += SAMPLE_NS;
+        sim.sample();
+        let report = sim.report();
+        assert_eq!(report.summary.violations, 0, "{:?}", report.summary);
+        assert!(report.summary.overshoot_max_fraction_of_burst > 0.0);
     }
 
     #[test]
