@@ -560,6 +560,7 @@ fn outbox_metrics(
         ("dropped", &s.dropped),
         ("invalid", &s.invalid),
         ("time_clamped", &s.time_clamped),
+        ("time_shifted", &s.time_shifted),
     ] {
         out.push_str(&format!(
             "bursar_outbox_events_total{{kind=\"{kind}\"}} {}\n",

@@ -238,6 +238,9 @@ pub struct OutboxStats {
     pub invalid: AtomicU64,
     /// Events whose time was ahead of the wall clock and was replaced by it.
     pub time_clamped: AtomicU64,
+    /// Events whose time was moved up because the wall clock read at start was
+    /// behind (by more than `BEHIND_TOLERANCE_MS`).
+    pub time_shifted: AtomicU64,
 }
 
 struct Queue {
@@ -554,7 +557,9 @@ impl Outbox {
     }
 
     /// Starts the writer thread. `rules` must be the engine's rule set (limit keys
-    /// index into it); `wall_origin_ms` is the unix time, ms, at engine time 0.
+    /// index into it); `wall_origin_ms` is the unix time, ms, at engine time 0, which
+    /// is taken to be about now (the writer measures how far the wall clock has moved
+    /// from that reading since, to correct a reading that was behind).
     pub fn start(&self, rules: RuleSet, wall_origin_ms: u64) {
         let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
         if w.is_some() {
@@ -854,6 +859,11 @@ fn init(db: &Database, existed: bool, agent_id: Option<&str>) -> Result<Init, St
     Ok(out)
 }
 
+/// How far the wall clock may run ahead of the start reading plus monotonic time
+/// before event times are moved up (ms): NTP slews both clocks alike, so more than
+/// this is a step (a start reading that was behind).
+const BEHIND_TOLERANCE_MS: u64 = 2_000;
+
 fn writer(sh: Arc<Shared>, mapper: Mapper) {
     let max = sh.cfg.commit_records_max;
     let need = sh.cfg.ledgers_needed;
@@ -865,6 +875,8 @@ fn writer(sh: Arc<Shared>, mapper: Mapper) {
     // How far ahead of the wall clock the start reading was found to be (ms): event
     // times are shifted back by it (see below).
     let mut ahead_ms = 0u64;
+    // Engine time 0, by this thread's monotonic clock (see `Outbox::start`).
+    let started = std::time::Instant::now();
     loop {
         let (acks, taken, stop) = {
             let mut q = sh.lock();
@@ -895,6 +907,19 @@ fn writer(sh: Arc<Shared>, mapper: Mapper) {
         let now_ms = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as u64);
+        // A start reading that was behind (a machine booted without a real-time clock,
+        // the agent started before NTP stepped it) shows as the wall clock running
+        // ahead of the start reading plus monotonic time: event times move up by as
+        // much, measured now (not from the records, which may have waited in the
+        // queue), so billing lands in the right hour and the ledger's oldest
+        // accepted time is not crossed by a clock error.
+        let agent_wall_ms = mapper.wall_origin_ms + started.elapsed().as_millis() as u64;
+        let behind_ms = now_ms.saturating_sub(agent_wall_ms);
+        let behind_ms = if behind_ms > BEHIND_TOLERANCE_MS {
+            behind_ms
+        } else {
+            0
+        };
         encoded.clear();
         for p in batch.drain(..) {
             let mut e = mapper.map(
@@ -918,6 +943,16 @@ fn writer(sh: Arc<Shared>, mapper: Mapper) {
                 ahead_ms = ahead_ms.max(agent_now_ms - now_ms);
             }
             e.time_ms = e.time_ms.saturating_sub(ahead_ms);
+            if behind_ms > 0 && ahead_ms == 0 {
+                e.time_ms = e.time_ms.saturating_add(behind_ms).min(now_ms);
+                if sh.stats.time_shifted.fetch_add(1, Ordering::Relaxed) == 0 {
+                    eprintln!(
+                        "bursar-agent: WARNING the wall clock read at start was {behind_ms} ms \
+                         behind (stepped forward since?); usage event times are moved up by \
+                         as much (counted in bursar_outbox_events_total{{kind=\"time_shifted\"}})"
+                    );
+                }
+            }
             if ahead_ms > 0 || e.time_ms > now_ms + limits.future_skew_ms / 2 {
                 e.time_ms = e.time_ms.min(now_ms);
                 if sh.stats.time_clamped.fetch_add(1, Ordering::Relaxed) == 0 {
@@ -1080,14 +1115,14 @@ mod tests {
         per = "minute"
     "#;
 
-    /// The unix time of engine time 0 in these tests: one hour ago, whole seconds
-    /// (events must be within the ledger's accepted time range).
+    /// The unix time of engine time 0 in these tests: now, whole seconds (the
+    /// writer takes its start as engine time 0, as the agent's binary does).
     fn wall_origin_ms() -> u64 {
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap()
             .as_millis() as u64;
-        (now - 3_600_000) / 1000 * 1000
+        now / 1000 * 1000
     }
 
     fn engine_with(outbox: &Arc<Outbox>, rules: &str) -> Engine {
@@ -1358,6 +1393,37 @@ mod tests {
         ob.close();
     }
 
+    /// Review, thirty-first session: a wall clock read at start that was behind (a
+    /// machine booted without a real-time clock, the agent started before NTP) went
+    /// unnoticed: every event was stamped that far in the past, in the wrong hour,
+    /// and past the ledger's 400 days, refused by the agent's own check and NOT
+    /// stored, while its completion was answered 200.
+    #[test]
+    fn event_times_behind_the_wall_clock_are_moved_up_to_it_not_dropped() {
+        for behind_ms in [2 * 3_600_000, 401 * 24 * 3_600_000] {
+            let dir = tempdir("clock-behind");
+            let ob = Arc::new(Outbox::open(config(&dir)).unwrap());
+            let cfg = Config::from_toml(RULES).unwrap();
+            let engine = Engine::new(cfg.clone(), Arc::clone(&ob) as Arc<dyn UsageSink>);
+            ob.start(cfg.rules, wall_origin_ms() - behind_ms);
+            admit(&engine, "r-behind", 10);
+            engine
+                .complete(1, "r-behind", Usage::default(), CompletionStatus::Ok)
+                .unwrap();
+            assert!(ob.durable_blocking(ob.ticket(), Duration::from_secs(10)));
+            let evs = ob.read_after(0, 10).unwrap();
+            assert_eq!(evs.len(), 1, "stored, not dropped ({behind_ms} ms behind)");
+            assert!(
+                evs[0].1.time_ms.abs_diff(wall_origin_ms()) < 60_000,
+                "{} ({behind_ms} ms behind)",
+                evs[0].1.time_ms
+            );
+            assert_eq!(ob.stats().time_shifted.load(Ordering::Relaxed), 1);
+            assert_eq!(ob.stats().invalid.load(Ordering::Relaxed), 0);
+            ob.close();
+        }
+    }
+
     #[test]
     fn event_times_ahead_of_the_wall_clock_are_replaced_by_it_not_dropped() {
         let dir = tempdir("clock-ahead");
@@ -1365,7 +1431,7 @@ mod tests {
         let cfg = Config::from_toml(RULES).unwrap();
         let engine = Engine::new(cfg.clone(), Arc::clone(&ob) as Arc<dyn UsageSink>);
         // The wall clock read at start was two hours ahead (not yet synchronised).
-        ob.start(cfg.rules, wall_origin_ms() + 3 * 3_600_000);
+        ob.start(cfg.rules, wall_origin_ms() + 2 * 3_600_000);
         admit(&engine, "r-ahead", 10);
         engine
             .complete(1, "r-ahead", Usage::default(), CompletionStatus::Ok)
@@ -1373,7 +1439,7 @@ mod tests {
         assert!(ob.durable_blocking(ob.ticket(), Duration::from_secs(10)));
         let evs = ob.read_after(0, 10).unwrap();
         assert_eq!(evs.len(), 1, "stored, not dropped");
-        let now = wall_origin_ms() + 3_600_000;
+        let now = wall_origin_ms();
         assert!(
             evs[0].1.time_ms.abs_diff(now) < 60_000,
             "{}",
@@ -1393,7 +1459,7 @@ mod tests {
         let ob = Arc::new(Outbox::open(config(&dir)).unwrap());
         let cfg = Config::from_toml(RULES).unwrap();
         let engine = Engine::new(cfg.clone(), Arc::clone(&ob) as Arc<dyn UsageSink>);
-        ob.start(cfg.rules, wall_origin_ms() + 3 * 3_600_000);
+        ob.start(cfg.rules, wall_origin_ms() + 2 * 3_600_000);
         admit(&engine, "r-late", 10);
         // Expired by the maintenance tick (TTL 300 s), then completed late.
         engine.maintain(301 * 1_000_000_000);
@@ -1427,7 +1493,7 @@ mod tests {
         let ob = Arc::new(Outbox::open(config(&dir)).unwrap());
         let cfg = Config::from_toml(RULES).unwrap();
         let engine = Engine::new(cfg.clone(), Arc::clone(&ob) as Arc<dyn UsageSink>);
-        let now = wall_origin_ms() + 3_600_000;
+        let now = wall_origin_ms();
         // Engine time 301 s is now; the start reading was 8 minutes ahead.
         ob.start(cfg.rules, now - 301_000 + 8 * 60_000);
         let sec = 1_000_000_000;
