@@ -73,16 +73,22 @@ pub(crate) struct Proportional {
     burst: u64,
     lease_ns: u64,
     entries: BTreeMap<(u32, u32), Entry>,
+    /// The allocator's term, stamped as every grant's epoch: a restarted allocator's
+    /// grants (its `seq` from 0 again) must outrank the old term's, which the agents
+    /// still hold, or they are refused as stale until the count passes the old one.
+    epoch: u64,
     seq: u64,
 }
 
 impl Proportional {
-    pub(crate) fn new(rate: u64, burst: u64, lease_ns: u64) -> Proportional {
+    /// `epoch` is the allocator's term (1 for the first).
+    pub(crate) fn new(rate: u64, burst: u64, lease_ns: u64, epoch: u64) -> Proportional {
         Proportional {
             rate,
             burst,
             lease_ns,
             entries: BTreeMap::new(),
+            epoch,
             seq: 0,
         }
     }
@@ -151,7 +157,7 @@ impl Proportional {
                 key: keys[k as usize].clone(),
                 rate,
                 burst,
-                epoch: 1,
+                epoch: self.epoch,
                 seq: self.seq,
                 lease_expires_at_ns: e.lease_base + self.lease_ns,
                 fleet_size: n,
@@ -169,7 +175,7 @@ mod tests {
 
     #[test]
     fn shares_follow_reported_demand_and_add_up_to_the_limit() {
-        let mut p = Proportional::new(1_000, 100, 2_000_000_000);
+        let mut p = Proportional::new(1_000, 100, 2_000_000_000, 1);
         let sec = 1_000_000_000;
         p.hello(0, 1);
         p.hello(1, 1);
