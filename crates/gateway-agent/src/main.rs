@@ -148,6 +148,13 @@ struct ServeArgs {
     /// Size it for the longest ledger outage to ride out at the completion rate.
     #[arg(long, default_value_t = 1_000_000, value_parser = clap::value_parser!(u64).range(16..))]
     outbox_events_max: u64,
+    /// Usage events a ledger refused on their own (400/413 three times, sent alone)
+    /// that the outbox sets aside and keeps for an operator (`GET
+    /// /v1/outbox/quarantine`), so the events behind them are delivered. Past it a
+    /// refused event stops that ledger's delivery until the quarantine is cleared
+    /// (`DELETE /v1/outbox/quarantine?through_seq=N`). 0: never set aside.
+    #[arg(long, default_value_t = 10_000)]
+    outbox_quarantine_max: u64,
     /// Longest wait for a usage record's commit before the completion answers 503
     /// (`outbox_unavailable`; the record stays queued, a retry is safe), ms.
     #[arg(long, default_value_t = 5_000, value_parser = clap::value_parser!(u64).range(1..=600_000))]
@@ -320,6 +327,7 @@ fn serve(args: ServeArgs) -> Result<()> {
             // Every lease in flight may still bring a record once new work is refused.
             cfg.in_flight_max = config.engine.max_leases;
             cfg.events_max = args.outbox_events_max;
+            cfg.quarantine_max = args.outbox_quarantine_max;
             cfg.durable_timeout = Duration::from_millis(args.outbox_durable_timeout_ms);
             cfg.tenant_descriptor = args.ledger_tenant_descriptor.clone();
             cfg.model_descriptor = args.ledger_model_descriptor.clone();

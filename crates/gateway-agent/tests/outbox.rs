@@ -1117,6 +1117,82 @@ fn a_batch_over_the_ledgers_body_bound_is_split_until_it_fits() {
     assert_eq!((held.len(), ids.len()), (300, 300), "each once");
 }
 
+/// Review, thirty-first session: an event a ledger refuses on its own (here: larger
+/// than its body bound, 413 even alone) was retried forever and every event behind
+/// it waited, until the outbox filled and the agent answered 503 to all work. It is
+/// now set aside in the outbox's quarantine, kept for an operator, and the events
+/// behind it are delivered.
+#[test]
+fn an_event_a_ledger_refuses_alone_is_set_aside_and_the_rest_delivered() {
+    let a = Ledger::start_with("ledger-a", &["--body-max-bytes", "500"]);
+    let outbox = tempdir("agent-quarantine");
+    let agent = AgentProc::start(&outbox, &[a.url()], &[]);
+    let big_id = format!("big-{}", "r".repeat(120));
+    let big_org = "x".repeat(250);
+    for (id, org) in [
+        ("ok-1", "acme"),
+        (big_id.as_str(), big_org.as_str()),
+        ("ok-2", "acme"),
+        ("ok-3", "acme"),
+    ] {
+        let r = agent.admit_complete(id, org, 10, 1).expect("complete");
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    wait_until(
+        "every event delivered or set aside",
+        Duration::from_secs(30),
+        || agent.pending() == 0,
+    );
+    let held = a.export();
+    let mut ids: Vec<String> = held
+        .iter()
+        .map(|e| e["request_id"].as_str().unwrap_or_default().to_string())
+        .collect();
+    ids.sort();
+    assert_eq!(ids, ["ok-1", "ok-2", "ok-3"]);
+    assert_eq!(agent.metric("bursar_outbox_quarantined_events "), 1);
+    let q = try_request(agent.http, "GET", "/v1/outbox/quarantine", b"").expect("list");
+    assert_eq!(q.status, 200, "{}", q.body);
+    let lines: Vec<Value> = q
+        .body
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
+        .collect();
+    assert_eq!(lines.len(), 1, "{}", q.body);
+    assert_eq!(lines[0]["event"]["request_id"], big_id.as_str());
+    assert_eq!(lines[0]["event"]["tenant"], big_org.as_str());
+    assert!(
+        lines[0]["reason"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("413"),
+        "{}",
+        lines[0]
+    );
+    let seq = lines[0]["seq"].as_u64().expect("seq");
+    // Clearing needs a bound, and takes only what it names.
+    let r = try_request(agent.http, "DELETE", "/v1/outbox/quarantine", b"").expect("clear");
+    assert_eq!(r.status, 400, "{}", r.body);
+    let path = format!("/v1/outbox/quarantine?through_seq={}", seq - 1);
+    let r = try_request(agent.http, "DELETE", &path, b"").expect("clear");
+    assert_eq!(
+        (r.status, r.body.contains("\"removed\":0")),
+        (200, true),
+        "{}",
+        r.body
+    );
+    let path = format!("/v1/outbox/quarantine?through_seq={seq}");
+    let r = try_request(agent.http, "DELETE", &path, b"").expect("clear");
+    assert_eq!(
+        (r.status, r.body.contains("\"removed\":1")),
+        (200, true),
+        "{}",
+        r.body
+    );
+    assert_eq!(agent.metric("bursar_outbox_quarantined_events "), 0);
+}
+
 /// Regression (review, twenty-eighth session): one URL given twice counted as two of
 /// the holders an event needs while one node answered both: nothing was ever trimmed.
 #[test]

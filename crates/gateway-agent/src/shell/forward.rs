@@ -13,6 +13,12 @@
 //! restart the cursors come back from the file, so delivery resumes where it was;
 //! a batch that was in flight may be sent again, which the ledger counts as a
 //! duplicate (events are idempotent by request id).
+//!
+//! An event a ledger refuses on its own (`400` or `413` to a batch of just that event,
+//! [`REFUSALS_BEFORE_QUARANTINE`] times in a row) is set aside for that ledger
+//! ([`Outbox::quarantine`]: kept durably with the refusal, for an operator to replay)
+//! and the events behind it are delivered; until the thirty-first session one such
+//! event stopped that ledger's delivery for good, and the outbox filled to 503.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -26,6 +32,10 @@ use super::outbox::Outbox;
 /// How often an idle forwarder asks its node's identity again while the outbox holds
 /// events (see `step`).
 const RELEARN_IDLE: Duration = Duration::from_secs(1);
+
+/// Refusals in a row of one event sent alone (each after the failure backoff) after
+/// which it is set aside for that ledger.
+pub const REFUSALS_BEFORE_QUARANTINE: u32 = 3;
 
 /// Forwarder settings. Plain data.
 #[derive(Clone, Debug)]
@@ -133,6 +143,8 @@ async fn deliver(
     // paced, or a balancer alternating between nodes would have this loop POST
     // back to back without ever crediting a batch.
     let mut moved = 0u32;
+    // The event last refused when sent alone, and how many times in a row.
+    let mut refused = (0u64, 0u32);
     while !*shutdown.borrow() {
         let r = step(
             &outbox,
@@ -142,6 +154,7 @@ async fn deliver(
             &mut node,
             &mut learned_at,
             &mut batch,
+            &mut refused,
         )
         .await;
         if !matches!(r, Ok(Step::Moved)) {
@@ -217,6 +230,7 @@ enum Step {
     Shrunk,
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn step(
     outbox: &Arc<Outbox>,
     cfg: &ForwardConfig,
@@ -225,6 +239,7 @@ async fn step(
     node: &mut Option<String>,
     learned_at: &mut Instant,
     batch_max: &mut usize,
+    refused: &mut (u64, u32),
 ) -> Result<Step, String> {
     let id = match node {
         Some(id) => id.clone(),
@@ -277,13 +292,46 @@ async fn step(
         *batch_max = (batch.len() / 2).max(1);
         return Ok(Step::Shrunk);
     }
+    if matches!(status.as_u16(), 400 | 413) {
+        // One event, refused on its own.
+        *refused = if refused.0 == last {
+            (last, refused.1 + 1)
+        } else {
+            (last, 1)
+        };
+        if refused.1 >= REFUSALS_BEFORE_QUARANTINE {
+            let reason = format!(
+                "POST /v1/events: {status}: {}",
+                text.chars().take(300).collect::<String>()
+            );
+            let (ob, holder) = (Arc::clone(outbox), id.clone());
+            let set_aside =
+                tokio::task::spawn_blocking(move || ob.quarantine(&holder, last, &reason))
+                    .await
+                    .map_err(|e| format!("quarantining event {last}: {e}"))?
+                    .map_err(|e| format!("quarantining event {last}: {e}"))?;
+            if set_aside {
+                eprintln!(
+                    "bursar-agent: ERROR ledger {}: refused usage event {last} {} times \
+                     ({status}: {}); set aside in the outbox's quarantine (GET \
+                     /v1/outbox/quarantine) and delivering the events after it",
+                    st.url,
+                    refused.1,
+                    text.chars().take(300).collect::<String>()
+                );
+                *refused = (0, 0);
+                st.cursor.store(outbox.cursor(&id), Ordering::Relaxed);
+                return Ok(Step::Sent);
+            }
+        }
+    }
     if status.as_u16() != 200 {
         let what = match status.as_u16() {
             400 => {
-                " (the ledger refused this event: a bug or clock skew; it is kept and retried, and the events after it wait)"
+                " (the ledger refused this event: a bug or clock skew; it is kept and retried, then set aside in the quarantine, or, the quarantine full, the events after it wait)"
             }
             413 => {
-                " (one event is larger than the ledger accepts; it is kept and retried, and the events after it wait)"
+                " (one event is larger than the ledger accepts; it is kept and retried, then set aside in the quarantine, or, the quarantine full, the events after it wait)"
             }
             _ => "",
         };

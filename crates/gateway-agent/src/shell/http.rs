@@ -34,6 +34,10 @@ pub fn router(state: Arc<AgentState>) -> Router {
         .route("/v1/extend", post(extend))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/metrics", get(metrics))
+        .route(
+            "/v1/outbox/quarantine",
+            get(quarantine_list).delete(quarantine_clear),
+        )
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
 }
@@ -435,6 +439,81 @@ async fn extend(State(state): State<Arc<AgentState>>, body: Bytes) -> Response {
     }
 }
 
+/// `GET /v1/outbox/quarantine`: the usage events a ledger refused on their own and
+/// the outbox set aside, one JSON object per line (oldest first; at most
+/// `OutboxConfig::quarantine_max`). 404 without an outbox.
+async fn quarantine_list(State(state): State<Arc<AgentState>>) -> Response {
+    let Some(ob) = state.outbox.get() else {
+        return error(
+            StatusCode::NOT_FOUND,
+            "no_outbox",
+            "this agent keeps no usage outbox (--outbox-dir)",
+        );
+    };
+    let ob = Arc::clone(ob);
+    match tokio::task::spawn_blocking(move || ob.quarantined(usize::MAX)).await {
+        Ok(Ok(lines)) => {
+            let mut body = String::new();
+            for l in lines {
+                body.push_str(&l);
+                body.push('\n');
+            }
+            (
+                StatusCode::OK,
+                [("content-type", "application/x-ndjson")],
+                body,
+            )
+                .into_response()
+        }
+        Ok(Err(e)) => error(StatusCode::INTERNAL_SERVER_ERROR, "outbox", &e.to_string()),
+        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, "outbox", &e.to_string()),
+    }
+}
+
+/// `DELETE /v1/outbox/quarantine?through_seq=N`: forgets the quarantined events with
+/// seq up to `N` (replayed or written off by an operator); answers how many.
+async fn quarantine_clear(State(state): State<Arc<AgentState>>, uri: axum::http::Uri) -> Response {
+    let Some(ob) = state.outbox.get() else {
+        return error(
+            StatusCode::NOT_FOUND,
+            "no_outbox",
+            "this agent keeps no usage outbox (--outbox-dir)",
+        );
+    };
+    let through = uri.query().unwrap_or("").split('&').find_map(|kv| {
+        kv.strip_prefix("through_seq=")
+            .map(|v| v.parse::<u64>().map_err(|_| v.to_string()))
+    });
+    let through = match through {
+        Some(Ok(n)) => n,
+        Some(Err(v)) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                &format!("through_seq must be a whole number, not {v:?}"),
+            );
+        }
+        None => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                "through_seq is required: the highest seq to forget (see GET)",
+            );
+        }
+    };
+    let ob = Arc::clone(ob);
+    match tokio::task::spawn_blocking(move || ob.clear_quarantine(through)).await {
+        Ok(Ok(n)) => (
+            StatusCode::OK,
+            [("content-type", "application/json")],
+            json!({ "removed": n }).to_string(),
+        )
+            .into_response(),
+        Ok(Err(e)) => error(StatusCode::INTERNAL_SERVER_ERROR, "outbox", &e.to_string()),
+        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, "outbox", &e.to_string()),
+    }
+}
+
 async fn metrics(State(state): State<Arc<AgentState>>) -> Response {
     let mut out = String::with_capacity(2048);
     out.push_str("# HELP bursar_decisions_total Admission decisions by result.\n");
@@ -553,6 +632,11 @@ fn outbox_metrics(
     out.push_str(&format!("bursar_outbox_queued_records {}\n", ob.queued()));
     out.push_str("# HELP bursar_outbox_last_seq Highest event sequence number written.\n# TYPE bursar_outbox_last_seq gauge\n");
     out.push_str(&format!("bursar_outbox_last_seq {}\n", ob.last_seq()));
+    out.push_str("# HELP bursar_outbox_quarantined_events Usage events a ledger refused on their own, set aside for an operator (GET /v1/outbox/quarantine).\n# TYPE bursar_outbox_quarantined_events gauge\n");
+    out.push_str(&format!(
+        "bursar_outbox_quarantined_events {}\n",
+        ob.quarantine_held()
+    ));
     out.push_str("# HELP bursar_outbox_events_total Outbox events by what happened to them.\n# TYPE bursar_outbox_events_total counter\n");
     for (kind, v) in [
         ("committed", &s.committed),
@@ -561,6 +645,7 @@ fn outbox_metrics(
         ("invalid", &s.invalid),
         ("time_clamped", &s.time_clamped),
         ("time_shifted", &s.time_shifted),
+        ("quarantined", &s.quarantined),
     ] {
         out.push_str(&format!(
             "bursar_outbox_events_total{{kind=\"{kind}\"}} {}\n",

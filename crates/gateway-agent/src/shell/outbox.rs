@@ -70,6 +70,9 @@ const EVENTS: TableDefinition<u64, &[u8]> = TableDefinition::new("events");
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 const CURSORS: TableDefinition<&str, u64> = TableDefinition::new("cursors");
 const ORIGIN: TableDefinition<&str, &str> = TableDefinition::new("origin");
+/// Events a ledger refused on their own, (seq, holder) -> a JSON line: see
+/// [`Outbox::quarantine`].
+const QUARANTINE: TableDefinition<(u64, &str), &str> = TableDefinition::new("quarantine");
 
 /// Outbox settings. Plain data; [`OutboxConfig::validate`] at start-up.
 #[derive(Clone, Debug)]
@@ -104,6 +107,11 @@ pub struct OutboxConfig {
     /// takes up to `queue_max + in_flight_max` records, the headroom allocated only if
     /// used, so no answered completion is dropped while the disk stalls. Default 65,536.
     pub in_flight_max: usize,
+    /// Events set aside because a ledger refused them on their own (see
+    /// [`Outbox::quarantine`]) kept at most; past it a refused event stalls that
+    /// ledger's delivery as before (logged) until an operator clears the quarantine.
+    /// 0: never set aside. Default 10,000.
+    pub quarantine_max: u64,
 }
 
 impl OutboxConfig {
@@ -120,6 +128,7 @@ impl OutboxConfig {
             model_descriptor: "model".into(),
             ledgers_needed,
             in_flight_max: 65_536,
+            quarantine_max: 10_000,
         }
     }
 
@@ -241,6 +250,8 @@ pub struct OutboxStats {
     /// Events whose time was moved up because the wall clock read at start was
     /// behind (by more than `BEHIND_TOLERANCE_MS`).
     pub time_shifted: AtomicU64,
+    /// Events set aside for a ledger that refused them on their own.
+    pub quarantined: AtomicU64,
 }
 
 struct Queue {
@@ -277,6 +288,8 @@ struct Shared {
     /// (forwarders' view; the file's copy may lag by one commit).
     cursors: Mutex<Holders>,
     stats: OutboxStats,
+    /// Rows in the quarantine table.
+    quarantine_held: AtomicU64,
 }
 
 /// Who holds what: see [`Outbox::holder`].
@@ -518,7 +531,7 @@ impl Outbox {
                 return Err(open_err(reason));
             }
         }
-        let (origin, next_seq, on_disk, cursors) =
+        let (origin, next_seq, on_disk, cursors, quarantined) =
             init(&db, existed, cfg.agent_id.as_deref()).map_err(open_err)?;
         let queue_max = cfg.queue_max;
         let (committed_tx, _) = watch::channel(0u64);
@@ -548,6 +561,7 @@ impl Outbox {
                 cursors,
             }),
             stats: OutboxStats::default(),
+            quarantine_held: AtomicU64::new(quarantined),
             cfg,
         });
         Ok(Outbox {
@@ -748,6 +762,114 @@ impl Outbox {
         true
     }
 
+    /// Sets event `seq` aside for `holder`, which refused it on its own (a ledger's
+    /// 400 or 413 to a batch of that one event, repeated): the event and `reason` are
+    /// written durably to the quarantine table, then `holder`'s cursor moves past it,
+    /// so the events behind it reach that ledger instead of waiting forever. The event
+    /// stays in the outbox for the other ledgers, and counts as held by `holder` for
+    /// the trim: its copy in the quarantine is what an operator replays once the
+    /// cause is fixed (`GET /v1/outbox/quarantine` gives each as the ledger's JSON).
+    /// Returns false, changing nothing, when the quarantine holds `quarantine_max`
+    /// events already; the cursor is not moved when `holder` is no longer current.
+    pub fn quarantine(&self, holder: &str, seq: u64, reason: &str) -> Result<bool, OutboxError> {
+        if self.sh.quarantine_held.load(Ordering::Acquire) >= self.sh.cfg.quarantine_max {
+            return Ok(false);
+        }
+        let event = {
+            let txn = self.sh.db.begin_read().map_err(storage)?;
+            let t = txn.open_table(EVENTS).map_err(storage)?;
+            let v = t.get(seq).map_err(storage)?;
+            v.map(|v| Event::decode(v.value()))
+        };
+        let event = match event {
+            Some(Ok(e)) => bursar_ledger::wire::event_json(&e),
+            Some(Err(e)) => {
+                return Err(OutboxError::Storage(format!(
+                    "event {seq} in the outbox does not decode ({e:?}); the file is damaged"
+                )));
+            }
+            // Trimmed meanwhile: enough other ledgers hold it; nothing to keep.
+            None => serde_json::Value::Null,
+        };
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        let (node, store) = holder.split_once('\n').unwrap_or((holder, ""));
+        let line = serde_json::json!({
+            "seq": seq,
+            "ledger_node": node,
+            "ledger_store": store,
+            "refused_at_ms": now_ms,
+            "reason": reason.chars().take(1024).collect::<String>(),
+            "event": event,
+        })
+        .to_string();
+        let txn = self.sh.db.begin_write().map_err(storage)?;
+        let new = {
+            let mut t = txn.open_table(QUARANTINE).map_err(storage)?;
+            t.insert((seq, holder), line.as_str())
+                .map_err(storage)?
+                .is_none()
+        };
+        txn.commit().map_err(storage)?;
+        if new {
+            self.sh.quarantine_held.fetch_add(1, Ordering::AcqRel);
+            self.sh.stats.quarantined.fetch_add(1, Ordering::Relaxed);
+        }
+        self.ack(holder, seq);
+        Ok(true)
+    }
+
+    /// Events in the quarantine (see [`Outbox::quarantine`]), oldest first, at most
+    /// `max`: one JSON object each (`seq`, `ledger_node`, `ledger_store`,
+    /// `refused_at_ms`, `reason`, and `event`, the ledger's JSON form of it, `null` if
+    /// it was trimmed before it was set aside).
+    pub fn quarantined(&self, max: usize) -> Result<Vec<String>, OutboxError> {
+        let txn = self.sh.db.begin_read().map_err(storage)?;
+        let t = match txn.open_table(QUARANTINE) {
+            Ok(t) => t,
+            Err(redb::TableError::TableDoesNotExist(_)) => return Ok(Vec::new()),
+            Err(e) => return Err(storage(e)),
+        };
+        let mut out = Vec::new();
+        for row in t.iter().map_err(storage)?.take(max) {
+            let (_, v) = row.map_err(storage)?;
+            out.push(v.value().to_string());
+        }
+        Ok(out)
+    }
+
+    /// How many events the quarantine holds.
+    pub fn quarantine_held(&self) -> u64 {
+        self.sh.quarantine_held.load(Ordering::Acquire)
+    }
+
+    /// Removes the quarantined events with seq up to `through_seq` (an operator has
+    /// replayed or written them off); returns how many. Durable when it returns.
+    pub fn clear_quarantine(&self, through_seq: u64) -> Result<u64, OutboxError> {
+        let txn = self.sh.db.begin_write().map_err(storage)?;
+        let removed = {
+            let mut t = txn.open_table(QUARANTINE).map_err(storage)?;
+            // Bounded by `quarantine_max`: a walk, in seq order.
+            let mut keys: Vec<(u64, String)> = Vec::new();
+            for row in t.iter().map_err(storage)? {
+                let (k, _) = row.map_err(storage)?;
+                let (seq, h) = k.value();
+                if seq > through_seq {
+                    break;
+                }
+                keys.push((seq, h.to_string()));
+            }
+            for (seq, h) in &keys {
+                t.remove((*seq, h.as_str())).map_err(storage)?;
+            }
+            keys.len() as u64
+        };
+        txn.commit().map_err(storage)?;
+        self.sh.quarantine_held.fetch_sub(removed, Ordering::AcqRel);
+        Ok(removed)
+    }
+
     /// Up to `max` events with seq above `after`, in seq order (read from the file,
     /// MVCC: never blocks the writer).
     pub fn read_after(&self, after: u64, max: usize) -> Result<Vec<(u64, Event)>, OutboxError> {
@@ -802,7 +924,7 @@ impl UsageSink for Outbox {
     }
 }
 
-type Init = (String, u64, u64, HashMap<String, u64>);
+type Init = (String, u64, u64, HashMap<String, u64>, u64);
 
 fn init(db: &Database, existed: bool, agent_id: Option<&str>) -> Result<Init, String> {
     let run = || -> Result<Init, redb::Error> {
@@ -813,10 +935,10 @@ fn init(db: &Database, existed: bool, agent_id: Option<&str>) -> Result<Init, St
             match (format, existed) {
                 (Some(FORMAT), _) => {}
                 (Some(other), _) => {
-                    return Ok((format!("\0format {other}"), 0, 0, HashMap::new()));
+                    return Ok((format!("\0format {other}"), 0, 0, HashMap::new(), 0));
                 }
                 (None, true) if meta.len()? > 0 || txn.list_tables()?.count() > 1 => {
-                    return Ok(("\0foreign".into(), 0, 0, HashMap::new()));
+                    return Ok(("\0foreign".into(), 0, 0, HashMap::new(), 0));
                 }
                 (None, _) => {
                     meta.insert("format", FORMAT)?;
@@ -844,7 +966,8 @@ fn init(db: &Database, existed: bool, agent_id: Option<&str>) -> Result<Init, St
                 let (k, v) = row?;
                 cursors.insert(k.value().to_string(), v.value());
             }
-            (origin, next_seq, on_disk, cursors)
+            let quarantined = txn.open_table(QUARANTINE)?.len()?;
+            (origin, next_seq, on_disk, cursors, quarantined)
         };
         txn.commit()?;
         Ok(out)
@@ -1391,6 +1514,44 @@ mod tests {
         assert!(ob.ack(&a, 3));
         wait_held(&ob, 2);
         ob.close();
+    }
+
+    #[test]
+    fn a_quarantined_event_is_kept_across_a_restart_within_its_bound() {
+        let dir = tempdir("quarantine");
+        let mut cfg = config(&dir);
+        cfg.quarantine_max = 1;
+        let ob = Arc::new(Outbox::open(cfg.clone()).unwrap());
+        let engine = engine_with(&ob, RULES);
+        for id in ["q1", "q2"] {
+            admit(&engine, id, 10);
+            engine
+                .complete(1, id, Usage::default(), CompletionStatus::Ok)
+                .unwrap();
+        }
+        assert!(ob.durable_blocking(ob.ticket(), Duration::from_secs(10)));
+        let a = ob.holder("ledger-a", "store-1");
+        assert!(ob.quarantine(&a, 1, "400 Bad Request: refused").unwrap());
+        assert_eq!(ob.cursor(&a), 1, "the holder moves past it");
+        // The bound: nothing changes past it.
+        assert!(!ob.quarantine(&a, 2, "400 Bad Request: refused").unwrap());
+        assert_eq!(ob.cursor(&a), 1);
+        wait_held(&ob, 2); // one ledger of the two needed: nothing trimmed
+        ob.close();
+        drop(engine);
+        drop(ob);
+        let ob = Outbox::open(cfg).unwrap();
+        assert_eq!(ob.quarantine_held(), 1);
+        let lines = ob.quarantined(10).unwrap();
+        assert_eq!(lines.len(), 1);
+        let v: serde_json::Value = serde_json::from_str(&lines[0]).unwrap();
+        assert_eq!(v["seq"], 1);
+        assert_eq!(v["ledger_node"], "ledger-a");
+        assert_eq!(v["event"]["request_id"], "q1");
+        assert!(v["reason"].as_str().unwrap().contains("refused"));
+        assert_eq!(ob.clear_quarantine(1).unwrap(), 1);
+        assert_eq!(ob.quarantine_held(), 0);
+        assert!(ob.quarantined(10).unwrap().is_empty());
     }
 
     /// Review, thirty-first session: a wall clock read at start that was behind (a
