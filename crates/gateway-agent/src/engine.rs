@@ -1633,7 +1633,7 @@ impl Engine {
         let mut memo = KeyMemo::default();
 
         let candidates = self.candidates(req.domain);
-        for (pos, &ri) in candidates.iter().enumerate() {
+        'rules: for (pos, &ri) in candidates.iter().enumerate() {
             let rule = &table.compiled[ri as usize];
             let Some(nv) = rule.matches(req.descriptors, &mut values) else {
                 continue;
@@ -1641,6 +1641,11 @@ impl Engine {
             let values = &values[..nv];
             matched = true;
             if out.limits_mut().len == MAX_LIMITS_PER_REQUEST {
+                if !rule.enforce {
+                    // A shadow rule never fails a request: past the limits one
+                    // request may hold, it is not evaluated.
+                    continue;
+                }
                 self.rollback(now, &held, &slots);
                 return Err(AdmitError::TooManyLimits {
                     max: MAX_LIMITS_PER_REQUEST,
@@ -1672,6 +1677,9 @@ impl Engine {
             loop {
                 let (slot, key_id) = match self.slot_for(table, now, ri, values, first, &mut memo) {
                     Ok(s) => s,
+                    // A shadow rule never fails a request: without a key (the table
+                    // full of busy keys) it is not evaluated.
+                    Err(AdmitError::KeyTableFull { .. }) if !rule.enforce => continue 'rules,
                     Err(e) => {
                         self.rollback(now, &held, &slots);
                         return Err(e);
@@ -2538,7 +2546,7 @@ impl Engine {
             }
         };
         let candidates = self.candidates(domain);
-        for (pos, &ri) in candidates.iter().enumerate() {
+        'rules: for (pos, &ri) in candidates.iter().enumerate() {
             let rule = &table.compiled[ri as usize];
             if rule.dimension == Dimension::Concurrency {
                 continue;
@@ -2549,6 +2557,10 @@ impl Engine {
             let values = &values[..nv];
             matched = true;
             if limits.len == MAX_LIMITS_PER_REQUEST {
+                if !rule.enforce {
+                    // A shadow rule never fails a decision (as in `admit_in`).
+                    continue;
+                }
                 undo(&taken);
                 return Err(AdmitError::TooManyLimits {
                     max: MAX_LIMITS_PER_REQUEST,
@@ -2571,6 +2583,7 @@ impl Engine {
             loop {
                 let (slot, id) = match self.slot_for(table, now, ri, values, first, &mut memo) {
                     Ok(s) => s,
+                    Err(AdmitError::KeyTableFull { .. }) if !rule.enforce => continue 'rules,
                     Err(e) => {
                         undo(&taken);
                         return Err(e);

@@ -1180,6 +1180,66 @@ fn a_worker_completes_leases_of_different_sizes_one_after_another() {
     e.check_invariants(0).unwrap();
 }
 
+/// Review, thirty-first session: a shadow rule that could not get a key (the table
+/// full of busy keys) or that matched past the per-request limit failed the whole
+/// request (KeyTableFull, a 503; TooManyLimits, a 500), though a shadow rule must
+/// never reject. It is skipped instead; an enforcing rule still fails as before.
+#[test]
+fn a_shadow_rule_without_room_never_fails_the_request() {
+    let e = engine(
+        r#"
+        [engine]
+        max_keys = 2
+        [[rule]]
+        name = "org"
+        match = { org = "*" }
+        dimension = "requests"
+        rate = 100
+        per = "second"
+        [[rule]]
+        name = "user-shadow"
+        mode = "shadow"
+        match = { user = "*" }
+        dimension = "requests"
+        rate = 1
+        per = "second"
+        "#,
+    );
+    // org=a and user=1 fill the table (neither idle yet: nothing can be evicted).
+    let first = req("r1", &[("org", "a"), ("user", "1")], Cost::ONE_REQUEST);
+    assert!(e.admit(0, &first).unwrap().is_admitted());
+    let d = e
+        .admit(
+            0,
+            &req("r2", &[("org", "a"), ("user", "2")], Cost::ONE_REQUEST),
+        )
+        .expect("a shadow rule without a key must not fail the request");
+    assert!(d.is_admitted());
+    let d = e
+        .decide_hits(0, None, &[("org", "a"), ("user", "3")], 1)
+        .expect("nor a hits decision");
+    assert!(d.is_admitted());
+    // Nine shadow rules on one request: past the eight limits a request may hold.
+    let mut rules = String::new();
+    for i in 0..9 {
+        rules.push_str(&format!(
+            "[[rule]]\nname = \"s{i}\"\nmode = \"shadow\"\nmatch = {{ org = \"*\" }}\n\
+             dimension = \"requests\"\nrate = 10\nper = \"second\"\n"
+        ));
+    }
+    let e = engine(&rules);
+    let d = e
+        .admit(0, &req("r", &[("org", "a")], Cost::ONE_REQUEST))
+        .expect("shadow rules past the limit are skipped");
+    assert!(d.is_admitted());
+    assert!(
+        e.decide_hits(0, None, &[("org", "a")], 1)
+            .unwrap()
+            .is_admitted()
+    );
+    e.check_invariants(0).unwrap();
+}
+
 /// A lease names its keys by their hashes, not by a reference to their slots (no
 /// reference count on the decision path); a key evicted while a lease still names it
 /// hands the lease its name first, so the usage record names it all the same.
