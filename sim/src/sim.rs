@@ -1066,6 +1066,7 @@ impl Sim {
                 t0,
                 end,
                 down_times(sc, t0),
+                workload::mean_cost(&sc.workload),
             ))),
             globals: Queue::default(),
             threads: default_threads(sc),
@@ -2566,6 +2567,68 @@ mod tests {
             // And the new term grants again: the second half admits.
             assert!(r.summary.utilization_second_half > 0.5, "{:?}", r.summary);
         }
+    }
+
+    /// Review, thirty-first session: LLM arrivals were spaced by the lognormal's mean
+    /// without the clamp to `[cost_min, cost_max]`, so at `input_sigma` 3 the offered
+    /// load was about 6 % of the stated one, and past sigma ~38 the mean was infinite
+    /// and nothing arrived at all. They are spaced by the clamped distribution's mean.
+    #[test]
+    fn llm_costs_offer_the_stated_load_whatever_the_input_sigma() {
+        for sigma in [3.0, 1.0, 50.0] {
+            let mut sc = Scenario::load("llm-zipf").unwrap();
+            sc.duration_s = 20.0;
+            sc.workload.input_sigma = sigma;
+            sc.validate().unwrap();
+            let r = run(&sc, 1).unwrap();
+            assert_eq!(r.worst_keys.len(), sc.keys);
+            let offered: u64 = r.worst_keys.iter().map(|k| k.offered).sum();
+            let stated =
+                sc.workload.load * sc.limit.rate_per_s as f64 * sc.duration_s * sc.keys as f64;
+            let ratio = offered as f64 / stated;
+            assert!(
+                (0.9..1.1).contains(&ratio),
+                "input_sigma {sigma}: offered {ratio:.3} of the stated load"
+            );
+        }
+    }
+
+    /// Review, thirty-first session: the LLM input's median was
+    /// `sqrt((cost_min * cost_max) as f64)` with the product in u64, which wraps for
+    /// costs past 2^32 each (a panic in debug; in release a median of ~0, so every
+    /// input was clamped up to `cost_min`). The product is taken in f64.
+    #[test]
+    fn llm_inputs_center_on_their_median_with_costs_past_two_to_the_32() {
+        let mut sc = Scenario::load("llm-zipf").unwrap();
+        let big = 1u64 << 36;
+        sc.workload.cost_min = 1 << 32;
+        sc.workload.cost_max = big;
+        sc.workload.output_max_tokens = big;
+        sc.limit.burst = 2 * big;
+        sc.limit.rate_per_s = 4 * big;
+        sc.validate().unwrap();
+        let mut sim = Sim::new(&sc, 1, "bursar").unwrap();
+        let shared = Arc::clone(&sim.shared);
+        let until = sim.t0 + 20 * SEC;
+        let wl = sim.workload_mut();
+        wl.draw_until(&shared, until);
+        let mut inputs: Vec<u64> = wl
+            .out
+            .iter()
+            .filter_map(|(_, ev)| match ev {
+                Ev::Request(_, _, input, _, _) => Some(*input),
+                _ => None,
+            })
+            .collect();
+        assert!(inputs.len() > 100, "{} requests", inputs.len());
+        inputs.sort_unstable();
+        let median = inputs[inputs.len() / 2];
+        // sqrt(2^32 * 2^36) = 2^34.
+        assert!(
+            (1 << 33..1 << 35).contains(&median),
+            "median input {median} against 2^34 = {}",
+            1u64 << 34
+        );
     }
 
     /// Review, thirty-first session: a restarted Doorman-like allocator stamped its

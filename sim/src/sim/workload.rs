@@ -23,6 +23,68 @@ pub(super) struct Workload {
     /// or not yet joined): its requests go to a gateway that is up, as a load balancer
     /// sends them.
     down: Vec<Vec<(u64, u64)>>,
+    /// The mean cost of one request ([`mean_cost`]), which spaces the arrivals.
+    mean_cost: f64,
+}
+
+/// The mean cost of one request: with `llm`, the mean of the input as drawn
+/// (lognormal, clamped to `[cost_min, cost_max]`) plus the mean actual output (55 %
+/// of the reservation); else the middle of `[cost_min, cost_max]`. The arrivals are
+/// spaced by it, so that the offered tokens per second are the stated `load * R`.
+/// (The input's truncation to whole tokens, under one token, is left out.)
+pub(crate) fn mean_cost(w: &crate::scenario::WorkloadSpec) -> f64 {
+    if w.llm {
+        let (lo, hi) = (w.cost_min as f64, w.cost_max as f64);
+        clamped_lognormal_mean((lo * hi).sqrt(), w.input_sigma, lo, hi)
+            + 0.55 * w.output_max_tokens as f64
+    } else {
+        (w.cost_min as f64 + w.cost_max as f64) / 2.0
+    }
+}
+
+/// The mean of `clamp(median * exp(sigma * Z), lo, hi)`, `Z` standard normal and
+/// `lo <= median <= hi`: `lo` times the mass below it, `hi` times the mass above it,
+/// and in between `median * exp(sigma z)` integrated against the normal density over
+/// `z` (Simpson's rule: the closed form's `exp(sigma^2 / 2)` overflows at large
+/// sigma, while the integrand here never exceeds `hi` times the density). Finite for
+/// every finite `sigma >= 0`.
+pub(crate) fn clamped_lognormal_mean(median: f64, sigma: f64, lo: f64, hi: f64) -> f64 {
+    if lo >= hi {
+        return lo;
+    }
+    if sigma <= 0.0 {
+        return median.clamp(lo, hi);
+    }
+    let mu = median.ln();
+    let (alpha, beta) = ((lo.ln() - mu) / sigma, (hi.ln() - mu) / sigma);
+    let tails = lo * normal_cdf(alpha) + hi * normal_cdf(-beta);
+    // Past 40 standard deviations the density is below 1e-300.
+    let (z0, z1) = (alpha.max(-40.0), beta.min(40.0));
+    if z0 >= z1 {
+        return tails;
+    }
+    const STEPS: usize = 4_096; // even
+    let h = (z1 - z0) / STEPS as f64;
+    let f = |z: f64| (mu + sigma * z - z * z / 2.0).exp() / (std::f64::consts::TAU).sqrt();
+    let mut sum = f(z0) + f(z1);
+    for i in 1..STEPS {
+        sum += f(z0 + i as f64 * h) * if i % 2 == 1 { 4.0 } else { 2.0 };
+    }
+    tails + sum * h / 3.0
+}
+
+/// The standard normal CDF, from the complementary error function of Abramowitz and
+/// Stegun 7.1.26 (absolute error below 1.5e-7, and it keeps its relative accuracy in
+/// the far tail: no `1 - x` cancellation for `z < 0`).
+pub(crate) fn normal_cdf(z: f64) -> f64 {
+    let x = z.abs() / std::f64::consts::SQRT_2;
+    let t = 1.0 / (1.0 + 0.327_591_1 * x);
+    let poly = t
+        * (0.254_829_592
+            + t * (-0.284_496_736
+                + t * (1.421_413_741 + t * (-1.453_152_027 + t * 1.061_405_429))));
+    let upper = 0.5 * poly * (-x * x).exp(); // P(Z > |z|)
+    if z < 0.0 { upper } else { 1.0 - upper }
 }
 
 impl Workload {
@@ -32,9 +94,11 @@ impl Workload {
         t0: u64,
         end: u64,
         down: Vec<Vec<(u64, u64)>>,
+        mean_cost: f64,
     ) -> Workload {
         Workload {
             down,
+            mean_cost,
             queue: Queue::default(),
             now: 0,
             rng,
@@ -104,15 +168,7 @@ impl Workload {
 
     fn schedule_arrival(&mut self, sh: &Shared, k: u32) {
         let (rate, change) = self.offered_rate(sh, k, self.now);
-        let w = &sh.sc.workload;
-        let mean_cost = if w.llm {
-            // Lognormal mean (ignoring the clamp) plus the mean actual output.
-            let median = ((w.cost_min * w.cost_max) as f64).sqrt();
-            median * (w.input_sigma * w.input_sigma / 2.0).exp() + 0.55 * w.output_max_tokens as f64
-        } else {
-            (w.cost_min + w.cost_max) as f64 / 2.0
-        };
-        let per_s = rate / mean_cost;
+        let per_s = rate / self.mean_cost;
         let next = if per_s > 0.0 {
             let dt = self.rng.exp(SEC as f64 / per_s);
             self.now + (dt as u64).max(1)
@@ -192,7 +248,8 @@ impl Workload {
         let w = &sh.sc.workload;
         // (input, reserved output, actual output); the cost is input + actual output.
         let costs = if w.llm {
-            let median = ((w.cost_min * w.cost_max) as f64).sqrt();
+            // In f64: the product of two large costs overflows a u64.
+            let median = (w.cost_min as f64 * w.cost_max as f64).sqrt();
             let x = median * (w.input_sigma * self.rng.normal()).exp();
             let input = (x as u64).clamp(w.cost_min, w.cost_max);
             let reserved = w.output_max_tokens;
@@ -208,5 +265,41 @@ impl Workload {
         let (input, reserved, output) = costs;
         self.out
             .push((self.now, Ev::Request(i as u32, k, input, reserved, output)));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_clamped_lognormal_mean_matches_its_closed_form_and_its_limits() {
+        assert!((normal_cdf(0.0) - 0.5).abs() < 1e-7);
+        assert!((normal_cdf(1.96) - 0.975).abs() < 1e-4);
+        assert!((normal_cdf(-1.96) - 0.025).abs() < 1e-4);
+        let (lo, hi) = (10.0_f64, 2_000.0_f64);
+        let median = (lo * hi).sqrt();
+        for sigma in [0.5, 1.0, 3.0] {
+            // The closed form, fine at these sigmas.
+            let mu = median.ln();
+            let (a, b) = ((lo.ln() - mu) / sigma, (hi.ln() - mu) / sigma);
+            let closed = lo * normal_cdf(a)
+                + hi * (1.0 - normal_cdf(b))
+                + (mu + sigma * sigma / 2.0).exp()
+                    * (normal_cdf(b - sigma) - normal_cdf(a - sigma));
+            let m = clamped_lognormal_mean(median, sigma, lo, hi);
+            assert!(
+                (m - closed).abs() < 1e-3 * closed,
+                "sigma {sigma}: {m} vs {closed}"
+            );
+        }
+        // Unclamped in effect: the lognormal's own mean.
+        let m = clamped_lognormal_mean(100.0, 0.1, 1.0, 1e9);
+        assert!((m - 100.0 * 0.005_f64.exp()).abs() < 1e-6 * m, "{m}");
+        // No spread; and so much that every draw is at one end or the other.
+        assert_eq!(clamped_lognormal_mean(median, 0.0, lo, hi), median);
+        let m = clamped_lognormal_mean(median, 1e6, lo, hi);
+        assert!((m - (lo + hi) / 2.0).abs() < 1.0, "{m}");
+        assert_eq!(clamped_lognormal_mean(5.0, 2.0, 5.0, 5.0), 5.0);
     }
 }
