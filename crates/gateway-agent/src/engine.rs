@@ -1808,6 +1808,11 @@ impl Engine {
                 *out = self.replay(table, &l, now);
                 return Ok(());
             }
+            Err(InsertError::Finished { expired }) => {
+                uncount(&held, &slots);
+                self.rollback(now, &held, &slots);
+                return Err(AdmitError::RequestIdFinished { expired });
+            }
         }
         if let Decision::Admitted(a) = out {
             a.lease_expires_at_ns = Some(expires);

@@ -48,6 +48,16 @@ pub enum AdmitError {
     /// should retry with a new id).
     #[error("request id collides with another live request id; use a new id")]
     RequestIdCollision,
+    /// The request id finished here and is still remembered (client; HTTP 409): a
+    /// new request needs a new id. An expired one still takes its late completion.
+    #[error(
+        "request id already {}; a new request needs a new id",
+        if *expired { "expired here (its late completion is still taken)" } else { "completed here" }
+    )]
+    RequestIdFinished {
+        /// Expired (waiting for a late completion) rather than completed.
+        expired: bool,
+    },
 }
 
 /// A completion that could not be applied. Nothing changed.

@@ -525,6 +525,12 @@ pub(crate) enum InsertError {
     Full,
     /// A live lease with the same id exists (a concurrent retry won).
     Exists,
+    /// The id finished here and is still remembered: completed, or expired and
+    /// waiting for its late completion (`expired`).
+    Finished {
+        /// Expired rather than completed.
+        expired: bool,
+    },
 }
 
 pub(crate) struct LeaseTable {
@@ -608,12 +614,20 @@ impl LeaseTable {
         let hash = key(hash);
         shard.map.reserve_one();
         // One probe of the map: the entry decides.
-        let probe = shard.map.probe(hash);
-        if let Probe::Found(p) = probe
-            && matches!(shard.map.entry_at(p), Entry::Live(_))
-        {
-            return Err(InsertError::Exists);
-        }
+        let vacant = match shard.map.probe(hash) {
+            Probe::Vacant(p) => p,
+            // A finished id is not a new request while it is remembered: an expired
+            // lease waits for its late completion (a new lease under its id would take
+            // that completion), and a completed one's id is its usage record's (the
+            // ledger keeps one event per id).
+            Probe::Found(p) => {
+                return Err(match shard.map.entry_at(p) {
+                    Entry::Live(_) => InsertError::Exists,
+                    Entry::Expired { .. } => InsertError::Finished { expired: true },
+                    Entry::Completed { .. } => InsertError::Finished { expired: false },
+                });
+            }
+        };
         let i = match shard.free.pop() {
             Some(i) => i,
             None if shard.slab.len() < shard.max_leases => {
@@ -642,18 +656,7 @@ impl LeaseTable {
         }
         shard.slab_keys[i as usize] = hash;
         shard.slab_ids[i as usize].set(id);
-        match probe {
-            Probe::Found(p) => {
-                // A finished id admitted again: its tombstone gives way to the new lease
-                // (its order record goes stale and is skipped).
-                if matches!(shard.map.entry_at(p), Entry::Expired { .. }) {
-                    shard.expired.remove(&hash);
-                }
-                shard.map.set_at(p, Entry::Live(i));
-                shard.tombs -= 1;
-            }
-            Probe::Vacant(p) => shard.map.insert_at(p, hash, Entry::Live(i)),
-        }
+        shard.map.insert_at(vacant, hash, Entry::Live(i));
         Ok(())
     }
 

@@ -1180,6 +1180,83 @@ fn a_worker_completes_leases_of_different_sizes_one_after_another() {
     e.check_invariants(0).unwrap();
 }
 
+/// Review, thirty-first session: an id whose lease had expired could be admitted
+/// again: the expired lease, kept for its late completion, was dropped, so that late
+/// completion settled the *new* lease with the old request's usage (freeing its
+/// concurrency slot while it ran) and the new request's own completion was a
+/// duplicate, its usage never recorded. A completed id admitted again (a late
+/// duplicate of the admission) took a lease nobody completes, charged until its TTL,
+/// and billed under the completed request's id (the ledger keeps one event per id).
+/// Both are refused while the id is remembered; nothing is charged.
+#[test]
+fn a_finished_request_id_is_not_admitted_again_while_it_is_remembered() {
+    let sink = Arc::new(MemorySink::new(100));
+    let e = engine_with_sink(
+        r#"
+        [[rule]]
+        name = "inflight"
+        match = { org = "*" }
+        dimension = "concurrency"
+        max_in_flight = 1
+        "#,
+        sink.clone(),
+    );
+    let d = [("org", "a")];
+    let short = AdmitRequest {
+        ttl_ms: Some(1),
+        ..req("r", &d, Cost::ONE_REQUEST)
+    };
+    assert!(e.admit(0, &short).unwrap().is_admitted());
+    assert_eq!(e.maintain(2 * MS).leases_expired, 1);
+    let r = e.admit(3 * MS, &req("r", &d, Cost::ONE_REQUEST));
+    assert!(
+        matches!(r, Err(AdmitError::RequestIdFinished { expired: true })),
+        "{r:?}"
+    );
+    // Nothing was charged: the slot the expiry freed is there for another request.
+    assert!(
+        e.admit(3 * MS, &req("x", &d, Cost::ONE_REQUEST))
+            .unwrap()
+            .is_admitted()
+    );
+    // r's late completion is recorded as late; x keeps its slot.
+    let used = Usage {
+        input_tokens: 7,
+        ..Usage::default()
+    };
+    assert_eq!(
+        e.complete(4 * MS, "r", used, CompletionStatus::Ok),
+        Ok(Completion::Late)
+    );
+    assert!(
+        !e.admit(4 * MS, &req("y", &d, Cost::ONE_REQUEST))
+            .unwrap()
+            .is_admitted()
+    );
+    assert_eq!(
+        e.complete(5 * MS, "x", Usage::default(), CompletionStatus::Ok),
+        Ok(Completion::Settled)
+    );
+    // A completed id: a late duplicate of its admission is refused too.
+    let r = e.admit(6 * MS, &req("x", &d, Cost::ONE_REQUEST));
+    assert!(
+        matches!(r, Err(AdmitError::RequestIdFinished { expired: false })),
+        "{r:?}"
+    );
+    assert_eq!(e.leases_in_flight(), 0);
+    e.check_invariants(6 * MS).unwrap();
+    let (records, lost) = sink.take();
+    assert_eq!(lost, 0);
+    let outcomes: Vec<(String, Outcome)> = records
+        .iter()
+        .map(|r| (r.request_id.clone(), r.outcome))
+        .collect();
+    assert_eq!(outcomes.len(), 3, "{outcomes:?}");
+    assert!(matches!(outcomes[0], (ref id, Outcome::Expired) if id == "r"));
+    assert!(matches!(outcomes[1], (ref id, Outcome::LateCompleted(_)) if id == "r"));
+    assert!(matches!(outcomes[2], (ref id, Outcome::Completed(_)) if id == "x"));
+}
+
 /// Review, thirty-first session: a shadow rule that could not get a key (the table
 /// full of busy keys) or that matched past the per-request limit failed the whole
 /// request (KeyTableFull, a 503; TooManyLimits, a 500), though a shadow rule must
@@ -1973,9 +2050,16 @@ fn finished_ids_are_remembered_within_their_bound_then_forgotten_oldest_first() 
         e.complete(0, "r0", Usage::default(), CompletionStatus::Ok),
         Err(CompleteError::UnknownRequest)
     );
-    // A finished id may be admitted again as a new request.
+    // A finished id still remembered is not admitted again (see
+    // `a_finished_request_id_is_not_admitted_again_while_it_is_remembered`); a
+    // forgotten one is a new request.
+    let r = e.admit(0, &req("r1999", &[("org", "a")], Cost::ONE_REQUEST));
     assert!(
-        e.admit(0, &req("r1999", &[("org", "a")], Cost::ONE_REQUEST))
+        matches!(r, Err(AdmitError::RequestIdFinished { expired: false })),
+        "{r:?}"
+    );
+    assert!(
+        e.admit(0, &req("r0", &[("org", "a")], Cost::ONE_REQUEST))
             .unwrap()
             .is_admitted()
     );

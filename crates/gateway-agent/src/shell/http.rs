@@ -178,6 +178,7 @@ fn admit_error(e: &AdmitError) -> Response {
             (StatusCode::SERVICE_UNAVAILABLE, "overloaded")
         }
         AdmitError::RequestIdCollision => (StatusCode::CONFLICT, "request_id_collision"),
+        AdmitError::RequestIdFinished { .. } => (StatusCode::CONFLICT, "request_id_finished"),
     };
     let mut r = error(status, code, &e.to_string());
     if status == StatusCode::SERVICE_UNAVAILABLE {
