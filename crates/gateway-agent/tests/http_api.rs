@@ -136,6 +136,13 @@ fn a_retry_is_answered_from_its_lease_and_extend_moves_the_expiry() {
     assert_eq!(e.status, 404);
     post(agent.http, "/v1/complete", json!({"request_id": "same"}));
     assert_eq!(agent.leases_in_flight(), 0);
+    // A late duplicate of the finished request's admission: refused, nothing charged.
+    let late = admit(&agent, "same", "acme", 10);
+    assert_eq!(late.status, 409, "{}", late.body);
+    assert_eq!(late.json()["error"], "request_id_finished", "{}", late.body);
+    assert_eq!(agent.leases_in_flight(), 0);
+    let next = admit(&agent, "next", "acme", 10);
+    assert_eq!(next.header("x-ratelimit-remaining-requests"), Some("1"));
 }
 
 #[test]
