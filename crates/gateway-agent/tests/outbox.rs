@@ -1193,6 +1193,62 @@ fn an_event_a_ledger_refuses_alone_is_set_aside_and_the_rest_delivered() {
     assert_eq!(agent.metric("bursar_outbox_quarantined_events "), 0);
 }
 
+/// Review, thirty-first session: the ledger's `conflict` count (an event under a
+/// request id it already held with another payload: billing counts one of the two)
+/// was credited with no signal on the agent. Two agents bill the same id here.
+#[test]
+fn a_conflict_the_ledger_reports_is_counted_on_the_agent() {
+    let a = Ledger::start("ledger-a");
+    let (o1, o2) = (tempdir("agent-conflict-1"), tempdir("agent-conflict-2"));
+    let one = AgentProc::start(&o1, &[a.url()], &[]);
+    let r = one.admit_complete("dup", "acme", 10, 1).expect("complete");
+    assert_eq!(r.status, 200, "{}", r.body);
+    wait_until("delivered", Duration::from_secs(30), || one.pending() == 0);
+    let two = AgentProc::start(&o2, &[a.url()], &[]);
+    let r = two.admit_complete("dup", "acme", 20, 1).expect("complete");
+    assert_eq!(r.status, 200, "{}", r.body);
+    wait_until("delivered", Duration::from_secs(30), || two.pending() == 0);
+    let metric = format!("bursar_ledger_conflicts_total{{ledger=\"{}\"}} ", a.url());
+    assert_eq!(two.metric(&metric), 1);
+    assert_eq!(one.metric(&metric), 0);
+}
+
+/// Review, thirty-first session: a ledger's answers were read whole (`text()`), so a
+/// wrong `--ledger` URL or a misbehaving endpoint could make the agent buffer without
+/// bound, for as long as the 30 s request timeout. An answer is now read up to 64 KiB.
+#[test]
+fn an_endless_answer_from_a_ledger_url_is_cut_off() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let served = Arc::new(AtomicBool::new(false));
+    let flag = Arc::clone(&served);
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut c) = conn else { continue };
+            flag.store(true, Ordering::Relaxed);
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 4096];
+                let _ = c.read(&mut buf);
+                let _ = c.write_all(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\
+                      transfer-encoding: chunked\r\n\r\n",
+                );
+                let chunk = format!("{:x}\r\n{}\r\n", 16 * 1024, " ".repeat(16 * 1024));
+                // Endless, until the agent hangs up.
+                while c.write_all(chunk.as_bytes()).is_ok() {}
+            });
+        }
+    });
+    let outbox = tempdir("agent-endless-answer");
+    let agent = AgentProc::start(&outbox, std::slice::from_ref(&url), &[]);
+    let metric = format!("bursar_ledger_failures_total{{ledger=\"{url}\"}} ");
+    // Each attempt gives up after 64 KiB: failures count well before the 30 s timeout.
+    wait_until("failed attempts", Duration::from_secs(10), || {
+        agent.metric(&metric) >= 2
+    });
+    assert!(served.load(Ordering::Relaxed));
+}
+
 /// Regression (review, twenty-eighth session): one URL given twice counted as two of
 /// the holders an event needs while one node answered both: nothing was ever trimmed.
 #[test]

@@ -77,6 +77,9 @@ pub struct LedgerStatus {
     pub delivered: AtomicU64,
     /// Events it reported as new (the rest were duplicates of earlier sends).
     pub delivered_new: AtomicU64,
+    /// Events a ledger reported as conflicting with another event under the same key
+    /// (a request id used twice).
+    pub conflicts: AtomicU64,
     /// Failed attempts (unreachable, timeout, non-200, bad answer).
     pub failures: AtomicU64,
     /// The highest seq it acknowledged.
@@ -98,6 +101,7 @@ pub fn spawn(
             up: AtomicBool::new(false),
             delivered: AtomicU64::new(0),
             delivered_new: AtomicU64::new(0),
+            conflicts: AtomicU64::new(0),
             failures: AtomicU64::new(0),
             cursor: AtomicU64::new(0),
         });
@@ -284,8 +288,7 @@ async fn step(
         .await
         .map_err(|e| format!("POST /v1/events: {e}"))?;
     let status = r.status();
-    let text = r
-        .text()
+    let text = read_answer(r)
         .await
         .map_err(|e| format!("POST /v1/events: reading the answer: {e}"))?;
     if matches!(status.as_u16(), 400 | 413) && n > 1 {
@@ -380,7 +383,37 @@ async fn step(
         v.get("new").and_then(Value::as_u64).unwrap_or(0),
         Ordering::Relaxed,
     );
+    let conflicts = v.get("conflict").and_then(Value::as_u64).unwrap_or(0);
+    if conflicts > 0 && st.conflicts.fetch_add(conflicts, Ordering::Relaxed) == 0 {
+        // The ledger already held another event under one of these keys (a request id
+        // used twice): it keeps one and records the conflict for review (its
+        // `/v1/conflicts`); billing counts one of the two requests.
+        eprintln!(
+            "bursar-agent: WARNING ledger {}: {conflicts} event(s) conflict with another \
+             event under the same request id (a request id used twice?); see the \
+             ledger's /v1/conflicts (counted in bursar_ledger_conflicts_total)",
+            st.url
+        );
+    }
     Ok(Step::Sent)
+}
+
+/// Largest ledger answer read (a ledger's answers are a few hundred bytes): a wrong
+/// URL or a misbehaving endpoint must not make the agent buffer without bound.
+const ANSWER_MAX_BYTES: usize = 64 * 1024;
+
+/// The answer's body as text, at most [`ANSWER_MAX_BYTES`].
+async fn read_answer(mut r: reqwest::Response) -> Result<String, String> {
+    let mut body = Vec::new();
+    while let Some(chunk) = r.chunk().await.map_err(|e| e.to_string())? {
+        if body.len() + chunk.len() > ANSWER_MAX_BYTES {
+            return Err(format!(
+                "the answer is over {ANSWER_MAX_BYTES} bytes (is this URL a bursar-ledger?)"
+            ));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(String::from_utf8_lossy(&body).into_owned())
 }
 
 /// Makes `(node, store)` the node's current holder in the outbox and the status.
@@ -415,8 +448,7 @@ async fn node_id(client: &reqwest::Client, url: &str) -> Result<(String, String)
         .await
         .map_err(|e| format!("GET /healthz: {e}"))?;
     let status = r.status();
-    let text = r
-        .text()
+    let text = read_answer(r)
         .await
         .map_err(|e| format!("GET /healthz: reading the answer: {e}"))?;
     let v: Value = serde_json::from_str(&text)

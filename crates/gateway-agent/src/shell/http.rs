@@ -681,6 +681,14 @@ fn outbox_metrics(
             l.delivered.load(Ordering::Relaxed)
         ));
     }
+    out.push_str("# HELP bursar_ledger_conflicts_total Delivered events the ledger found in conflict with another event under the same request id.\n# TYPE bursar_ledger_conflicts_total counter\n");
+    for l in ledgers {
+        out.push_str(&format!(
+            "bursar_ledger_conflicts_total{{ledger=\"{}\"}} {}\n",
+            l.url,
+            l.conflicts.load(Ordering::Relaxed)
+        ));
+    }
     out.push_str("# HELP bursar_ledger_failures_total Failed delivery attempts.\n# TYPE bursar_ledger_failures_total counter\n");
     for l in ledgers {
         out.push_str(&format!(
