@@ -3,6 +3,7 @@
 
 use std::path::Path;
 
+use bursar_agent::MAX_COST;
 use bursar_allocator::AllocatorConfig;
 use serde::{Deserialize, Serialize};
 
@@ -454,8 +455,13 @@ pub struct Overrides {
 
 /// An hour in ms: the largest one-way latency, jitter or cold-key stagger.
 const HOUR_MS: f64 = 3_600_000.0;
-/// A day in s: the longest run, and the latest a fault or the whale may start.
+/// A day in s: the longest run, the latest a fault or the whale may start, and the
+/// longest shift period.
 const DAY_S: f64 = 86_400.0;
+/// The most requests per second the workload may offer one key (at its peak: the
+/// whale's load, the diurnal crest): past it a run is no longer a simulation of a
+/// gateway fleet but a hang.
+pub const MAX_REQUESTS_PER_KEY_PER_S: f64 = 1e6;
 
 impl Overrides {
     /// Applies every override given, then validates the result.
@@ -588,6 +594,17 @@ impl Scenario {
         if self.limit.rate_per_s == 0 || self.limit.burst == 0 {
             return bad("limit", "rate_per_s and burst must be at least 1");
         }
+        // The agents' rule parser refuses more (so no run could start), and every sum
+        // of costs below stays far inside a u64.
+        if self.limit.rate_per_s > MAX_COST {
+            return bad(
+                "limit.rate_per_s",
+                &format!("must be at most {MAX_COST} (2^40)"),
+            );
+        }
+        if self.limit.burst > MAX_COST {
+            return bad("limit.burst", &format!("must be at most {MAX_COST} (2^40)"));
+        }
         if self.limit.typical_cost > self.limit.burst {
             return bad("limit.typical_cost", "must not exceed the burst");
         }
@@ -606,11 +623,17 @@ impl Scenario {
         if let Err(e) = a.config(self.gateways).validate() {
             return bad(&format!("allocator.{}", e.field), &e.reason);
         }
-        if a.report_interval_ms == 0 || a.new_key_poll_ms == 0 || a.full_report_every == 0 {
-            return bad(
-                "allocator",
-                "report_interval_ms, new_key_poll_ms and full_report_every must be at least 1",
-            );
+        // At most an hour: in ns, a much longer interval overflows the clock's sums.
+        for (field, ms) in [
+            ("allocator.report_interval_ms", a.report_interval_ms),
+            ("allocator.new_key_poll_ms", a.new_key_poll_ms),
+        ] {
+            if ms == 0 || ms as f64 > HOUR_MS {
+                return bad(field, "must be 1 to 3,600,000");
+            }
+        }
+        if a.full_report_every == 0 {
+            return bad("allocator.full_report_every", "must be at least 1");
         }
         for l in &self.links {
             if l.agents.is_empty() {
@@ -651,30 +674,67 @@ impl Scenario {
             return bad("clock_drift_ppm", "must be 0 to 100,000");
         }
         let w = &self.workload;
-        if !finite_nonneg(w.load) || !finite_nonneg(w.whale_load) {
-            return bad("workload.load", "loads must be numbers >= 0");
+        if !finite_nonneg(w.load) {
+            return bad("workload.load", "must be a number >= 0");
+        }
+        if !finite_nonneg(w.whale_load) {
+            return bad("workload.whale_load", "must be a number >= 0");
         }
         if w.cost_min == 0 || w.cost_max < w.cost_min {
             return bad("workload.cost_min", "need 1 <= cost_min <= cost_max");
         }
-        let largest = w.cost_max + if w.llm { w.output_max_tokens } else { 0 };
-        if largest > self.limit.burst {
+        // Checked: both are only bounded by the burst here.
+        let largest = w
+            .cost_max
+            .checked_add(if w.llm { w.output_max_tokens } else { 0 });
+        if largest.is_none_or(|l| l > self.limit.burst) {
             return bad(
                 "workload.cost_max",
                 "the largest request (plus output_max_tokens with llm) must not exceed the burst",
             );
         }
-        if !(finite_nonneg(w.input_sigma) && finite_nonneg(w.ms_per_output_token)) {
+        if !finite_nonneg(w.input_sigma) {
+            return bad("workload.input_sigma", "must be a number >= 0");
+        }
+        // A request's generation time, at most an hour (in ns, much more overflows the
+        // completion time).
+        let generation_ms = w.output_max_tokens as f64 * w.ms_per_output_token;
+        if !(finite_nonneg(w.ms_per_output_token)
+            && w.ms_per_output_token <= HOUR_MS
+            && (!w.llm || generation_ms <= HOUR_MS))
+        {
             return bad(
-                "workload.input_sigma",
-                "input_sigma and ms_per_output_token must be numbers >= 0",
+                "workload.ms_per_output_token",
+                "must be a number >= 0 with ms_per_output_token * output_max_tokens at most \
+                 3,600,000 (an hour's generation)",
             );
+        }
+        // The offered requests per second per key at the workload's peak.
+        let mean_cost = crate::sim::mean_cost(w);
+        let per_s = |load: f64| load * self.limit.rate_per_s as f64 / mean_cost;
+        let crest = if w.kind == WorkloadKind::Diurnal {
+            1.0 + w.diurnal_amplitude.clamp(0.0, 1.0)
+        } else {
+            1.0
+        };
+        let too_many = format!(
+            "offers more than {MAX_REQUESTS_PER_KEY_PER_S:e} requests per key per second \
+             (load * rate_per_s / the mean request cost)"
+        );
+        if per_s(w.load * crest) > MAX_REQUESTS_PER_KEY_PER_S {
+            return bad("workload.load", &too_many);
+        }
+        if w.kind == WorkloadKind::Whale && per_s(w.whale_load) > MAX_REQUESTS_PER_KEY_PER_S {
+            return bad("workload.whale_load", &too_many);
         }
         if !(w.zipf_s.is_finite() && w.zipf_s >= 0.0) {
             return bad("workload.zipf_s", "must be a number >= 0");
         }
-        if !(w.shift_every_s.is_finite() && w.shift_every_s > 0.0) {
-            return bad("workload.shift_every_s", "must be above 0");
+        if !(w.shift_every_s.is_finite() && w.shift_every_s > 0.0 && w.shift_every_s <= DAY_S) {
+            return bad(
+                "workload.shift_every_s",
+                "must be above 0 and at most 86,400",
+            );
         }
         if !(0.5..=1.0).contains(&w.shift_share) {
             return bad("workload.shift_share", "must be 0.5 to 1");
@@ -904,6 +964,103 @@ latency_ms = 1e14
         let mut s = Scenario::load("whale").unwrap();
         s.workload.whale_at_s = 1e11;
         assert!(s.validate().is_err());
+    }
+
+    /// Review, thirty-first session: values whose products or sums overflowed the
+    /// nanosecond clock or a u64 (an output of 1e15 ms per token, a shift period of
+    /// 1e11 s, a report interval of 1e14 ms, a request of u64::MAX tokens), or that
+    /// made a run hang (a load of 1e9 R), were accepted.
+    #[test]
+    fn values_that_overflow_or_hang_a_run_are_refused_with_the_field_name() {
+        type Edit = fn(&mut Scenario);
+        let cases: &[(&str, Edit, &str)] = &[
+            (
+                "llm-zipf",
+                |s| s.workload.ms_per_output_token = 1e15,
+                "workload.ms_per_output_token",
+            ),
+            // 256 tokens of 15 s: over an hour.
+            (
+                "llm-zipf",
+                |s| s.workload.ms_per_output_token = 15_000.0,
+                "workload.ms_per_output_token",
+            ),
+            (
+                "shift",
+                |s| s.workload.shift_every_s = 1e11,
+                "workload.shift_every_s",
+            ),
+            (
+                "steady",
+                |s| s.allocator.report_interval_ms = 20_000_000_000_000,
+                "allocator.report_interval_ms",
+            ),
+            (
+                "steady",
+                |s| s.allocator.report_interval_ms = 3_600_001,
+                "allocator.report_interval_ms",
+            ),
+            (
+                "steady",
+                |s| s.allocator.new_key_poll_ms = 20_000_000_000_000,
+                "allocator.new_key_poll_ms",
+            ),
+            (
+                "steady",
+                |s| s.allocator.full_report_every = 0,
+                "allocator.full_report_every",
+            ),
+            ("steady", |s| s.workload.load = 1e9, "workload.load"),
+            // 4,000 R of 110-token requests is 7.3e5 a second, but 1.6 times that at the crest.
+            ("diurnal", |s| s.workload.load = 4_000.0, "workload.load"),
+            (
+                "whale",
+                |s| s.workload.whale_load = 1e9,
+                "workload.whale_load",
+            ),
+            (
+                "whale",
+                |s| s.workload.whale_load = f64::NAN,
+                "workload.whale_load",
+            ),
+            ("steady", |s| s.limit.burst = MAX_COST + 1, "limit.burst"),
+            (
+                "steady",
+                |s| s.limit.rate_per_s = MAX_COST + 1,
+                "limit.rate_per_s",
+            ),
+            (
+                "llm-zipf",
+                |s| {
+                    s.limit.burst = u64::MAX;
+                    s.workload.cost_max = u64::MAX;
+                },
+                "limit.burst",
+            ),
+        ];
+        for (name, edit, field) in cases {
+            let mut s = Scenario::load(name).unwrap();
+            edit(&mut s);
+            let e = s.validate().unwrap_err();
+            assert!(
+                e.to_string().contains(&format!("`{field}`")),
+                "{name}, {field}: {e}"
+            );
+        }
+        // The cost sum is checked, not wrapped, whatever the order of the checks.
+        let mut s = Scenario::load("llm-zipf").unwrap();
+        s.limit.burst = MAX_COST;
+        s.workload.cost_max = MAX_COST;
+        s.workload.output_max_tokens = u64::MAX;
+        let e = s.validate().unwrap_err();
+        assert!(e.to_string().contains("`workload."), "{e}");
+        // Just inside: 1,000 R of 20-200 token requests is 1.8e5 requests a second.
+        let mut s = Scenario::load("steady").unwrap();
+        s.workload.load = 1_000.0;
+        s.validate().unwrap();
+        let mut s = Scenario::load("llm-zipf").unwrap();
+        s.workload.ms_per_output_token = 14_000.0; // 256 x 14 s: just under an hour
+        s.validate().unwrap();
     }
 
     #[test]

@@ -38,6 +38,7 @@ mod workload;
 use shard::{KeyInfo, Offer, SHARDS, Shard, Shared};
 use side::{AllocSide, Net};
 use workload::Workload;
+pub(crate) use workload::mean_cost;
 
 const MS: u64 = 1_000_000;
 const SEC: u64 = 1_000 * MS;
@@ -2604,6 +2605,7 @@ mod tests {
         sc.workload.cost_min = 1 << 32;
         sc.workload.cost_max = big;
         sc.workload.output_max_tokens = big;
+        sc.workload.ms_per_output_token = 0.0; // an hour's generation at most
         sc.limit.burst = 2 * big;
         sc.limit.rate_per_s = 4 * big;
         sc.validate().unwrap();

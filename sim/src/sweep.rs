@@ -8,6 +8,7 @@
 //! combination instead. Every point runs every seed; a point fails if any seed measured
 //! above its bound or found any other violation.
 
+use bursar_agent::MAX_COST;
 use serde::Serialize;
 
 use crate::compare::span;
@@ -32,14 +33,17 @@ pub struct SweepSpec {
 impl SweepSpec {
     /// The default ranges around a scenario: report interval 50-1,000 ms, lease
     /// 1-10 s, burst 0.5-4 x the scenario's (values below the largest request are
-    /// left out: such a request could never be admitted), overdraft 0-20 %.
+    /// left out: such a request could never be admitted; and values above the
+    /// largest burst a rule may name, `MAX_COST`), overdraft 0-20 %.
     pub fn defaults_for(sc: &Scenario) -> SweepSpec {
         let b = sc.limit.burst;
         let w = &sc.workload;
-        let largest = w.cost_max + if w.llm { w.output_max_tokens } else { 0 };
-        let mut burst: Vec<u64> = [b / 2, b, 2 * b, 4 * b]
+        let largest = w
+            .cost_max
+            .saturating_add(if w.llm { w.output_max_tokens } else { 0 });
+        let mut burst: Vec<u64> = [b / 2, b, b.saturating_mul(2), b.saturating_mul(4)]
             .into_iter()
-            .filter(|&x| x >= largest)
+            .filter(|&x| x >= largest && x <= MAX_COST)
             .collect();
         burst.dedup();
         SweepSpec {
@@ -361,5 +365,23 @@ mod tests {
         let spec = SweepSpec::defaults_for(&sc);
         assert_eq!(spec.burst, vec![300, 600, 1_200]);
         assert_eq!(spec.overdraft_permille[0], 0);
+    }
+
+    /// Review, thirty-first session: `4 * b` (and the largest request's sum) were
+    /// taken in u64, and bursts no rule may name were offered: a scenario at the
+    /// largest burst swept points that could only be refused.
+    #[test]
+    fn default_bursts_stay_within_what_a_rule_may_name() {
+        let mut sc = Scenario::load("steady").unwrap();
+        sc.limit.burst = MAX_COST;
+        sc.validate().unwrap();
+        let spec = SweepSpec::defaults_for(&sc);
+        assert_eq!(spec.burst, vec![MAX_COST / 2, MAX_COST]);
+        // Unvalidated, nothing wraps around: a burst past u64::MAX / 4 and a request
+        // that fills u64 leave no point at all rather than a wrapped one.
+        sc.limit.burst = u64::MAX / 2;
+        sc.workload.llm = true;
+        sc.workload.cost_max = u64::MAX;
+        assert!(SweepSpec::defaults_for(&sc).burst.is_empty());
     }
 }
