@@ -29,7 +29,7 @@ use std::hint::black_box;
 
 use bursar_agent::engine::{KeyDemand, SliceUpdate};
 use bursar_agent::sync_core::{SyncTracks, TrackedKey};
-use bursar_agent::testing::{keyed_engine, keyed_grant};
+use bursar_agent::testing::{FreshIds, keyed_engine, keyed_grant};
 use bursar_agent::{AdmitRequest, CompletionStatus, Cost, Decision, Usage};
 use criterion::{Criterion, criterion_group, criterion_main};
 
@@ -89,6 +89,8 @@ fn control(c: &mut Criterion) {
     // count), read by changes or by a walk of every key, then the delta report's lines.
     let (engine2, _) = keyed_engine(KEYS);
     let names: Vec<String> = (0..KEYS).map(|i| format!("key-{i}")).collect();
+    // One engine for both loops: their ids must not repeat.
+    let mut ids = FreshIds::default();
     for changed_only in [true, false] {
         let mut t: SyncTracks<TrackedKey> = SyncTracks::new(0);
         t.refresh(&engine2, now, &mut buf, |d| Some(TrackedKey::of(d)));
@@ -104,11 +106,12 @@ fn control(c: &mut Criterion) {
                 now += 250_000_000;
                 for _ in 0..100 {
                     let desc = [("k", names[next % KEYS].as_str())];
+                    let id = ids.next_id();
                     let d = engine2
                         .admit(
                             now,
                             &AdmitRequest {
-                                request_id: "bench",
+                                request_id: id,
                                 domain: None,
                                 descriptors: &desc,
                                 cost: Cost::ONE_REQUEST,
@@ -118,7 +121,7 @@ fn control(c: &mut Criterion) {
                         .expect("valid");
                     assert!(matches!(d, Decision::Admitted(_)), "{d:?}");
                     engine2
-                        .complete(now, "bench", Usage::default(), CompletionStatus::Ok)
+                        .complete(now, id, Usage::default(), CompletionStatus::Ok)
                         .expect("settles");
                     next += 97;
                 }

@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 
 use bursar_agent::clock::{Clock, CoarseClock};
 use bursar_agent::testing::{
-    THREE_DIMENSIONS, THREE_DIMENSIONS_COST, THREE_DIMENSIONS_DESCRIPTORS, THREE_DIMENSIONS_USAGE,
-    engine, keyed_engine,
+    FreshIds, THREE_DIMENSIONS, THREE_DIMENSIONS_COST, THREE_DIMENSIONS_DESCRIPTORS,
+    THREE_DIMENSIONS_USAGE, engine, keyed_engine,
 };
 use bursar_agent::{AdmitRequest, Completion, CompletionStatus, Decision, Engine, KeyHandle};
 use criterion::{Criterion, criterion_group, criterion_main};
@@ -140,13 +140,15 @@ fn two_threads(c: &mut Criterion) {
 }
 
 /// Admit from descriptors over three rules (requests, input tokens, output tokens),
-/// with a lease, then complete it with a refund: the whole per-request cost.
+/// with a lease, then complete it with a refund: the whole per-request cost. Each
+/// request has a new id, as real traffic does: a finished id is not admitted again
+/// while remembered, and each completion leaves a tombstone (the table of finished
+/// ids at its bound, the oldest forgotten by the maintenance tick).
 fn admit_complete(c: &mut Criterion) {
     let (clock, _driver) = CoarseClock::start(Duration::from_micros(100));
     let e = engine(THREE_DIMENSIONS);
-    let ids: Vec<String> = (0..4096).map(|i| format!("req-{i:08}")).collect();
+    let mut ids = FreshIds::default();
     let mut w = e.worker();
-    let mut n = 0usize;
     let mut next_maintain = 0u64;
     let mut g = c.benchmark_group("admit_complete");
     // By value (`Worker::admit`), and through `Worker::admit_into` with one reused
@@ -158,8 +160,7 @@ fn admit_complete(c: &mut Criterion) {
     ] {
         g.bench_function(name, |b| {
             b.iter(|| {
-                n = (n + 1) % ids.len();
-                let id = &ids[n];
+                let id = ids.next_id();
                 let now = clock.now_ns();
                 let req = AdmitRequest {
                     request_id: id,

@@ -14,8 +14,8 @@
 //! the two compare as the keys' footprint grows past the caches.
 
 use bursar_agent::testing::{
-    THREE_DIMENSIONS, THREE_DIMENSIONS_COST, THREE_DIMENSIONS_DESCRIPTORS, THREE_DIMENSIONS_USAGE,
-    engine, keyed_engine,
+    FreshIds, THREE_DIMENSIONS, THREE_DIMENSIONS_COST, THREE_DIMENSIONS_DESCRIPTORS,
+    THREE_DIMENSIONS_USAGE, engine, keyed_engine,
 };
 use bursar_agent::{AdmitRequest, Completion, CompletionStatus, Decision};
 
@@ -50,18 +50,19 @@ fn usage() -> ! {
 }
 
 /// Admit from three descriptors over three rules (requests, input, output tokens),
-/// then complete with a refund; 4,096 request ids in turn, virtual time 1 us apart,
+/// then complete with a refund; a new request id each time (a finished id is not
+/// admitted again while remembered), virtual time 1 us apart,
 /// the maintenance tick every 100 ms of it. Every admission is checked.
 /// Admit (by value, or `into` one reused `Decision`) and complete, three dimensions
 /// (`into`: both through the worker).
 fn admit_complete(n: u64, into: bool) -> u64 {
     let e = engine(THREE_DIMENSIONS);
-    let ids: Vec<String> = (0..4096).map(|i| format!("req-{i:08}")).collect();
+    let mut ids = FreshIds::default();
     let mut w = e.worker();
     let mut next_maintain = 0;
     let mut d = Decision::EMPTY;
     for i in 0..n {
-        let id = &ids[(i % 4096) as usize];
+        let id = ids.next_id();
         let now = i * 1_000;
         let req = AdmitRequest {
             request_id: id,
