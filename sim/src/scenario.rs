@@ -789,6 +789,46 @@ impl Scenario {
                 );
             }
         }
+        // One down time at a time per target: a second crash inside (or touching) the
+        // first restarted the target at the earlier end, or twice; two allocator
+        // crashes left agents on a term that had gone. A join is down time from 0.
+        // (Partitions may overlap: a link is cut while any cuts it.)
+        let mut down: Vec<(Option<usize>, f64, f64, usize)> = Vec::new();
+        for (n, f) in self.faults.iter().enumerate() {
+            match f.kind {
+                FaultKind::AllocatorCrash => down.push((None, f.at_s, f.at_s + f.for_s, n)),
+                FaultKind::AgentCrash => down.extend(
+                    f.agents
+                        .iter()
+                        .map(|&i| (Some(i), f.at_s, f.at_s + f.for_s, n)),
+                ),
+                FaultKind::AgentJoin => {
+                    down.extend(f.agents.iter().map(|&i| (Some(i), 0.0, f.at_s, n)))
+                }
+                FaultKind::Partition | FaultKind::AllocatorPartition => {}
+            }
+        }
+        down.sort_by(|a, b| a.0.cmp(&b.0).then(a.1.total_cmp(&b.1)));
+        for w in down.windows(2) {
+            let ((target, _, end, first), (next, start, _, second)) = (w[0], w[1]);
+            if target == next && start <= end {
+                let what = match target {
+                    None => "the allocator".to_string(),
+                    Some(i) => format!("gateway {i}"),
+                };
+                let (first, second) = (first.min(second), first.max(second));
+                return bad(
+                    "fault.at_s",
+                    &format!(
+                        "faults #{} and #{} take {what} down over overlapping or touching \
+                         times (a crash, or a join's absence from 0 to at_s): one at a \
+                         time, each starting after the last has ended",
+                        first + 1,
+                        second + 1
+                    ),
+                );
+            }
+        }
         Ok(())
     }
 
@@ -1060,6 +1100,70 @@ latency_ms = 1e14
         s.validate().unwrap();
         let mut s = Scenario::load("llm-zipf").unwrap();
         s.workload.ms_per_output_token = 14_000.0; // 256 x 14 s: just under an hour
+        s.validate().unwrap();
+    }
+
+    /// Review, thirty-first session: two crash windows over one target (or a crash
+    /// of a gateway before it joins) each restarted it: early, inside the longer
+    /// window, or twice; two allocator crashes left the agents on a dead term.
+    #[test]
+    fn overlapping_down_times_of_one_target_are_refused_with_the_field_name() {
+        let crash = |kind, at_s: f64, for_s: f64, agents: Vec<usize>| FaultSpec {
+            kind,
+            at_s,
+            for_s,
+            agents,
+        };
+        use FaultKind::{AgentCrash, AgentJoin, AllocatorCrash, Partition};
+        let cases = [
+            // Two agent crashes on gateway 1, the second inside the first.
+            vec![
+                crash(AgentCrash, 1.0, 3.0, vec![0, 1]),
+                crash(AgentCrash, 2.0, 1.0, vec![1]),
+            ],
+            // Listed the other way round, and touching.
+            vec![
+                crash(AgentCrash, 4.0, 1.0, vec![1]),
+                crash(AgentCrash, 1.0, 3.0, vec![1]),
+            ],
+            // One gateway named twice by one crash.
+            vec![crash(AgentCrash, 1.0, 1.0, vec![2, 2])],
+            // A crash of a gateway before it joins.
+            vec![
+                crash(AgentJoin, 3.0, 0.0, vec![5]),
+                crash(AgentCrash, 1.0, 1.0, vec![5]),
+            ],
+            // Two joins of one gateway.
+            vec![
+                crash(AgentJoin, 3.0, 0.0, vec![5]),
+                crash(AgentJoin, 4.0, 0.0, vec![5]),
+            ],
+            // Two allocator crashes.
+            vec![
+                crash(AllocatorCrash, 1.0, 3.0, vec![]),
+                crash(AllocatorCrash, 2.0, 3.0, vec![]),
+            ],
+        ];
+        for faults in cases {
+            let mut s = Scenario::load("steady").unwrap();
+            s.faults = faults.clone();
+            let e = s.validate().unwrap_err();
+            assert!(e.to_string().contains("`fault.at_s`"), "{faults:?}: {e}");
+            assert!(e.to_string().contains("overlapping"), "{faults:?}: {e}");
+        }
+        // Apart, or on different targets, or partitions: fine.
+        let mut s = Scenario::load("steady").unwrap();
+        s.faults = vec![
+            crash(AgentCrash, 1.0, 1.0, vec![1]),
+            crash(AgentCrash, 2.5, 1.0, vec![1]),
+            crash(AgentCrash, 1.5, 1.0, vec![2]),
+            crash(AgentJoin, 3.0, 0.0, vec![3]),
+            crash(AgentCrash, 3.5, 1.0, vec![3]),
+            crash(AllocatorCrash, 1.0, 1.0, vec![]),
+            crash(AllocatorCrash, 2.5, 1.0, vec![]),
+            crash(Partition, 1.0, 3.0, vec![1]),
+            crash(Partition, 2.0, 3.0, vec![1]),
+        ];
         s.validate().unwrap();
     }
 
