@@ -36,7 +36,8 @@ and three agents) with synthetic traffic and a live summary.\n\nA new term first
 hold, and grants nothing beyond that meanwhile (invariant 4): expect the first grants \
 --lease-ms + --reclaim-margin-ms after start.\n\nHigh availability: run replicas with \
 --etcd URL; the elected leader's term is its etcd leader key's revision, standbys redirect \
-agents to it, and a leader that loses etcd for --election-ttl-s steps down (exit 1). \
+agents to it, and a leader that cannot renew its etcd lease for two thirds of \
+--election-ttl-s steps down (exit 1). \
 Without etcd run one allocator and give each start a higher term than the last \
 (--term-file does this for you)."
 )]
@@ -133,8 +134,8 @@ struct ServeArgs {
     first_stream_timeout_ms: u64,
     /// etcd endpoint for leader election (e.g. http://127.0.0.1:2379). Replicas
     /// campaign; the leader's term is its leader key's revision; the others answer
-    /// agents with a redirect to it; a leader that cannot renew its etcd lease for
-    /// --election-ttl-s steps down (exits 1, for its supervisor to restart it as a
+    /// agents with a redirect to it; a leader that cannot renew its etcd lease for two
+    /// thirds of --election-ttl-s steps down (exits 1, for its supervisor to restart it as a
     /// standby). Conflicts with --term and --term-file.
     #[arg(long, conflicts_with_all = ["term", "term_file"])]
     etcd: Option<String>,

@@ -101,7 +101,7 @@ impl Etcd {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .expect("the etcd binary (Debian package etcd-server; .ci/run installs it)");
+            .expect("the etcd binary (Debian package etcd-server; scripts/test installs it)");
         let end = Instant::now() + Duration::from_secs(20);
         while std::net::TcpStream::connect(("127.0.0.1", client)).is_err() {
             assert!(Instant::now() < end, "etcd did not start");

@@ -29,7 +29,8 @@ use clap::{Parser, Subcommand};
 budget slices, with no network hop.\n\nWithout a subcommand it serves the HTTP JSON API \
 (/v1/admit, /v1/complete, /v1/extend, /healthz, /metrics; see docs/api.md) and Envoy's rate \
 limit service v3 over gRPC, standalone: each limit key's slice is the rule's whole limit. It \
-prints one line `bursar-agent listening: http=ADDR grpc=ADDR` once bound, and stops on \
+prints one line `bursar-agent listening: http=ADDR grpc=ADDR` (and `proxy=ADDR` with the \
+proxy) once bound, and stops on \
 Ctrl-C or SIGTERM. With --proxy-listen and --proxy-upstream it also runs an \
 OpenAI-compatible proxy (/v1/chat/completions, /v1/completions, /v1/embeddings).\n\nWith \
 --allocator ADDR it joins a fleet: slices come from `bursar-allocator` (docs/allocator.md).\n\n\
