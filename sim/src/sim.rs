@@ -576,8 +576,8 @@ enum Ev {
     Complete(u32, u64, u32, u64, u64, u64),
     /// The Gubernator-like policy: agent `.0` (incarnation `.1`) sends its hits.
     HitSync(u32, u64),
-    /// The Gubernator-like policy: a peer's hits (key, cost) reach agent `.0`.
-    Hits(u32, Arc<[(u32, u64)]>),
+    /// The Gubernator-like policy: agent `.1`'s hits (key, cost) reach agent `.0`.
+    Hits(u32, u32, Arc<[(u32, u64)]>),
 }
 
 /// The gateway an event happens at, or is sent to (sent by, for messages to the
@@ -605,7 +605,7 @@ fn agent_of(ev: &Ev) -> Option<u32> {
         | Ev::StaticSlices(i, _)
         | Ev::Complete(i, ..)
         | Ev::HitSync(i, _)
-        | Ev::Hits(i, _) => Some(*i),
+        | Ev::Hits(i, _, _) => Some(*i),
         Ev::Arrival(_)
         | Ev::Rearm(_)
         | Ev::AllocWake(_)

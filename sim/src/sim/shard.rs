@@ -368,7 +368,7 @@ impl Shard {
                     self.push(self.now + every, Ev::HitSync(i, inc));
                 }
             }
-            Ev::Hits(i, hits) => self.deliver_hits(sh, i, &hits),
+            Ev::Hits(i, from, hits) => self.deliver_hits(sh, i, from, &hits),
             Ev::AgentCrash(i) => {
                 let a = &mut self.agents[(i as usize) / SHARDS];
                 // The process's sockets close with it.
@@ -674,16 +674,18 @@ impl Shard {
                 continue;
             }
             let at = self.now + (delay_ms(&n, &mut self.net_rng) * MS as f64) as u64;
-            self.push(at, Ev::Hits(j as u32, hits.clone()));
+            self.push(at, Ev::Hits(j as u32, i, hits.clone()));
         }
     }
 
-    /// A peer's hits reach agent `i`: its own bucket for each key is debited by them
-    /// with `Engine::charge` (past zero if need be: the debt is kept, later requests
-    /// wait).
-    fn deliver_hits(&mut self, sh: &Shared, i: u32, hits: &[(u32, u64)]) {
+    /// Peer `from`'s hits reach agent `i`: its own bucket for each key is debited by
+    /// them with `Engine::charge` (past zero if need be: the debt is kept, later
+    /// requests wait). Lost if either end is cut off now, as on the allocator's links
+    /// (a batch in flight when its sender's partition starts does not arrive).
+    fn deliver_hits(&mut self, sh: &Shared, i: u32, from: u32, hits: &[(u32, u64)]) {
         let iu = i as usize;
-        if sh.net.peer_cut(iu, self.now) || self.agents[iu / SHARDS].engine.is_none() {
+        let cut = sh.net.peer_cut(iu, self.now) || sh.net.peer_cut(from as usize, self.now);
+        if cut || self.agents[iu / SHARDS].engine.is_none() {
             self.counters.lost += 1;
             return;
         }
@@ -832,5 +834,37 @@ impl Shard {
         if a.sync.extension(engine, a.clock(self.now), ext).is_err() {
             self.counters.grants_refused += 1;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Review, thirty-first session: a peer's hits were dropped at delivery only if
+    /// the receiver was cut off, so a batch in flight when its sender's partition
+    /// started still arrived (the allocator's links lose what is in flight when
+    /// either end is cut, and the docs promised the same of peer links).
+    #[test]
+    fn peer_hits_in_flight_are_lost_when_either_end_is_cut_off() {
+        // Gateway 0 is cut off from 2 s to 7 s after traffic starts.
+        let sc = Scenario::load("partition-one").unwrap();
+        assert_eq!(sc.faults[0].agents, vec![0]);
+        let mut sim = Sim::new(&sc, 1, "gubernator").unwrap();
+        let sh = Arc::clone(&sim.shared);
+        let during = sim.t0 + 3 * SEC;
+        let shard = &mut sim.shards[1 % SHARDS];
+        shard.now = sim.t0;
+        shard.static_slices(&sh, 1);
+        shard.now = during;
+        let hits: Arc<[(u32, u64)]> = vec![(0, 100)].into();
+        // From gateway 2, which is not cut off: delivered.
+        let lost = shard.counters.lost;
+        shard.step(&sh, Ev::Hits(1, 2, Arc::clone(&hits)));
+        assert_eq!(shard.counters.lost, lost);
+        // From gateway 0, cut off since it was sent: lost.
+        shard.step(&sh, Ev::Hits(1, 0, hits));
+        assert_eq!(shard.counters.lost, lost + 1);
+        assert!(shard.violations.is_empty(), "{:?}", shard.violations);
     }
 }
