@@ -716,9 +716,12 @@ impl Entry {
         self.cur
     }
 
-    /// The agent applied `id`: older grants can no longer be in use.
+    /// The agent applied `id`: older grants can no longer be in use. An id past the
+    /// latest grant sent here names no grant of this entry (seqs are one counter for
+    /// every entry: a confused agent naming another's), and would release this one's
+    /// whole commitment while the agent still uses it: ignored.
     fn mark_applied(&mut self, id: (u64, u64), term: u64) -> bool {
-        if id <= self.applied {
+        if id <= self.applied || self.last_sent().is_none_or(|s| id > s.id()) {
             return false;
         }
         self.applied = id;
@@ -2327,7 +2330,7 @@ impl Allocator {
     /// (every grant it held has lapsed), for [`Allocator::handle_hello`] to forget when
     /// the table is full.
     fn longest_gone(&self, now: u64) -> Option<u32> {
-        let hold = self.lease_ns();
+        let hold = self.hold_ns();
         self.agents
             .iter()
             .enumerate()
@@ -4728,6 +4731,64 @@ mod tests {
         }
     }
 
+    /// Review, thirty-first session: seqs are one counter for every entry, and an ack
+    /// (or a report's held grant) was refused only past the counter, so an agent that
+    /// named another entry's newer seq on this key released this key's whole
+    /// commitment while it kept using its grant: the budget went to others twice
+    /// over. An id past the latest grant sent to the entry is now ignored.
+    #[test]
+    fn an_ack_naming_another_entrys_seq_releases_nothing() {
+        let (mut a, now, ga) = held_by_a();
+        a.handle_report(
+            now,
+            &report("c", 1, 3, vec![line(key("rps", "y"), 0, 500, None)]),
+        )
+        .unwrap();
+        let gc = last_for(&settle(&mut a, now + 20 * MS), "c");
+        assert!(gc.seq > ga.seq);
+        let committed = |a: &Allocator| {
+            let st = a.key_status(&key("rps", "x")).unwrap();
+            st.agents
+                .iter()
+                .find(|s| &*s.agent == "a")
+                .unwrap()
+                .committed
+        };
+        let held = committed(&a);
+        assert!(held.rate > 0);
+        // By ack, then by a report line claiming to hold that seq on x.
+        let mut bogus = ack(&ga, 1, 0);
+        bogus.slices[0].seq = gc.seq;
+        let _ = a.handle_ack(now + 25 * MS, &bogus);
+        assert_eq!(committed(&a), held, "an ack of another entry's seq");
+        let mut h = ga.held();
+        h.seq = gc.seq;
+        let _ = a.handle_report(
+            now + 30 * MS,
+            &report("a", 1, 4, vec![line(key("rps", "x"), 100, 0, Some(h))]),
+        );
+        assert_eq!(
+            committed(&a),
+            held,
+            "a held line naming another entry's seq"
+        );
+        // b's surge cannot take what a still holds.
+        a.handle_report(
+            now + 40 * MS,
+            &report("b", 1, 2, vec![line(key("rps", "x"), 0, 2_000, None)]),
+        )
+        .unwrap();
+        settle(&mut a, now + 60 * MS);
+        let st = a.key_status(&key("rps", "x")).unwrap();
+        assert!(
+            st.committed.rate <= st.rate_capacity,
+            "{:?} over {}",
+            st.committed,
+            st.rate_capacity
+        );
+        a.check_invariants().unwrap();
+    }
+
     #[test]
     fn a_surge_on_a_full_key_asks_its_holders_to_measure_and_an_empty_window_frees_theirs() {
         let (mut a, now, ga) = held_by_a();
@@ -5805,11 +5866,14 @@ mod tests {
         // change with every rollout filled the table for good. A full table now
         // forgets the agent disconnected longest once its grants have lapsed: not a
         // connected one, nor one gone for less than a lease and the margin.
+        // (Review, thirty-first session: the bound was a lease alone, so an agent's
+        // grants were freed up to the margin before they lapse by the allocator's
+        // books.)
         a.handle_disconnect(now, "a").unwrap();
-        let soon = now + a.lease_ns() - 1;
+        let soon = now + a.hold_ns() - 1;
         let e = a.handle_hello(soon, &hello("b", 1, 1)).unwrap_err();
         assert!(matches!(e, AllocError::AgentTableFull { max: 1 }));
-        let later = now + a.lease_ns();
+        let later = now + a.hold_ns();
         a.handle_hello(later, &hello("b", 1, 1)).unwrap();
         assert_eq!((a.agent_count(), a.agents_evicted()), (1, 1));
         let e = a
