@@ -397,6 +397,64 @@ fn a_corrupt_frame_from_a_peer_is_refused_and_changes_nothing() {
     );
 }
 
+/// Review, thirty-first session: an accepting node checked only that a client
+/// certificate chains to the cluster CA, so a certificate the same CA signed for
+/// another service (no cluster name) made a full peer that could push billing events.
+/// It is refused at the handshake; the same push with a node certificate is stored.
+#[test]
+fn a_certificate_of_the_cluster_ca_without_the_cluster_name_is_no_peer() {
+    use bursar_ledger::cluster::frame::{self, Msg};
+    use bursar_ledger::cluster::tls::{self, TlsFiles};
+
+    let tmp = tempfile::tempdir().unwrap();
+    let cdir = tmp.path().join("certs");
+    certs(&cdir, &["a", "probe"]);
+    tls::make_cert_for_names(&cdir, "exporter", &["exporter.example".to_string()]).unwrap();
+    let a = start(tmp.path(), &cdir, "a", "127.0.0.1:0", &[]);
+    let target = a.gossip.unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let push = |stem: &'static str, prefix: &'static str| {
+        let cdir = cdir.clone();
+        rt.block_on(async move {
+            let node_tls = tls::load(&TlsFiles::in_dir(&cdir, stem)).unwrap();
+            let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+            ep.set_default_client_config(node_tls.client);
+            let attempt = async {
+                let conn = ep
+                    .connect(target, tls::CLUSTER_SERVER_NAME)
+                    .ok()?
+                    .await
+                    .ok()?;
+                let good = frame::encode(&Msg::Push(frame::encode_events(
+                    &bursar_ledger::testing::usage_stream(1, prefix, "agent-p", 20, now_ms()),
+                )));
+                let (mut send, mut recv) = conn.open_bi().await.ok()?;
+                send.write_all(&good).await.ok()?;
+                send.finish().ok()?;
+                let answer = recv.read_to_end(1 << 20).await.ok()?;
+                frame::decode(&answer, frame::FRAME_MAX_DEFAULT).ok()
+            };
+            tokio::time::timeout(Duration::from_secs(10), attempt)
+                .await
+                .ok()
+                .flatten()
+        })
+    };
+    let refused = push("exporter", "x");
+    assert!(!matches!(refused, Some(Msg::PushAck { .. })), "{refused:?}");
+    assert!(cluster(&a)["handshakes_failed"].as_u64().unwrap() >= 1);
+    assert_eq!(root(&a)["events"], 0, "nothing crossed");
+    let stored = push("probe", "p");
+    assert!(
+        matches!(stored, Some(Msg::PushAck { new: 20, .. })),
+        "{stored:?}"
+    );
+    assert_eq!(root(&a)["events"], 20);
+}
+
 /// The convergence benchmark (docs/BENCHMARKS.md, "Ledger cluster"): one node is cut
 /// off while many events are written to another, then healed; prints the time until
 /// its digest equals the others' and the frame bytes it received per event, and holds

@@ -93,6 +93,7 @@ impl Channel<'_> {
             b,
             &self.inner.cfg.limits,
             message_events_max(&self.inner.cfg.reconcile),
+            message_bytes_max(&self.inner.cfg.reconcile).max(PUSH_BYTES_MAX),
         )
         .inspect_err(|_| {
             self.inner
@@ -250,7 +251,17 @@ pub(crate) async fn serve_streams(inner: Arc<Inner>, conn: quinn::Connection) {
             let r = r.unwrap_or(Err(ExchangeError::Timeout));
             inner.stats.exchanges_served.fetch_add(1, Ordering::Relaxed);
             if let Err(e) = r {
-                let _ = ch.send(&Msg::Error(e.to_string())).await;
+                // Bounded too: a peer that does not read (the exchange may have timed
+                // out on exactly that) would hold this task and its stream for ever.
+                let told = tokio::time::timeout(
+                    Duration::from_secs(1),
+                    ch.send(&Msg::Error(e.to_string())),
+                )
+                .await;
+                if !matches!(told, Ok(Ok(_))) {
+                    let _ = ch.send.reset(0u32.into());
+                    return;
+                }
             }
             ch.finish().await;
         });

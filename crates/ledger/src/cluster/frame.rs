@@ -468,11 +468,17 @@ impl<'a> Rd<'a> {
 
 /// Decodes [`encode_events`]'s output and validates every event with `limits` (time
 /// window excepted: an event a peer accepted stays acceptable however old it gets, or
-/// replication would stop at the window's edge). At most `events_max` events.
+/// replication would stop at the window's edge). At most `events_max` events, and at
+/// most `bytes_max` bytes decoded: the events by `reconcile::event_wire_bytes` (what
+/// every sender keeps a message to), and the string table by its strings plus a slot
+/// each. Strings are shared on the wire and copied into each event decoded: without
+/// the byte bound, a 4.5 MB batch of events naming the same 256-byte strings decoded
+/// to a gigabyte.
 pub fn decode_events(
     batch: &EventBatch,
     limits: &Limits,
     events_max: usize,
+    bytes_max: usize,
 ) -> Result<Vec<Event>, FrameError> {
     let count = batch.count as usize;
     if count > events_max {
@@ -492,8 +498,16 @@ pub fn decode_events(
     // Grown as strings are read, not reserved from the count: a batch of empty strings
     // would reserve 16 bytes of table per byte of input.
     let mut strings = Vec::with_capacity((n_strings as usize).min(4_096));
+    let mut table_bytes = 0usize;
     for _ in 0..n_strings {
-        strings.push(r.str(limits.name_max_bytes, "string table")?);
+        let st = r.str(limits.name_max_bytes, "string table")?;
+        table_bytes += st.len() + std::mem::size_of::<&str>();
+        if table_bytes > bytes_max {
+            return Err(FrameError::Batch(format!(
+                "the string table decodes to over {bytes_max} bytes"
+            )));
+        }
+        strings.push(st);
     }
     let s = |i: u64| -> Result<String, FrameError> {
         strings
@@ -506,6 +520,7 @@ pub fn decode_events(
     unbounded.future_skew_ms = u64::MAX;
     let mut out = Vec::with_capacity(count.min(batch.bytes.len()));
     let mut time = 0u64;
+    let mut decoded = 0usize;
     for i in 0..count {
         let request_id = r
             .str(limits.request_id_max_bytes, "request id")?
@@ -570,6 +585,12 @@ pub fn decode_events(
         };
         e.validate(0, &unbounded)
             .map_err(|v| FrameError::Batch(format!("event {i}: {v}")))?;
+        decoded += crate::reconcile::event_wire_bytes(&e);
+        if decoded > bytes_max {
+            return Err(FrameError::Batch(format!(
+                "events 0..={i} decode to over {bytes_max} bytes"
+            )));
+        }
         out.push(e);
     }
     if r.at != batch.bytes.len() {
@@ -588,6 +609,54 @@ mod tests {
     use crate::testing::{correction, usage_stream};
 
     const NOW: u64 = 490_000 * HOUR_MS;
+    /// What a receiver with the default limits takes (`exchange::message_bytes_max`).
+    const TEST_BYTES: usize = 16 << 20;
+
+    /// Review, thirty-first session: the receiver bounded a batch by its event count
+    /// only, and strings shared on the wire are copied into every event decoded: 10,000
+    /// events naming the same 35 strings of 256 bytes are ~0.5 MB on the wire and ~97
+    /// MB decoded (100,000 of them, within the count bound, a gigabyte). A table of
+    /// empty strings was 16 bytes of memory per byte of input.
+    #[test]
+    fn a_batch_that_decodes_past_the_byte_bound_is_refused() {
+        let long = |c: char| c.to_string().repeat(256);
+        let mut base = usage_stream(1, "r", &long('o'), 1, NOW).remove(0);
+        base.tenant = long('t');
+        base.model = long('m');
+        base.descriptors = (0..16u8)
+            .map(|i| (format!("{:0>256}", i), long('v')))
+            .collect();
+        let events: Vec<Event> = (0..10_000)
+            .map(|i| Event {
+                request_id: format!("r{i}"),
+                seq: i + 1,
+                ..base.clone()
+            })
+            .collect();
+        let b = encode_events(&events);
+        assert!(
+            b.bytes.len() < 1 << 20,
+            "{} bytes on the wire",
+            b.bytes.len()
+        );
+        let err = decode_events(&b, &Limits::default(), 100_000, TEST_BYTES).unwrap_err();
+        assert!(err.to_string().contains("decode to over"), "{err}");
+        // A hundred of them decode.
+        let few = encode_events(&events[..100]);
+        assert_eq!(
+            decode_events(&few, &Limits::default(), 100_000, TEST_BYTES)
+                .unwrap()
+                .len(),
+            100
+        );
+        // Four million empty strings and no event.
+        let mut bytes = Vec::new();
+        put_var(&mut bytes, 4_000_000);
+        bytes.extend(std::iter::repeat_n(0u8, 4_000_000));
+        let b = EventBatch { count: 0, bytes };
+        let err = decode_events(&b, &Limits::default(), 100_000, TEST_BYTES).unwrap_err();
+        assert!(err.to_string().contains("string table"), "{err}");
+    }
 
     fn sample() -> Vec<Event> {
         let mut v = usage_stream(7, "req", "agent-a", 200, NOW);
@@ -612,13 +681,19 @@ mod tests {
         let events = sample();
         let b = encode_events(&events);
         assert_eq!(b.count as usize, events.len());
-        let back = decode_events(&b, &Limits::default(), 10_000).unwrap();
+        let back = decode_events(&b, &Limits::default(), 10_000, TEST_BYTES).unwrap();
         assert_eq!(back, events);
         // Out-of-order times (a late event after a new one) survive the deltas.
         let mut mixed = events.clone();
         mixed.swap(0, 150);
         mixed[5].time_ms = 1;
-        let back = decode_events(&encode_events(&mixed), &Limits::default(), 10_000).unwrap();
+        let back = decode_events(
+            &encode_events(&mixed),
+            &Limits::default(),
+            10_000,
+            TEST_BYTES,
+        )
+        .unwrap();
         assert_eq!(back, mixed);
     }
 
@@ -728,32 +803,35 @@ mod tests {
         let good = encode_events(&sample());
         let lim = Limits::default();
         // Too many for the bound.
-        assert!(decode_events(&good, &lim, 10).is_err());
+        assert!(decode_events(&good, &lim, 10, TEST_BYTES).is_err());
         // Every truncation of the bytes.
         for cut in 0..good.bytes.len() {
             let b = EventBatch {
                 count: good.count,
                 bytes: good.bytes[..cut].to_vec(),
             };
-            assert!(decode_events(&b, &lim, 10_000).is_err(), "cut at {cut}");
+            assert!(
+                decode_events(&b, &lim, 10_000, TEST_BYTES).is_err(),
+                "cut at {cut}"
+            );
         }
         // A count that does not match the bytes.
         let b = EventBatch {
             count: good.count + 1,
             bytes: good.bytes.clone(),
         };
-        assert!(decode_events(&b, &lim, 10_000).is_err());
+        assert!(decode_events(&b, &lim, 10_000, TEST_BYTES).is_err());
         let b = EventBatch {
             count: good.count - 1,
             bytes: good.bytes.clone(),
         };
-        assert!(decode_events(&b, &lim, 10_000).is_err());
+        assert!(decode_events(&b, &lim, 10_000, TEST_BYTES).is_err());
         // Values that fail validation: output tokens beyond the bound.
         let mut e = sample();
         if let Body::Usage { tokens, .. } = &mut e[0].body {
             tokens.output_tokens = lim.tokens_max + 1;
         }
-        let err = decode_events(&encode_events(&e), &lim, 10_000).unwrap_err();
+        let err = decode_events(&encode_events(&e), &lim, 10_000, TEST_BYTES).unwrap_err();
         assert!(err.to_string().contains("event 0"), "{err}");
     }
 
@@ -770,7 +848,7 @@ mod tests {
                 b[i] ^= v.max(1);
             }
             if let Ok(Msg::Push(batch)) = decode(&b, FRAME_MAX_DEFAULT) {
-                let _ = decode_events(&batch, &Limits::default(), 10_000);
+                let _ = decode_events(&batch, &Limits::default(), 10_000, TEST_BYTES);
             }
         }
     }

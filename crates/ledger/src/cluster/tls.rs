@@ -125,6 +125,7 @@ pub fn load(files: &TlsFiles) -> Result<NodeTls, TlsError> {
     )
     .build()
     .map_err(|e| TlsError::Config(format!("client verifier: {e}")))?;
+    let verifier = Arc::new(ClusterPeerVerifier { inner: verifier });
     let mut server = rustls::ServerConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(cfg_err)?
@@ -162,6 +163,63 @@ pub fn load(files: &TlsFiles) -> Result<NodeTls, TlsError> {
     })
 }
 
+/// Accepts a peer's certificate only if it chains to the cluster CA **and** names
+/// [`CLUSTER_SERVER_NAME`], as a dialing node requires of the node it dials. (Until
+/// the thirty-first session an accepting node checked the chain only: any client
+/// certificate of a CA that also signs other services' certificates, or of any root
+/// in a `ca.pem` bundle, made a full peer that could push billing events.)
+#[derive(Debug)]
+struct ClusterPeerVerifier {
+    inner: Arc<dyn rustls::server::danger::ClientCertVerifier>,
+}
+
+impl rustls::server::danger::ClientCertVerifier for ClusterPeerVerifier {
+    fn root_hint_subjects(&self) -> &[rustls::DistinguishedName] {
+        self.inner.root_hint_subjects()
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::server::danger::ClientCertVerified, rustls::Error> {
+        let verified = self
+            .inner
+            .verify_client_cert(end_entity, intermediates, now)?;
+        let not_a_peer =
+            || rustls::Error::InvalidCertificate(rustls::CertificateError::NotValidForName);
+        let cert = webpki::EndEntityCert::try_from(end_entity).map_err(|_| not_a_peer())?;
+        let name = rustls::pki_types::ServerName::try_from(CLUSTER_SERVER_NAME)
+            .map_err(|_| not_a_peer())?;
+        cert.verify_is_valid_for_subject_name(&name)
+            .map_err(|_| not_a_peer())?;
+        Ok(verified)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.inner.supported_verify_schemes()
+    }
+}
+
 /// What [`make_certs`] wrote.
 #[derive(Debug)]
 pub struct MadeCerts {
@@ -176,11 +234,7 @@ pub struct MadeCerts {
 /// written with mode 0600 on Unix. For production, issue node certificates from your
 /// own CA with the DNS name [`CLUSTER_SERVER_NAME`].
 pub fn make_certs(dir: &Path, nodes: &[String]) -> Result<MadeCerts, TlsError> {
-    use rcgen::{
-        BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer,
-        KeyPair, KeyUsagePurpose,
-    };
-    let generr = |e: rcgen::Error| TlsError::Generate(e.to_string());
+    use rcgen::{Issuer, KeyPair};
     for n in nodes {
         if n.is_empty()
             || !n
@@ -196,17 +250,25 @@ pub fn make_certs(dir: &Path, nodes: &[String]) -> Result<MadeCerts, TlsError> {
     std::fs::create_dir_all(dir).map_err(|e| file_err(dir, e))?;
     let (ca_pem, ca_key_pem) = (dir.join("ca.pem"), dir.join("ca.key"));
     let mut written = Vec::new();
-    let ca_created = !(ca_pem.exists() && ca_key_pem.exists());
-    // The CA's parameters are fixed, so an existing CA is rebuilt as an issuer from its
-    // key alone: same subject, same key, so certificates it signs chain to `ca.pem`.
-    let ca_params = || -> Result<CertificateParams, TlsError> {
-        let mut params = CertificateParams::new(Vec::<String>::new()).map_err(generr)?;
-        params
-            .distinguished_name
-            .push(DnType::CommonName, "Bursar ledger development CA");
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-        Ok(params)
+    let ca_created = match (ca_pem.exists(), ca_key_pem.exists()) {
+        (true, true) => false,
+        (false, false) => true,
+        // Half a CA: making a new one would replace the half that is there (nodes
+        // restarted with a new `ca.pem` refuse every certificate of the old CA).
+        (pem, _) => {
+            let (there, missing) = if pem {
+                (&ca_pem, &ca_key_pem)
+            } else {
+                (&ca_key_pem, &ca_pem)
+            };
+            return Err(TlsError::Generate(format!(
+                "{} exists but {} does not: refusing to make a new CA over it (put the \
+                 CA's other file beside it to sign with it, or use another --out directory \
+                 for a new CA); nothing was written",
+                there.display(),
+                missing.display()
+            )));
+        }
     };
     let ca_key = if ca_created {
         let key = KeyPair::generate().map_err(generr)?;
@@ -223,28 +285,74 @@ pub fn make_certs(dir: &Path, nodes: &[String]) -> Result<MadeCerts, TlsError> {
     };
     let issuer = Issuer::new(ca_params()?, ca_key);
     for n in nodes {
-        let key = KeyPair::generate().map_err(generr)?;
-        let mut params = CertificateParams::new(vec![CLUSTER_SERVER_NAME.to_string(), n.clone()])
-            .map_err(generr)?;
-        params
-            .distinguished_name
-            .push(DnType::CommonName, n.as_str());
-        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-        params.extended_key_usages = vec![
-            ExtendedKeyUsagePurpose::ServerAuth,
-            ExtendedKeyUsagePurpose::ClientAuth,
-        ];
-        let cert = params.signed_by(&key, &issuer).map_err(generr)?;
-        let files = TlsFiles::in_dir(dir, n);
-        write_file(&files.cert, cert.pem().as_bytes(), false)?;
-        write_file(&files.key, key.serialize_pem().as_bytes(), true)?;
-        written.push(files.cert);
-        written.push(files.key);
+        let names = [CLUSTER_SERVER_NAME.to_string(), n.clone()];
+        written.extend(sign(dir, &issuer, n, &names)?);
     }
     Ok(MadeCerts {
         ca_created,
         written,
     })
+}
+
+/// Writes `<stem>.pem` and `<stem>.key` into `dir`: a certificate for `names` (its DNS
+/// names; the first is its common name) signed by the CA in `dir` (which must exist,
+/// both files), for server and client use. [`make_certs`] makes node certificates
+/// with it; a certificate without [`CLUSTER_SERVER_NAME`] (a client of another
+/// service signed by the same CA) is one a node refuses as a peer.
+pub fn make_cert_for_names(dir: &Path, stem: &str, names: &[String]) -> Result<(), TlsError> {
+    let (ca_pem, ca_key_pem) = (dir.join("ca.pem"), dir.join("ca.key"));
+    if !(ca_pem.exists() && ca_key_pem.exists()) {
+        return Err(TlsError::Generate(format!(
+            "no CA in {} (ca.pem and ca.key)",
+            dir.display()
+        )));
+    }
+    // Rebuilt from the key, as `make_certs` does.
+    let key_text = std::fs::read_to_string(&ca_key_pem).map_err(|e| file_err(&ca_key_pem, e))?;
+    let key = rcgen::KeyPair::from_pem(&key_text).map_err(|e| file_err(&ca_key_pem, e))?;
+    let issuer = rcgen::Issuer::new(ca_params()?, key);
+    sign(dir, &issuer, stem, names).map(|_| ())
+}
+
+/// The development CA's parameters: fixed, so an existing CA is rebuilt as an issuer
+/// from its key alone (same subject, same key: what it signs chains to `ca.pem`).
+fn ca_params() -> Result<rcgen::CertificateParams, TlsError> {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyUsagePurpose};
+    let mut params = CertificateParams::new(Vec::<String>::new()).map_err(generr)?;
+    params
+        .distinguished_name
+        .push(DnType::CommonName, "Bursar ledger development CA");
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    Ok(params)
+}
+
+fn generr(e: rcgen::Error) -> TlsError {
+    TlsError::Generate(e.to_string())
+}
+
+/// Signs a certificate for `names` with `issuer`; writes `<stem>.pem` and `<stem>.key`.
+fn sign(
+    dir: &Path,
+    issuer: &rcgen::Issuer<'_, rcgen::KeyPair>,
+    stem: &str,
+    names: &[String],
+) -> Result<[PathBuf; 2], TlsError> {
+    use rcgen::{CertificateParams, DnType, ExtendedKeyUsagePurpose, KeyPair, KeyUsagePurpose};
+    let key = KeyPair::generate().map_err(generr)?;
+    let mut params = CertificateParams::new(names.to_vec()).map_err(generr)?;
+    let cn = names.last().map_or(stem, String::as_str);
+    params.distinguished_name.push(DnType::CommonName, cn);
+    params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    params.extended_key_usages = vec![
+        ExtendedKeyUsagePurpose::ServerAuth,
+        ExtendedKeyUsagePurpose::ClientAuth,
+    ];
+    let cert = params.signed_by(&key, issuer).map_err(generr)?;
+    let files = TlsFiles::in_dir(dir, stem);
+    write_file(&files.cert, cert.pem().as_bytes(), false)?;
+    write_file(&files.key, key.serialize_pem().as_bytes(), true)?;
+    Ok([files.cert, files.key])
 }
 
 fn write_file(path: &Path, bytes: &[u8], secret: bool) -> Result<(), TlsError> {
@@ -298,5 +406,26 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("letters, digits"), "{e}");
+    }
+
+    /// Review, thirty-first session: with `ca.pem` but not `ca.key` (the key kept off
+    /// the machine, as the docs advise) a new CA replaced `ca.pem`, splitting the
+    /// cluster at the next restarts; with `ca.key` alone, the CA's key was overwritten.
+    #[test]
+    fn half_a_ca_is_refused_and_left_as_it_was() {
+        for keep in ["ca.pem", "ca.key"] {
+            let dir = tempfile::tempdir().unwrap();
+            make_certs(dir.path(), &["a".into()]).unwrap();
+            let gone = if keep == "ca.pem" { "ca.key" } else { "ca.pem" };
+            std::fs::remove_file(dir.path().join(gone)).unwrap();
+            let before = std::fs::read(dir.path().join(keep)).unwrap();
+            let e = make_certs(dir.path(), &["d".into()])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(gone) && e.contains(keep), "{e}");
+            assert_eq!(std::fs::read(dir.path().join(keep)).unwrap(), before);
+            assert!(!dir.path().join(gone).exists());
+            assert!(!dir.path().join("d.pem").exists());
+        }
     }
 }
