@@ -2472,7 +2472,7 @@ impl Engine {
         }
         let hash = self.hashing.request_hash(request_id);
         let at = now.saturating_add(ttl_ms * MS);
-        if self.leases.extend(hash, request_id, at) {
+        if self.leases.extend(hash, request_id, now, at) {
             Ok(at)
         } else {
             Err(ExtendError::NotLive)

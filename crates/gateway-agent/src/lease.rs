@@ -700,16 +700,19 @@ impl LeaseTable {
     }
 
     /// Sets a live lease's expiry; returns false if there is no live lease.
-    pub(crate) fn extend(&self, hash: u128, id: &str, expires_at_ns: u64) -> bool {
+    /// Moves `id`'s lease end to `expires_at_ns` if it is live at `now`: past its TTL
+    /// it is not, reaped or not (the maintenance tick reaps it on its next pass).
+    pub(crate) fn extend(&self, hash: u128, id: &str, now: u64, expires_at_ns: u64) -> bool {
         let mut shard = self.shard(hash);
         let shard = &mut *shard;
         match shard.map.get(key(hash)) {
             Some(Entry::Live(i)) if shard.slab_ids[i as usize].is(id) => {
                 let l = &mut shard.slab[i as usize];
-                if l.live {
+                let live = l.live && l.expires_at_ns > now;
+                if live {
                     l.expires_at_ns = expires_at_ns;
                 }
-                l.live
+                live
             }
             _ => false,
         }

@@ -1257,6 +1257,32 @@ fn a_finished_request_id_is_not_admitted_again_while_it_is_remembered() {
     assert!(matches!(outcomes[2], (ref id, Outcome::Completed(_)) if id == "x"));
 }
 
+/// Review, thirty-first session: a lease past its TTL that the maintenance tick had not
+/// reaped yet could be extended, and so came back to life; whether it did depended
+/// on the tick's timing. A lease is live until its TTL, whenever it is reaped.
+#[test]
+fn a_lease_past_its_ttl_cannot_be_extended_even_before_it_is_reaped() {
+    let e = engine(
+        r#"
+        [[rule]]
+        name = "rpm"
+        match = { org = "*" }
+        dimension = "requests"
+        rate = 100
+        per = "second"
+        "#,
+    );
+    let short = AdmitRequest {
+        ttl_ms: Some(10),
+        ..req("r", &[("org", "a")], Cost::ONE_REQUEST)
+    };
+    assert!(e.admit(0, &short).unwrap().is_admitted());
+    assert_eq!(e.extend(5 * MS, "r", Some(10)), Ok(15 * MS));
+    assert_eq!(e.extend(16 * MS, "r", Some(10)), Err(ExtendError::NotLive));
+    assert_eq!(e.maintain(17 * MS).leases_expired, 1);
+    e.check_invariants(17 * MS).unwrap();
+}
+
 /// Review, thirty-first session: a shadow rule that could not get a key (the table
 /// full of busy keys) or that matched past the per-request limit failed the whole
 /// request (KeyTableFull, a 503; TooManyLimits, a 500), though a shadow rule must
