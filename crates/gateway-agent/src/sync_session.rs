@@ -135,8 +135,10 @@ pub struct SyncSession<K> {
     welcomed_at: Option<u64>,
     /// The delay the next reconnect waits (jittered over its upper half).
     backoff_ns: u64,
-    /// The engine's key count at the last poll that read it.
-    key_count: usize,
+    /// The engine's creation counter ([`Engine::created_seq`]) at the last poll that
+    /// read it. (The key count until the thirty-first session: a key created while
+    /// another was evicted left it unchanged, and waited for the next report tick.)
+    created_seen: u64,
     last_ts: u64,
     /// The welcome's lease, in ns (0: it did not say).
     lease_ns: u64,
@@ -153,7 +155,7 @@ impl<K: Ord + Clone> SyncSession<K> {
             opened: 0,
             welcomed_at: None,
             backoff_ns: cfg.backoff_min_ns,
-            key_count: 0,
+            created_seen: 0,
             last_ts: 0,
             lease_ns: 0,
         }
@@ -248,7 +250,7 @@ impl<K: Ord + Clone> SyncSession<K> {
         };
         self.welcomed_at = Some(now);
         self.tracks.refresh(engine, now, buf, key_of);
-        self.key_count = engine.key_count();
+        self.created_seen = engine.created_seq();
         self.reports(now, true, false, line)
     }
 
@@ -276,11 +278,11 @@ impl<K: Ord + Clone> SyncSession<K> {
     }
 
     /// Whether a new-key poll now would do anything: the stream is up, and the
-    /// engine's key count moved since the last poll or a concurrency shrink waits to
+    /// engine created a key since the last poll or a concurrency shrink waits to
     /// drain. A driver that does not tick every new-key poll period (the simulator, which
     /// schedules a poll only when this turns true) sends what a ticking one would.
     pub fn wants_poll(&self, engine: &Engine) -> bool {
-        self.is_up() && (self.tracks.draining() > 0 || engine.key_count() != self.key_count)
+        self.is_up() && (self.tracks.draining() > 0 || engine.created_seq() != self.created_seen)
     }
 
     /// The new-key poll: when [`SyncSession::wants_poll`], reads the keys created since
@@ -297,7 +299,7 @@ impl<K: Ord + Clone> SyncSession<K> {
         if !self.wants_poll(engine) {
             return Vec::new();
         }
-        self.key_count = engine.key_count();
+        self.created_seen = engine.created_seq();
         if self.tracks.draining() == 0 {
             self.tracks.refresh_new(engine, now, buf, key_of);
         } else {

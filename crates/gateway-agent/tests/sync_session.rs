@@ -179,7 +179,7 @@ fn nothing_is_reported_before_the_welcome_and_an_empty_tick_still_renews_leases(
 }
 
 #[test]
-fn a_poll_has_work_only_when_the_key_count_moved_and_reports_only_new_keys() {
+fn a_poll_has_work_only_when_a_key_was_created_and_reports_only_new_keys() {
     let e = engine(bursar_agent::testing::ALLOCATED_SYNC);
     touch(&e, 0, "r1", "a");
     let (mut s, _) = welcomed(&e, 0, 100);
@@ -198,6 +198,29 @@ fn a_poll_has_work_only_when_the_key_count_moved_and_reports_only_new_keys() {
     // The report tick names `a`'s new count (the poll did not), not `b` again.
     let out = s.report_tick(&e, SEC / 4, &mut buf, key_of, line);
     assert_eq!(summary(&out), [("report", vec!["org-rps/a".to_string()])]);
+}
+
+/// Review, thirty-first session: the poll looked for new keys only when the engine's
+/// key count moved, so a key created while another was evicted (a full table, or the
+/// idle sweep) left the count as it was and waited for the next report tick (up to a
+/// report interval, every request on it refused meanwhile in allocated mode). It looks
+/// at the engine's creation counter instead.
+#[test]
+fn a_new_key_is_polled_even_when_an_eviction_kept_the_key_count() {
+    let rules =
+        bursar_agent::testing::ALLOCATED_SYNC.replace("[engine]\n", "[engine]\nmax_keys = 1\n");
+    let e = engine(&rules);
+    touch(&e, 0, "r1", "a");
+    let (mut s, _) = welcomed(&e, 0, 100);
+    let mut buf = Vec::new();
+    assert!(!s.wants_poll(&e));
+    // `a` holds nothing (no grant: closed, at rest): `b` takes its place.
+    touch(&e, 3 * MS, "r2", "b");
+    assert_eq!(e.key_count(), 1);
+    assert!(s.wants_poll(&e));
+    let out = s.poll_tick(&e, 20 * MS, &mut buf, key_of, line);
+    assert_eq!(summary(&out), [("report", vec!["org-rps/b".to_string()])]);
+    assert!(!s.wants_poll(&e));
 }
 
 #[test]
