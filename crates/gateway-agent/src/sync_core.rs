@@ -700,8 +700,9 @@ impl<K: Ord + Clone> SyncTracks<K> {
     /// The lines of a measurement the allocator asked for (a `MeasureRequest`): the
     /// tracked keys whose handle on this stream is among `handles` (others are
     /// skipped), by handle, with counters re-read from the slot each track holds (grants
-    /// applied since were folded in by [`SyncTracks::apply`]), each marked sent.
-    pub fn measure_report(&mut self, handles: &[u64], mut f: impl FnMut(Line<'_, K>)) {
+    /// applied since were folded in by [`SyncTracks::apply`]), each marked sent as read
+    /// at `now`.
+    pub fn measure_report(&mut self, now: u64, handles: &[u64], mut f: impl FnMut(Line<'_, K>)) {
         if handles.is_empty() {
             return;
         }
@@ -714,7 +715,9 @@ impl<K: Ord + Clone> SyncTracks<K> {
             let vals = t.line_values();
             t.active |= t.sent != Some(vals);
             t.sent = Some(vals);
-            t.named_at = self.last_poll_ns;
+            // Read now, not at the last walk: a rebase counts from here (thirty-first
+            // session; it counted from the walk, with a base that held newer counts).
+            t.named_at = now;
             let (admitted, rejected) = (vals.0, vals.1);
             f(Line {
                 key: k,

@@ -507,7 +507,8 @@ impl<K: Ord + Clone> SyncSession<K> {
         mut line: impl FnMut(Line<'_, K>) -> L,
     ) -> Vec<Outgoing<L, K>> {
         let mut lines = Vec::new();
-        self.tracks.measure_report(handles, |l| lines.push(line(l)));
+        self.tracks
+            .measure_report(now, handles, |l| lines.push(line(l)));
         if lines.is_empty() {
             return Vec::new();
         }

@@ -7,6 +7,7 @@ use bursar_agent::testing::engine;
 use bursar_agent::{AdmitRequest, Cost, Engine, SliceUpdate};
 
 const SEC: u64 = 1_000_000_000;
+const MS: u64 = 1_000_000;
 
 const RULES: &str = bursar_agent::testing::ALLOCATED_SYNC;
 
@@ -403,6 +404,38 @@ fn a_tracked_key_named_on_the_wire_is_the_engines_key() {
     assert_eq!(named, ["org-rps/a", "org-rps/b"]);
 }
 
+/// Review, thirty-first session: a measurement re-reads its keys' counters now but
+/// stamped them as read at the last walk, up to a report interval earlier; a rebase
+/// after it (a new stream) then counted the next line from that earlier time with a
+/// base that already held the newer counts: a window too long, a rate too low.
+#[test]
+fn a_measurement_stamps_its_lines_with_the_time_it_read_them() {
+    let e = engine(RULES);
+    let mut buf = Vec::new();
+    let mut t: SyncTracks<String> = SyncTracks::new(0);
+    touch(&e, 0, "r0", &[("org", "a")]);
+    t.refresh(&e, 0, &mut buf, key_of);
+    lines(&mut t, false);
+    let out = t.apply(
+        &e,
+        SEC / 4,
+        vec![grant("org-rps", "a", 10, 1)],
+        vec!["org-rps/a".into()],
+        &[42],
+    );
+    assert!(matches!(&out[..], [Applied::Held]));
+    touch(&e, SEC / 4 + 100 * MS, "r1", &[("org", "a")]);
+    let read_at = SEC / 4 + 240 * MS;
+    let mut n = 0;
+    t.measure_report(read_at, &[42], |_| n += 1);
+    assert_eq!(n, 1);
+    t.new_stream();
+    t.refresh(&e, SEC / 2 + 240 * MS, &mut buf, key_of);
+    let mut since = Vec::new();
+    t.report(true, false, |l| since.push(l.counting_since_ns));
+    assert_eq!(since, [read_at]);
+}
+
 #[test]
 fn a_measurement_reports_only_known_handles_with_counts_from_the_live_slot() {
     let e = engine(RULES);
@@ -427,7 +460,7 @@ fn a_measurement_reports_only_known_handles_with_counts_from_the_live_slot() {
     }
     let measure = |t: &mut SyncTracks<String>| {
         let mut out = Vec::new();
-        t.measure_report(&[7, 42], |l| {
+        t.measure_report(SEC, &[7, 42], |l| {
             out.push((l.key.clone(), l.key_handle, l.admitted, l.rejected))
         });
         out
