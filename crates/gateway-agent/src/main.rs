@@ -156,6 +156,10 @@ struct ServeArgs {
     /// (`DELETE /v1/outbox/quarantine?through_seq=N`). 0: never set aside.
     #[arg(long, default_value_t = 10_000)]
     outbox_quarantine_max: u64,
+    /// Allow `DELETE /v1/outbox/quarantine?through_seq=N` on the HTTP port (off by
+    /// default: anyone who reaches the port could erase the quarantined billing records).
+    #[arg(long)]
+    outbox_quarantine_clear: bool,
     /// Longest wait for a usage record's commit before the completion answers 503
     /// (`outbox_unavailable`; the record stays queued, a retry is safe), ms.
     #[arg(long, default_value_t = 5_000, value_parser = clap::value_parser!(u64).range(1..=600_000))]
@@ -329,6 +333,7 @@ fn serve(args: ServeArgs) -> Result<()> {
             cfg.in_flight_max = config.engine.max_leases;
             cfg.events_max = args.outbox_events_max;
             cfg.quarantine_max = args.outbox_quarantine_max;
+            cfg.quarantine_clear_over_http = args.outbox_quarantine_clear;
             cfg.durable_timeout = Duration::from_millis(args.outbox_durable_timeout_ms);
             cfg.tenant_descriptor = args.ledger_tenant_descriptor.clone();
             cfg.model_descriptor = args.ledger_model_descriptor.clone();

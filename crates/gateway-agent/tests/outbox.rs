@@ -1132,7 +1132,7 @@ fn a_batch_over_the_ledgers_body_bound_is_split_until_it_fits() {
 fn an_event_a_ledger_refuses_alone_is_set_aside_and_the_rest_delivered() {
     let a = Ledger::start_with("ledger-a", &["--body-max-bytes", "500"]);
     let outbox = tempdir("agent-quarantine");
-    let agent = AgentProc::start(&outbox, &[a.url()], &[]);
+    let agent = AgentProc::start(&outbox, &[a.url()], &["--outbox-quarantine-clear"]);
     let big_id = format!("big-{}", "r".repeat(120));
     let big_org = "x".repeat(250);
     for (id, org) in [
@@ -1217,6 +1217,15 @@ fn a_conflict_the_ledger_reports_is_counted_on_the_agent() {
     let metric = format!("bursar_ledger_conflicts_total{{ledger=\"{}\"}} ", a.url());
     assert_eq!(two.metric(&metric), 1);
     assert_eq!(one.metric(&metric), 0);
+    // Without --outbox-quarantine-clear, the quarantine is not cleared over HTTP.
+    let r = try_request(
+        one.http,
+        "DELETE",
+        "/v1/outbox/quarantine?through_seq=9",
+        b"",
+    )
+    .expect("answer");
+    assert_eq!(r.status, 403, "{}", r.body);
 }
 
 /// Review, thirty-first session: a ledger's answers were read whole (`text()`), so a

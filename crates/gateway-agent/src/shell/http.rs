@@ -481,6 +481,15 @@ async fn quarantine_clear(State(state): State<Arc<AgentState>>, uri: axum::http:
             "this agent keeps no usage outbox (--outbox-dir)",
         );
     };
+    if !ob.quarantine_clear_over_http() {
+        return error(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            "clearing the quarantine over HTTP is off: start the agent with \
+             --outbox-quarantine-clear (anyone who reaches this port could erase billing \
+             records)",
+        );
+    }
     let through = uri.query().unwrap_or("").split('&').find_map(|kv| {
         kv.strip_prefix("through_seq=")
             .map(|v| v.parse::<u64>().map_err(|_| v.to_string()))

@@ -112,6 +112,10 @@ pub struct OutboxConfig {
     /// ledger's delivery as before (logged) until an operator clears the quarantine.
     /// 0: never set aside. Default 10,000.
     pub quarantine_max: u64,
+    /// Whether `DELETE /v1/outbox/quarantine` may forget quarantined events over the
+    /// agent's HTTP port (which gateways reach: anyone there could erase billing
+    /// records). Default false: the request is refused (403).
+    pub quarantine_clear_over_http: bool,
 }
 
 impl OutboxConfig {
@@ -129,6 +133,7 @@ impl OutboxConfig {
             ledgers_needed,
             in_flight_max: 65_536,
             quarantine_max: 10_000,
+            quarantine_clear_over_http: false,
         }
     }
 
@@ -837,6 +842,12 @@ impl Outbox {
             out.push(v.value().to_string());
         }
         Ok(out)
+    }
+
+    /// Whether the quarantine may be cleared over HTTP
+    /// ([`OutboxConfig::quarantine_clear_over_http`]).
+    pub fn quarantine_clear_over_http(&self) -> bool {
+        self.sh.cfg.quarantine_clear_over_http
     }
 
     /// How many events the quarantine holds.
