@@ -154,6 +154,12 @@ fn digests_scans_and_conflicts_match_the_reference_model(s: impl Store) {
         s.root().expect("root"),
         "conformance: root is the sum of buckets"
     );
+    // A read view answers the same root as the store (one view serves both the root
+    // and its buckets in `GET /v1/digest`).
+    let mut view_root = None;
+    s.read_view(&mut |v| view_root = Some(v.root().expect("root in a view")))
+        .expect("read view");
+    assert_eq!(view_root, Some(sum), "conformance: a read view's root");
     // Bounded: the same list up to `max`, none past it (found without building it).
     let n = all(&s).len();
     assert_eq!(

@@ -730,6 +730,14 @@ impl TxnOps for Txn<'_, '_> {
 
 /// A read transaction is a view of one commit.
 impl ReadView for redb::ReadTransaction {
+    fn root(&self) -> Result<Digest, StoreError> {
+        let meta = self.open_table(META).map_err(backend)?;
+        match meta.get("root").map_err(backend)? {
+            Some(v) => digest_of("root", v.value()),
+            None => Ok(Digest::default()),
+        }
+    }
+
     fn visit_bucket(&self, bucket: &Bucket, f: &mut dyn FnMut(&Event)) -> Result<(), StoreError> {
         let chunks = self.open_table(CHUNKS).map_err(backend)?;
         let t = bucket.tenant.as_bytes();
@@ -1008,12 +1016,7 @@ impl Store for RedbStore {
     }
 
     fn root(&self) -> Result<Digest, StoreError> {
-        let r = self.db.begin_read().map_err(backend)?;
-        let meta = r.open_table(META).map_err(backend)?;
-        match meta.get("root").map_err(backend)? {
-            Some(v) => digest_of("root", v.value()),
-            None => Ok(Digest::default()),
-        }
+        ReadView::root(&self.db.begin_read().map_err(backend)?)
     }
 
     fn store_id(&self) -> &str {

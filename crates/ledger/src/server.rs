@@ -295,8 +295,17 @@ async fn serve_inner(
         std::thread::Builder::new()
             .name("ledger-writer".into())
             .spawn(move || {
+                // Cleared however the loop ends, a panic included: `/healthz` must not
+                // answer 200 while every POST is refused (thirty-first session: the
+                // flag was cleared after a normal return only).
+                struct Alive(Arc<AtomicBool>);
+                impl Drop for Alive {
+                    fn drop(&mut self) {
+                        self.0.store(false, Ordering::Release);
+                    }
+                }
+                let _alive = Alive(alive);
                 writer_loop(rx, &store, max, &metrics, push_tx.as_ref());
-                alive.store(false, Ordering::Release);
             })?
     };
     #[cfg(feature = "cluster")]
@@ -486,9 +495,10 @@ async fn post_events(State(s): State<AppState>, body: axum::body::Body) -> Respo
             .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         r
     };
-    // Held while the body is read and parsed, and the batch queued: the bodies in
+    // Held while the body is read and parsed, and the batch queued (given back before
+    // the wait for its commit: the queue bounds what waits there): the bodies in
     // memory at once are bounded before any is read.
-    let Ok(_reading) = Arc::clone(&s.ingest).try_acquire_owned() else {
+    let Ok(reading) = Arc::clone(&s.ingest).try_acquire_owned() else {
         return busy("too many batches being received; nothing stored; retry");
     };
     let body = match tokio::time::timeout(s.cfg.body_timeout, read_body(body, s.cfg.body_max_bytes))
@@ -582,6 +592,10 @@ async fn post_events(State(s): State<AppState>, body: axum::body::Body) -> Respo
             .into_response();
         }
     }
+    // Queued: the writer's bounded queue holds it now. (Until the thirty-first session
+    // the permit was held through the commit, so 64 POSTs waiting on fsync refused
+    // every other with 503 while the queue stood nearly empty.)
+    drop(reading);
     match rx.await {
         Ok(Ok(r)) => {
             debug_assert_eq!(r.outcomes.len(), n);
@@ -731,13 +745,21 @@ async fn get_digest(State(s): State<AppState>, Query(p): Params) -> Response {
         let store = s.store.clone();
         let max = s.cfg.digest_buckets_max;
         let (root, buckets) = blocking(move || {
-            let root = store.root().map_err(store_error)?;
+            // One read view for both: the root is the sum of the buckets it answers
+            // with (two reads let a commit land between them; thirty-first session).
             // Stopped past `max`: with no range and no tenant, every bucket of the
             // store (millions: over a gigabyte) was built just to answer 400.
-            let b = store
-                .digests_at_most(fh, th, tenant.as_deref(), max)
+            let mut out = None;
+            store
+                .read_view(&mut |v| {
+                    out =
+                        Some(v.root().and_then(|r| {
+                            Ok((r, v.digests_at_most(fh, th, tenant.as_deref(), max)?))
+                        }));
+                })
                 .map_err(store_error)?;
-            Ok((root, b))
+            out.expect("read_view calls its closure")
+                .map_err(store_error)
         })
         .await?;
         let Some(buckets) = buckets else {

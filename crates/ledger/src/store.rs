@@ -159,6 +159,9 @@ pub fn new_store_id() -> String {
 /// Reads from one committed state of a store ([`Store::read_view`]); the same
 /// contracts as the [`Store`] methods of the same names.
 pub trait ReadView {
+    /// As [`Store::root`].
+    fn root(&self) -> Result<Digest, StoreError>;
+
     /// As [`Store::visit_bucket`].
     fn visit_bucket(&self, bucket: &Bucket, f: &mut dyn FnMut(&Event)) -> Result<(), StoreError>;
 
@@ -485,6 +488,10 @@ impl MemStore {
 }
 
 impl ReadView for MemInner {
+    fn root(&self) -> Result<Digest, StoreError> {
+        Ok(self.digests.root())
+    }
+
     fn visit_bucket(&self, bucket: &Bucket, f: &mut dyn FnMut(&Event)) -> Result<(), StoreError> {
         for (b, seq) in self.index.range((bucket.clone(), 0)..) {
             if b != bucket {
