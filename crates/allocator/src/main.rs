@@ -119,12 +119,6 @@ struct ServeArgs {
     /// at most. While it is spent, streams are not read: TCP holds their agents back.
     #[arg(long, default_value_t = 256 << 20, value_parser = clap::value_parser!(u64).range(65_536..=u32::MAX as u64))]
     input_bytes_max: u64,
-    /// Encoded bytes of messages (grants, extensions, revocations) queued for agents at
-    /// most, every stream together. Past it a message is dropped and counted as on a
-    /// full queue (safe: a sent grant counts until acknowledged or its lease ends; the
-    /// core sends again what is due).
-    #[arg(long, default_value_t = 256 << 20, value_parser = clap::value_parser!(u64).range(65_536..=1 << 40))]
-    outbound_bytes_max: u64,
     /// Streams waiting for their hello's answer at most; one more is refused at once
     /// (RESOURCE_EXHAUSTED, the agent retries with backoff).
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=65_536))]
@@ -233,7 +227,6 @@ fn serve(args: ServeArgs) -> Result<()> {
     cfg.allocator = allocator_config(&args);
     cfg.rules_path = args.config.clone();
     cfg.input_bytes_max = args.input_bytes_max as usize;
-    cfg.outbound_bytes_max = args.outbound_bytes_max as usize;
     cfg.pending_hellos_max = args.pending_hellos_max as usize;
     cfg.connections_max = args.connections_max as usize;
     cfg.first_stream_timeout = std::time::Duration::from_millis(args.first_stream_timeout_ms);
@@ -378,7 +371,6 @@ fn serve_elected(args: ServeArgs, mut rules: Config, seen: Option<Vec<u8>>) -> R
         cfg.allocator = allocator_config(&args);
         cfg.rules_path = args.config.clone();
         cfg.input_bytes_max = args.input_bytes_max as usize;
-        cfg.outbound_bytes_max = args.outbound_bytes_max as usize;
         cfg.pending_hellos_max = args.pending_hellos_max as usize;
     cfg.connections_max = args.connections_max as usize;
     cfg.first_stream_timeout = std::time::Duration::from_millis(args.first_stream_timeout_ms);

@@ -160,11 +160,6 @@ fn status_json(s: &Snapshot) -> Value {
             "connections_max": s.gate.connections_max,
             "connections_open": s.gate.connections_open,
         },
-        "outbound": {
-            "bytes_max": s.gate.outbound_bytes_max,
-            "bytes_queued": s.gate.outbound_bytes_queued,
-            "refused": s.gate.outbound_refused,
-        },
         "last_error": s.last_error,
         "config": {
             "version": s.config_version,

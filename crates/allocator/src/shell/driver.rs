@@ -310,9 +310,8 @@ impl Driver {
                             lease_ms: cfg.lease_ms,
                         })),
                     };
-                    // A fresh channel: the welcome fits, unless the outbound bound is
-                    // spent (then the agent's hello times out and it retries).
-                    let _ = self.gate.send(&tx, welcome);
+                    // A fresh channel: the welcome always fits.
+                    let _ = tx.try_send(Ok(welcome));
                     let agent: Arc<str> = hello.agent.as_str().into();
                     self.conns
                         .insert(conn, (hello.agent.clone(), hello.incarnation));
@@ -410,7 +409,7 @@ impl Driver {
                 )),
             };
             for r in self.routes.values() {
-                if self.gate.send(&r.tx, msg.clone()).is_ok() {
+                if r.tx.try_send(Ok(msg.clone())).is_ok() {
                     self.reload.versions_sent += 1;
                 }
             }
@@ -548,10 +547,10 @@ impl Driver {
         msg: pb::allocator_message::Msg,
     ) -> bool {
         match self.routes.get(agent) {
-            Some(r) if r.incarnation == incarnation => self
-                .gate
-                .send(&r.tx, pb::AllocatorMessage { msg: Some(msg) })
-                .is_ok(),
+            Some(r) if r.incarnation == incarnation => {
+                r.tx.try_send(Ok(pb::AllocatorMessage { msg: Some(msg) }))
+                    .is_ok()
+            }
             _ => false,
         }
     }
@@ -584,7 +583,7 @@ impl Driver {
                         grants: chunk.to_vec(),
                     })),
                 };
-                match self.gate.send(&r.tx, msg) {
+                match r.tx.try_send(Ok(msg)) {
                     Ok(()) => self.counters.grants_sent += n,
                     Err(mpsc::error::TrySendError::Full(_)) => {
                         self.counters.grants_dropped += n;

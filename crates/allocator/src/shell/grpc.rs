@@ -13,12 +13,13 @@
 
 use std::mem::size_of;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bursar_proto::allocator as pb;
 use pb::agent_message::Msg;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::driver::Input;
@@ -37,15 +38,7 @@ pub struct Gate {
     streams_refused: AtomicU64,
     bytes_waits: AtomicU64,
     connections: Arc<super::conns::ConnectionCap>,
-    /// Encoded bytes of messages queued for agents, on every stream (see
-    /// [`Gate::send`]).
-    out_used: Arc<AtomicUsize>,
-    out_max: usize,
-    out_refused: AtomicU64,
 }
-
-/// Default bound on the bytes queued for agents across every stream.
-pub const OUTBOUND_BYTES_MAX_DEFAULT: usize = 256 << 20;
 
 /// What [`Gate`] shows the admin endpoint.
 #[derive(Clone, Copy, Debug, Default)]
@@ -72,13 +65,6 @@ pub struct GateStatus {
     /// Connections closed because they opened no stream within the first-stream
     /// timeout.
     pub connections_silent: u64,
-    /// The bound on encoded bytes queued for agents, every stream together.
-    pub outbound_bytes_max: u64,
-    /// Queued now.
-    pub outbound_bytes_queued: u64,
-    /// Messages not queued because the bound was reached (grant batches, extensions,
-    /// revocations: each is counted dropped where it is sent, and is safe to lose).
-    pub outbound_refused: u64,
 }
 
 impl Gate {
@@ -105,54 +91,6 @@ impl Gate {
                 connections_max,
                 first_stream_timeout,
             )),
-            out_used: Arc::new(AtomicUsize::new(0)),
-            out_max: OUTBOUND_BYTES_MAX_DEFAULT,
-            out_refused: AtomicU64::new(0),
-        }
-    }
-
-    /// The same gate with at most `max` encoded bytes queued for agents, every stream
-    /// together (at least 1; a message larger than it goes when nothing is queued).
-    pub fn with_outbound_bytes_max(mut self, max: usize) -> Gate {
-        self.out_max = max.max(1);
-        self
-    }
-
-    /// Queues `msg` on an agent's stream `tx` within the outbound byte bound: its
-    /// encoded bytes are taken from the bound here and given back as the stream sends
-    /// it ([`Metered`]) or drops it. A full bound or a full queue is
-    /// `TrySendError::Full`, a gone stream `Closed`; nothing is queued then.
-    pub fn send(
-        &self,
-        tx: &mpsc::Sender<Result<pb::AllocatorMessage, Status>>,
-        msg: pb::AllocatorMessage,
-    ) -> Result<(), mpsc::error::TrySendError<()>> {
-        use bursar_proto::prost::Message as _;
-        let n = msg.encoded_len();
-        let taken = self
-            .out_used
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
-                (used == 0 || used.saturating_add(n) <= self.out_max).then_some(used + n)
-            });
-        if taken.is_err() {
-            self.out_refused.fetch_add(1, Ordering::Relaxed);
-            return Err(mpsc::error::TrySendError::Full(()));
-        }
-        tx.try_send(Ok(msg)).map_err(|e| {
-            self.out_used.fetch_sub(n, Ordering::AcqRel);
-            match e {
-                mpsc::error::TrySendError::Full(_) => mpsc::error::TrySendError::Full(()),
-                mpsc::error::TrySendError::Closed(_) => mpsc::error::TrySendError::Closed(()),
-            }
-        })
-    }
-
-    /// An agent's outbound queue as its response stream, giving each message's bytes
-    /// back to the bound as it goes out (or is dropped with the stream).
-    pub fn metered(&self, rx: mpsc::Receiver<Result<pb::AllocatorMessage, Status>>) -> Metered {
-        Metered {
-            rx,
-            used: Arc::clone(&self.out_used),
         }
     }
 
@@ -179,9 +117,6 @@ impl Gate {
             connections_open: self.connections.open(),
             connections_refused: self.connections.refused(),
             connections_silent: self.connections.silent(),
-            outbound_bytes_max: self.out_max as u64,
-            outbound_bytes_queued: self.out_used.load(Ordering::Relaxed) as u64,
-            outbound_refused: self.out_refused.load(Ordering::Relaxed),
         }
     }
 
@@ -201,48 +136,6 @@ impl Gate {
             }
         };
         Charge(Some(permit))
-    }
-}
-
-/// An agent's response stream over its outbound queue: gives each message's encoded
-/// bytes back to the [`Gate`]'s outbound bound as it is sent, and those of the
-/// messages still queued when the stream is dropped.
-pub struct Metered {
-    rx: mpsc::Receiver<Result<pb::AllocatorMessage, Status>>,
-    used: Arc<AtomicUsize>,
-}
-
-impl Metered {
-    fn give_back(&self, item: &Result<pb::AllocatorMessage, Status>) {
-        use bursar_proto::prost::Message as _;
-        if let Ok(m) = item {
-            self.used.fetch_sub(m.encoded_len(), Ordering::AcqRel);
-        }
-    }
-}
-
-impl tokio_stream::Stream for Metered {
-    type Item = Result<pb::AllocatorMessage, Status>;
-
-    fn poll_next(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Self::Item>> {
-        let item = self.rx.poll_recv(cx);
-        if let std::task::Poll::Ready(Some(m)) = &item {
-            self.give_back(m);
-        }
-        item
-    }
-}
-
-impl Drop for Metered {
-    fn drop(&mut self) {
-        // Closed first: a send after this fails (and gives its bytes back itself).
-        self.rx.close();
-        while let Ok(m) = self.rx.try_recv() {
-            self.give_back(&m);
-        }
     }
 }
 
@@ -474,7 +367,7 @@ pub fn ack_from_pb(agent: &str, incarnation: u64, a: pb::Ack) -> Result<Ack, Sta
 
 #[tonic::async_trait]
 impl pb::allocator_server::Allocator for Service {
-    type SyncStream = Metered;
+    type SyncStream = ReceiverStream<Result<pb::AllocatorMessage, Status>>;
 
     async fn sync(
         &self,
@@ -611,7 +504,7 @@ impl pb::allocator_server::Allocator for Service {
             }
             let _ = inputs.send(Input::Disconnect { conn, agent }).await;
         });
-        Ok(Response::new(self.gate.metered(rx)))
+        Ok(Response::new(ReceiverStream::new(rx)))
     }
 }
 
@@ -638,66 +531,6 @@ impl Drop for HelloGuard {
 mod tests {
     use super::*;
     use pb::allocator_client::AllocatorClient;
-
-    /// A grants message of `n` grants (~60 bytes each encoded).
-    fn grants(n: usize) -> pb::AllocatorMessage {
-        let g = pb::Grant {
-            key: Some(pb::Key {
-                rule: "org-rps".into(),
-                values: vec!["tenant-0000000000000000".into()],
-            }),
-            ..Default::default()
-        };
-        pb::AllocatorMessage {
-            msg: Some(pb::allocator_message::Msg::Grants(pb::Grants {
-                grants: vec![g; n],
-            })),
-        }
-    }
-
-    /// Review, thirty-first session: each agent's outbound queue was bounded by
-    /// messages only (64 of up to 4 MiB: 256 MiB an agent, times every agent). The
-    /// gate bounds the encoded bytes queued on every stream together, gives them back
-    /// as a stream sends, and those still queued when a stream is dropped.
-    #[tokio::test]
-    async fn outbound_messages_are_bounded_by_bytes_across_streams() {
-        use bursar_proto::prost::Message as _;
-        use tokio_stream::StreamExt as _;
-        let one = grants(100).encoded_len();
-        let gate =
-            Gate::new(1 << 20, 4, 4, Duration::from_secs(10)).with_outbound_bytes_max(3 * one);
-        let (tx1, rx1) = mpsc::channel(64);
-        let (tx2, rx2) = mpsc::channel(64);
-        let (mut s1, s2) = (gate.metered(rx1), gate.metered(rx2));
-        assert!(gate.send(&tx1, grants(100)).is_ok());
-        assert!(gate.send(&tx1, grants(100)).is_ok());
-        assert!(gate.send(&tx2, grants(100)).is_ok());
-        // Room in both queues, none in the bound.
-        assert!(matches!(
-            gate.send(&tx2, grants(100)),
-            Err(mpsc::error::TrySendError::Full(()))
-        ));
-        let st = gate.status();
-        assert_eq!(st.outbound_bytes_queued, 3 * one as u64);
-        assert_eq!(st.outbound_refused, 1);
-        // Sent: its bytes come back.
-        assert!(s1.next().await.is_some());
-        assert_eq!(gate.status().outbound_bytes_queued, 2 * one as u64);
-        assert!(gate.send(&tx2, grants(100)).is_ok());
-        // A dropped stream gives back what it still held; a send to it fails, holding
-        // nothing.
-        drop(s2);
-        assert_eq!(gate.status().outbound_bytes_queued, one as u64);
-        assert!(matches!(
-            gate.send(&tx2, grants(1)),
-            Err(mpsc::error::TrySendError::Closed(()))
-        ));
-        assert_eq!(gate.status().outbound_bytes_queued, one as u64);
-        // A message larger than the whole bound goes when nothing is queued.
-        assert!(s1.next().await.is_some());
-        assert_eq!(gate.status().outbound_bytes_queued, 0);
-        assert!(gate.send(&tx1, grants(1_000)).is_ok());
-    }
 
     fn line(i: usize) -> pb::KeyReport {
         pb::KeyReport {
@@ -760,11 +593,7 @@ mod tests {
         })
         .await
         .unwrap();
-        let call = tokio::spawn(async move {
-            client
-                .sync(tokio_stream::wrappers::ReceiverStream::new(out_rx))
-                .await
-        });
+        let call = tokio::spawn(async move { client.sync(ReceiverStream::new(out_rx)).await });
         let Some(Input::Hello {
             reply, tx: route, ..
         }) = rx.recv().await

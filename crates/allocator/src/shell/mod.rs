@@ -31,10 +31,8 @@
 //!   stream each), and HTTP/2 allows `streams_per_connection_max` (default 16) per
 //!   connection. A stream's reader holds at most one message of up to
 //!   `MAX_MESSAGE_BYTES` while it converts it or waits for the budget.
-//! - Per-agent outbound: `agent_queue_max` messages (default 64), and all agents'
-//!   together `outbound_bytes_max` encoded bytes (default 256 MiB; a grant message is
-//!   up to 4 MiB, so 64 of them per agent alone allowed 256 MiB an agent). Full: the
-//!   grant batch is dropped and counted (`grants_dropped`). That is safe: a sent grant counts as
+//! - Per-agent outbound: `agent_queue_max` messages (default 64). Full: the grant batch
+//!   is dropped and counted (`grants_dropped`). That is safe: a sent grant counts as
 //!   committed until acknowledged or expired (invariant 1), and the core re-sends
 //!   renewals when they are due.
 //! - Message size: [`bursar_proto::allocator::MAX_MESSAGE_BYTES`] on the tonic server;
@@ -83,9 +81,6 @@ pub struct ShellConfig {
     pub input_queue_max: usize,
     /// Messages waiting per agent stream. Default 64.
     pub agent_queue_max: usize,
-    /// Encoded bytes of messages waiting for agents, every stream together, at most (a
-    /// message past it is dropped and counted, as on a full queue). Default 256 MiB.
-    pub outbound_bytes_max: usize,
     /// Bytes of converted input (hellos, reports, acks) waiting for the core, at most
     /// (1 to `u32::MAX`). Default 256 MiB.
     pub input_bytes_max: usize,
@@ -146,7 +141,6 @@ impl ShellConfig {
             input_queue_max: 4_096,
             agent_queue_max: 64,
             input_bytes_max: 256 << 20,
-            outbound_bytes_max: grpc::OUTBOUND_BYTES_MAX_DEFAULT,
             pending_hellos_max: 256,
             connections_max: conns::CONNECTIONS_MAX_DEFAULT,
             first_stream_timeout: conns::FIRST_STREAM_TIMEOUT_DEFAULT,
@@ -425,15 +419,12 @@ pub async fn start_with_handle(
             max: u32::MAX as u64,
         });
     }
-    let gate = Arc::new(
-        grpc::Gate::new(
-            cfg.input_bytes_max,
-            cfg.pending_hellos_max,
-            cfg.connections_max,
-            cfg.first_stream_timeout,
-        )
-        .with_outbound_bytes_max(cfg.outbound_bytes_max),
-    );
+    let gate = Arc::new(grpc::Gate::new(
+        cfg.input_bytes_max,
+        cfg.pending_hellos_max,
+        cfg.connections_max,
+        cfg.first_stream_timeout,
+    ));
     let clock = ShellClock::new();
     let core = Allocator::new(rules, cfg.allocator.clone(), cfg.term, clock.now_ns())?;
     let grpc_l = TcpListener::bind(cfg.grpc)
