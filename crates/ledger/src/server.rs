@@ -495,10 +495,11 @@ async fn post_events(State(s): State<AppState>, body: axum::body::Body) -> Respo
             .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         r
     };
-    // Held while the body is read and parsed, and the batch queued (given back before
-    // the wait for its commit: the queue bounds what waits there): the bodies in
-    // memory at once are bounded before any is read.
-    let Ok(reading) = Arc::clone(&s.ingest).try_acquire_owned() else {
+    // Held until the batch is answered (read, parsed, queued, committed): the bodies
+    // in memory at once, parsed or waiting for their commit, are bounded before any
+    // is read. (Given back once queued, the queue's 256 batches of up to 16 MiB would
+    // be the bound instead: reviewed and kept, thirty-first session.)
+    let Ok(_in_flight) = Arc::clone(&s.ingest).try_acquire_owned() else {
         return busy("too many batches being received; nothing stored; retry");
     };
     let body = match tokio::time::timeout(s.cfg.body_timeout, read_body(body, s.cfg.body_max_bytes))
@@ -592,10 +593,6 @@ async fn post_events(State(s): State<AppState>, body: axum::body::Body) -> Respo
             .into_response();
         }
     }
-    // Queued: the writer's bounded queue holds it now. (Until the thirty-first session
-    // the permit was held through the commit, so 64 POSTs waiting on fsync refused
-    // every other with 503 while the queue stood nearly empty.)
-    drop(reading);
     match rx.await {
         Ok(Ok(r)) => {
             debug_assert_eq!(r.outcomes.len(), n);
