@@ -2561,7 +2561,11 @@ impl Engine {
             };
             let values = &values[..nv];
             matched = true;
-            if limits.len == MAX_LIMITS_PER_REQUEST {
+            // Deferred charges (token rules, counted after the decision) take a place of
+            // the eight too: their array has room for eight (thirty-first session: it
+            // was checked against the other limits only, and a ninth token rule
+            // indexed past it).
+            if limits.len + n_charges >= MAX_LIMITS_PER_REQUEST {
                 if !rule.enforce {
                     // A shadow rule never fails a decision (as in `admit_in`).
                     continue;

@@ -1283,6 +1283,26 @@ fn a_lease_past_its_ttl_cannot_be_extended_even_before_it_is_reaped() {
     e.check_invariants(17 * MS).unwrap();
 }
 
+/// Review, thirty-first session: a hits decision (Envoy's RLS) counts token rules after
+/// it decides (deferred charges), and their array had room for eight while the bound
+/// was checked against the other limits only: nine token rules matching one request
+/// indexed past it and panicked the handler. Past eight the request fails as any
+/// request over the limit count does (shadow rules are skipped).
+#[test]
+fn nine_token_rules_on_one_hits_decision_fail_cleanly() {
+    let mut rules = String::new();
+    for i in 0..9 {
+        rules.push_str(&format!(
+            "[[rule]]\nname = \"t{i}\"\nmatch = {{ org = \"*\" }}\n\
+             dimension = \"input_tokens\"\nrate = 1000\nper = \"second\"\n"
+        ));
+    }
+    let e = engine(&rules);
+    let r = e.decide_hits(0, None, &[("org", "a")], 1);
+    assert!(matches!(r, Err(AdmitError::TooManyLimits { .. })), "{r:?}");
+    e.check_invariants(0).unwrap();
+}
+
 /// Review, thirty-first session: a shadow rule that could not get a key (the table
 /// full of busy keys) or that matched past the per-request limit failed the whole
 /// request (KeyTableFull, a 503; TooManyLimits, a 500), though a shadow rule must
