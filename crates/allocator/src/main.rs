@@ -565,6 +565,7 @@ posture = "conservative"
         bin: &std::path::Path,
         dir: &std::path::Path,
         children: &mut Children,
+        interrupted: &AtomicBool,
     ) -> Result<Vec<LedgerNode>> {
         let names = ["ledger-0", "ledger-1", "ledger-2"];
         let certs = dir.join("certs");
@@ -608,12 +609,9 @@ posture = "conservative"
                 .with_context(|| format!("starting {}", bin.display()))?;
             let stdout = child.stdout.take().context("ledger stdout")?;
             children.0.push(child);
-            let mut out = BufReader::new(stdout);
-            let (mut l1, mut l2) = (String::new(), String::new());
-            out.read_line(&mut l1)
-                .context("reading the ledger's listening line")?;
-            out.read_line(&mut l2)
-                .context("reading the ledger's gossip line")?;
+            let lines = ready_lines(stdout, 2, interrupted, &log)
+                .with_context(|| format!("starting ledger {n}"))?;
+            let (l1, l2) = (&lines[0], &lines[1]);
             let http: SocketAddr = l1
                 .trim()
                 .strip_prefix("listening on http://")
@@ -676,6 +674,47 @@ posture = "conservative"
             .stdout(Stdio::piped())
             .stderr(Stdio::from(f));
         Ok(())
+    }
+
+    /// The first `n` lines a child prints (its readiness lines), waited for at most
+    /// 30 s and only while the run is not interrupted: a child that stalls before its
+    /// line fails the start with its log, instead of hanging it.
+    fn ready_lines(
+        out: std::process::ChildStdout,
+        n: usize,
+        interrupted: &AtomicBool,
+        log: &std::path::Path,
+    ) -> Result<Vec<String>> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut r = BufReader::new(out);
+            let mut lines = Vec::new();
+            for _ in 0..n {
+                let mut l = String::new();
+                if r.read_line(&mut l).unwrap_or(0) == 0 {
+                    break;
+                }
+                lines.push(l);
+            }
+            let _ = tx.send(lines);
+        });
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            match rx.recv_timeout(Duration::from_millis(100)) {
+                Ok(lines) if lines.len() == n => return Ok(lines),
+                Ok(_) | Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                    bail!("the process stopped before it was ready; {}", log_tail(log))
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    if interrupted.load(Ordering::Relaxed) {
+                        bail!("interrupted while the cluster was starting; it is stopped");
+                    }
+                    if Instant::now() > deadline {
+                        bail!("not ready within 30 s; {}", log_tail(log));
+                    }
+                }
+            }
+        }
     }
 
     /// The end of a child's stderr log, for an error that says why it failed.
@@ -944,15 +983,21 @@ posture = "conservative"
         let interrupted = Arc::new(AtomicBool::new(false));
         {
             let flag = Arc::clone(&interrupted);
-            let mut term = {
+            use tokio::signal::unix::{SignalKind, signal};
+            let (mut term, mut hup) = {
                 let _in_rt = rt.enter();
-                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-                    .context("SIGTERM handler")?
+                (
+                    signal(SignalKind::terminate()).context("SIGTERM handler")?,
+                    // A closed terminal: the children are in their own process groups
+                    // and would not hear it.
+                    signal(SignalKind::hangup()).context("SIGHUP handler")?,
+                )
             };
             rt.spawn(async move {
                 tokio::select! {
                     _ = tokio::signal::ctrl_c() => {}
                     _ = term.recv() => {}
+                    _ = hup.recv() => {}
                 }
                 flag.store(true, Ordering::Relaxed);
             });
@@ -1003,7 +1048,7 @@ posture = "conservative"
                     ledger_bin.display()
                 );
             }
-            start_ledgers(&ledger_bin, &work.0, &mut children)?
+            start_ledgers(&ledger_bin, &work.0, &mut children, &interrupted)?
         };
         let ledger_urls: Vec<String> = ledgers
             .iter()
@@ -1037,10 +1082,9 @@ posture = "conservative"
                 .with_context(|| format!("starting {}", agent_bin.display()))?;
             let stdout = child.stdout.take().context("agent stdout")?;
             children.0.push(child);
-            let mut line = String::new();
-            BufReader::new(stdout)
-                .read_line(&mut line)
-                .context("reading the agent's listening line")?;
+            let line = ready_lines(stdout, 1, &interrupted, &log)
+                .with_context(|| format!("starting agent {name}"))?
+                .remove(0);
             let http = line
                 .split_whitespace()
                 .find_map(|w| w.strip_prefix("http="))
