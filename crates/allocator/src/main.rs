@@ -459,6 +459,7 @@ mod local {
 
     use anyhow::{Context, Result, bail};
     use bursar_agent::config::Pattern;
+    use bursar_agent::testing::ExactBucket;
     use bursar_agent::{Config, Dimension, Mode, RuleLimit};
     use bursar_allocator::AllocatorConfig;
     use bursar_allocator::shell::{self, ShellConfig};
@@ -797,47 +798,19 @@ posture = "conservative"
         }
     }
 
-    /// An exact token bucket in unit-nanoseconds: the verifier of one key.
-    /// Exact: levels in units x the rule's period in ns, so a rule of any period
-    /// refills by its rate each ns (a rate per second scaled down by integer division
-    /// truncated: 1,000 an hour refilled nothing, and every run read as overshoot).
-    struct Verifier {
-        level: i128,
-        cap: i128,
-        /// Units per period: the refill per ns at this scale.
-        rate: i128,
-        /// The rule's period, ns: one unit.
-        scale: i128,
-        at: u64,
-        min_level: i128,
+    /// Charges `cost` admitted at `now` (log order: never going back) to a key's
+    /// verifier, the engine's own exact bucket (`bursar_agent::testing::ExactBucket`:
+    /// levels in units x the rule's period in ns, so a rule of any period refills
+    /// exactly; a rate per second by integer division once refilled nothing at 1,000
+    /// an hour, and every such run read as overshoot).
+    fn debit(v: &mut ExactBucket, now: u64, cost: u64) {
+        v.advance(now);
+        v.charge(cost);
     }
 
-    impl Verifier {
-        fn new(rate: u64, burst: u64, period_ns: u64) -> Verifier {
-            let scale = period_ns.max(1) as i128;
-            let cap = burst as i128 * scale;
-            Verifier {
-                level: cap,
-                cap,
-                rate: rate as i128,
-                scale,
-                at: 0,
-                min_level: cap,
-            }
-        }
-
-        fn debit(&mut self, now: u64, cost: u64) {
-            let now = now.max(self.at);
-            self.level = (self.level + self.rate * (now - self.at) as i128).min(self.cap);
-            self.at = now;
-            self.level -= cost as i128 * self.scale;
-            self.min_level = self.min_level.min(self.level);
-        }
-
-        /// The deepest deficit so far, units.
-        fn overshoot(&self) -> f64 {
-            (-(self.min_level as f64) / self.scale as f64).max(0.0)
-        }
+    /// A verifier's deepest deficit so far, units (0: none).
+    fn overshoot(v: &ExactBucket) -> f64 {
+        v.worst_deficit_tokens().max(0.0)
     }
 
     /// One rate-limited key the traffic can reach.
@@ -848,7 +821,7 @@ posture = "conservative"
         rate: u64,
         burst: u64,
         period_ns: u64,
-        verifier: Verifier,
+        verifier: ExactBucket,
         admitted_window: u64,
         offered_window: u64,
     }
@@ -952,7 +925,7 @@ posture = "conservative"
                                 rate,
                                 burst,
                                 period_ns: per.as_ns(),
-                                verifier: Verifier::new(rate, burst, per.as_ns()),
+                                verifier: ExactBucket::new(rate, burst, per.as_ns(), 0),
                                 admitted_window: 0,
                                 offered_window: 0,
                             });
@@ -1169,7 +1142,7 @@ posture = "conservative"
                 keys[k].offered_window = o;
             }
             for (t, k, cost) in events {
-                keys[k].verifier.debit(t, cost);
+                debit(&mut keys[k].verifier, t, cost);
                 keys[k].admitted_window += cost;
             }
             let now = shared.start.elapsed().as_nanos() as u64;
@@ -1234,7 +1207,7 @@ posture = "conservative"
                     })
                     .collect();
                 let per = k.period_ns as f64 / SEC as f64;
-                let overshoot = k.verifier.overshoot();
+                let overshoot = overshoot(&k.verifier);
                 // Measurement margin: R per ns times the largest round trip, plus 1 ms.
                 let margin = k.rate as f64 / per * (l_max as f64 + 1e6) / 1e9;
                 let bound = status.map_or(0.0, |s| s.bound.excess_over(SEC) as f64);
@@ -1502,7 +1475,8 @@ posture = "conservative"
 
     #[cfg(test)]
     mod tests {
-        use super::Verifier;
+        use super::{debit, overshoot};
+        use bursar_agent::testing::ExactBucket;
 
         /// Review, thirty-first session: the verifier's refill was the rate per second
         /// by integer division, so 1,000 an hour refilled nothing (and 100 a minute
@@ -1511,19 +1485,20 @@ posture = "conservative"
         #[test]
         fn the_verifier_refills_at_a_rule_s_own_period() {
             let hour = 3_600_000_000_000u64;
-            let mut v = Verifier::new(1_000, 10, hour);
-            v.debit(0, 10);
+            let mut v = ExactBucket::new(1_000, 10, hour, 0);
+            debit(&mut v, 0, 10);
             // 3.6 s refill exactly one unit of 1,000 an hour.
-            v.debit(3_600_000_000, 1);
-            assert_eq!(v.overshoot(), 0.0);
-            v.debit(3_600_000_000, 1);
-            assert_eq!(v.overshoot(), 1.0);
+            debit(&mut v, 3_600_000_000, 1);
+            assert_eq!(overshoot(&v), 0.0);
+            debit(&mut v, 3_600_000_000, 1);
+            // One unit, less the engine's rounding slack (2 ns of refill).
+            assert!((overshoot(&v) - 1.0).abs() < 1e-6, "{}", overshoot(&v));
             let minute = 60_000_000_000u64;
-            let mut v = Verifier::new(100, 100, minute);
-            v.debit(0, 100);
+            let mut v = ExactBucket::new(100, 100, minute, 0);
+            debit(&mut v, 0, 100);
             // 100 a minute: 50 in 30 s, not 30.
-            v.debit(30_000_000_000, 50);
-            assert_eq!(v.overshoot(), 0.0);
+            debit(&mut v, 30_000_000_000, 50);
+            assert_eq!(overshoot(&v), 0.0);
         }
     }
 }

@@ -444,16 +444,12 @@ async fn extend(State(state): State<Arc<AgentState>>, body: Bytes) -> Response {
 /// the outbox set aside, one JSON object per line (oldest first; at most
 /// `OutboxConfig::quarantine_max`). 404 without an outbox.
 async fn quarantine_list(State(state): State<Arc<AgentState>>) -> Response {
-    let Some(ob) = state.outbox.get() else {
-        return error(
-            StatusCode::NOT_FOUND,
-            "no_outbox",
-            "this agent keeps no usage outbox (--outbox-dir)",
-        );
+    let ob = match outbox_of(&state) {
+        Ok(ob) => ob,
+        Err(r) => return r,
     };
-    let ob = Arc::clone(ob);
-    match tokio::task::spawn_blocking(move || ob.quarantined(usize::MAX)).await {
-        Ok(Ok(lines)) => {
+    match on_outbox(ob, |ob| ob.quarantined(usize::MAX)).await {
+        Ok(lines) => {
             let mut body = String::new();
             for l in lines {
                 body.push_str(&l);
@@ -466,20 +462,41 @@ async fn quarantine_list(State(state): State<Arc<AgentState>>) -> Response {
             )
                 .into_response()
         }
-        Ok(Err(e)) => error(StatusCode::INTERNAL_SERVER_ERROR, "outbox", &e.to_string()),
-        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, "outbox", &e.to_string()),
+        Err(r) => r,
+    }
+}
+
+/// The agent's outbox, or the 404 that says it keeps none (the answer, as `parse`'s).
+#[allow(clippy::result_large_err)]
+fn outbox_of(state: &AgentState) -> Result<Arc<super::outbox::Outbox>, Response> {
+    state.outbox.get().cloned().ok_or_else(|| {
+        error(
+            StatusCode::NOT_FOUND,
+            "no_outbox",
+            "this agent keeps no usage outbox (--outbox-dir)",
+        )
+    })
+}
+
+/// Runs `f` (file I/O) on the blocking pool; a failure is a 500 naming the outbox.
+async fn on_outbox<T: Send + 'static>(
+    ob: Arc<super::outbox::Outbox>,
+    f: impl FnOnce(&super::outbox::Outbox) -> Result<T, super::outbox::OutboxError> + Send + 'static,
+) -> Result<T, Response> {
+    let fail = |e: String| error(StatusCode::INTERNAL_SERVER_ERROR, "outbox", &e);
+    match tokio::task::spawn_blocking(move || f(&ob)).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(fail(e.to_string())),
+        Err(e) => Err(fail(e.to_string())),
     }
 }
 
 /// `DELETE /v1/outbox/quarantine?through_seq=N`: forgets the quarantined events with
 /// seq up to `N` (replayed or written off by an operator); answers how many.
 async fn quarantine_clear(State(state): State<Arc<AgentState>>, uri: axum::http::Uri) -> Response {
-    let Some(ob) = state.outbox.get() else {
-        return error(
-            StatusCode::NOT_FOUND,
-            "no_outbox",
-            "this agent keeps no usage outbox (--outbox-dir)",
-        );
+    let ob = match outbox_of(&state) {
+        Ok(ob) => ob,
+        Err(r) => return r,
     };
     if !ob.quarantine_clear_over_http() {
         return error(
@@ -511,16 +528,14 @@ async fn quarantine_clear(State(state): State<Arc<AgentState>>, uri: axum::http:
             );
         }
     };
-    let ob = Arc::clone(ob);
-    match tokio::task::spawn_blocking(move || ob.clear_quarantine(through)).await {
-        Ok(Ok(n)) => (
+    match on_outbox(ob, move |ob| ob.clear_quarantine(through)).await {
+        Ok(n) => (
             StatusCode::OK,
             [("content-type", "application/json")],
             json!({ "removed": n }).to_string(),
         )
             .into_response(),
-        Ok(Err(e)) => error(StatusCode::INTERNAL_SERVER_ERROR, "outbox", &e.to_string()),
-        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, "outbox", &e.to_string()),
+        Err(r) => r,
     }
 }
 
@@ -674,44 +689,43 @@ fn outbox_metrics(
         s.refused_full.load(Ordering::Relaxed),
         s.not_durable.load(Ordering::Relaxed)
     ));
-    out.push_str("# HELP bursar_ledger_up 1 while the last delivery attempt to this ledger succeeded.\n# TYPE bursar_ledger_up gauge\n");
-    for l in ledgers {
-        out.push_str(&format!(
-            "bursar_ledger_up{{ledger=\"{}\"}} {}\n",
-            l.url,
-            l.up.load(Ordering::Relaxed) as u8
-        ));
-    }
-    out.push_str("# HELP bursar_ledger_delivered_events_total Events a ledger acknowledged (durably committed), new or duplicate.\n# TYPE bursar_ledger_delivered_events_total counter\n");
-    for l in ledgers {
-        out.push_str(&format!(
-            "bursar_ledger_delivered_events_total{{ledger=\"{}\"}} {}\n",
-            l.url,
-            l.delivered.load(Ordering::Relaxed)
-        ));
-    }
-    out.push_str("# HELP bursar_ledger_conflicts_total Delivered events the ledger found in conflict with another event under the same request id.\n# TYPE bursar_ledger_conflicts_total counter\n");
-    for l in ledgers {
-        out.push_str(&format!(
-            "bursar_ledger_conflicts_total{{ledger=\"{}\"}} {}\n",
-            l.url,
-            l.conflicts.load(Ordering::Relaxed)
-        ));
-    }
-    out.push_str("# HELP bursar_ledger_failures_total Failed delivery attempts.\n# TYPE bursar_ledger_failures_total counter\n");
-    for l in ledgers {
-        out.push_str(&format!(
-            "bursar_ledger_failures_total{{ledger=\"{}\"}} {}\n",
-            l.url,
-            l.failures.load(Ordering::Relaxed)
-        ));
-    }
-    out.push_str("# HELP bursar_ledger_cursor Highest outbox seq this ledger acknowledged.\n# TYPE bursar_ledger_cursor gauge\n");
-    for l in ledgers {
-        out.push_str(&format!(
-            "bursar_ledger_cursor{{ledger=\"{}\"}} {}\n",
-            l.url,
-            l.cursor.load(Ordering::Relaxed)
-        ));
+    type Read = fn(&super::forward::LedgerStatus) -> u64;
+    let rows: [(&str, &str, &str, Read); 5] = [
+        (
+            "bursar_ledger_up",
+            "gauge",
+            "1 while the last delivery attempt to this ledger succeeded.",
+            |l| l.up.load(Ordering::Relaxed) as u64,
+        ),
+        (
+            "bursar_ledger_delivered_events_total",
+            "counter",
+            "Events a ledger acknowledged (durably committed), new or duplicate.",
+            |l| l.delivered.load(Ordering::Relaxed),
+        ),
+        (
+            "bursar_ledger_conflicts_total",
+            "counter",
+            "Delivered events the ledger found in conflict with another event under the same request id.",
+            |l| l.conflicts.load(Ordering::Relaxed),
+        ),
+        (
+            "bursar_ledger_failures_total",
+            "counter",
+            "Failed delivery attempts.",
+            |l| l.failures.load(Ordering::Relaxed),
+        ),
+        (
+            "bursar_ledger_cursor",
+            "gauge",
+            "Highest outbox seq this ledger acknowledged.",
+            |l| l.cursor.load(Ordering::Relaxed),
+        ),
+    ];
+    for (name, kind, help, read) in rows {
+        out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n"));
+        for l in ledgers {
+            out.push_str(&format!("{name}{{ledger=\"{}\"}} {}\n", l.url, read(l)));
+        }
     }
 }

@@ -279,9 +279,7 @@ pub fn make_certs(dir: &Path, nodes: &[String]) -> Result<MadeCerts, TlsError> {
         written.push(ca_key_pem.clone());
         key
     } else {
-        let key_text =
-            std::fs::read_to_string(&ca_key_pem).map_err(|e| file_err(&ca_key_pem, e))?;
-        KeyPair::from_pem(&key_text).map_err(|e| file_err(&ca_key_pem, e))?
+        ca_key(&ca_key_pem)?
     };
     let issuer = Issuer::new(ca_params()?, ca_key);
     for n in nodes {
@@ -307,11 +305,14 @@ pub fn make_cert_for_names(dir: &Path, stem: &str, names: &[String]) -> Result<(
             dir.display()
         )));
     }
-    // Rebuilt from the key, as `make_certs` does.
-    let key_text = std::fs::read_to_string(&ca_key_pem).map_err(|e| file_err(&ca_key_pem, e))?;
-    let key = rcgen::KeyPair::from_pem(&key_text).map_err(|e| file_err(&ca_key_pem, e))?;
-    let issuer = rcgen::Issuer::new(ca_params()?, key);
+    let issuer = rcgen::Issuer::new(ca_params()?, ca_key(&ca_key_pem)?);
     sign(dir, &issuer, stem, names).map(|_| ())
+}
+
+/// An existing CA's key (the issuer is rebuilt from it and [`ca_params`]).
+fn ca_key(path: &Path) -> Result<rcgen::KeyPair, TlsError> {
+    let text = std::fs::read_to_string(path).map_err(|e| file_err(path, e))?;
+    rcgen::KeyPair::from_pem(&text).map_err(|e| file_err(path, e))
 }
 
 /// The development CA's parameters: fixed, so an existing CA is rebuilt as an issuer
